@@ -1,0 +1,195 @@
+"""The typed, validated platform config, read from CDK context (cdk.json, `-c key=value`).
+
+Both the CDK app (infra/) and the cdk8s app (k8s/) build their resources from one
+`PlatformConfig`, and share the fixed names below, so the names a pod mounts are the names
+the stacks create. Every bad value fails here, before synthesis, naming the key, the value
+and what is allowed.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
+
+from infra.instances import INSTANCE_TYPES, InstanceFacts, instance_facts
+
+# Facts shared by the stacks and the charts: one place each.
+NAMESPACE = "training"
+SERVICE_ACCOUNT = "trainer"
+PVC_NAME = "fsx-checkpoints"
+PV_NAME = "fsx-checkpoints-pv"
+CHECKPOINT_MOUNT_PATH = "/fsx"
+RENDEZVOUS_PORT = 29500
+GPU_TAINT_KEY = "nvidia.com/gpu"
+GPU_NODE_LABEL = "platform.training/gpu-node"
+
+CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
+FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
+KUBERNETES_VERSIONS = ("1.32", "1.33", "1.34")
+
+_RESERVATION_ID = re.compile(r"^cr-[0-9a-f]{8}([0-9a-f]{9})?$")
+_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
+_ACCOUNT = re.compile(r"^\d{12}$")
+_REGION = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
+_IMAGE_URI = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w.-]+|@sha256:[0-9a-f]{64})$")
+_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A config value is not allowed; the message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    """Everything `cdk deploy` and `make manifests` need to know. Keys are the CDK context names."""
+
+    cluster_name: str = "ft-training"
+    account: str | None = None  # None: environment-agnostic stacks (offline synthesis)
+    region: str = "us-east-1"
+    availability_zones: tuple[str, ...] = ("us-east-1a", "us-east-1b")
+    gpu_availability_zone: str = "us-east-1a"
+    kubernetes_version: str = "1.34"
+    gpu_instance_type: str = "p5.48xlarge"
+    gpu_nodes_min: int = 2
+    gpu_nodes_desired: int = 2
+    gpu_nodes_max: int = 4
+    capacity_type: str = "on-demand"
+    capacity_reservation_id: str | None = None
+    system_instance_type: str = "m6i.xlarge"
+    system_nodes: int = 2
+    fsx_storage_gib: int = 1200
+    fsx_throughput_per_tib: int = 250
+    fsx_export_bucket: bool = False
+    api_allowed_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
+    admin_role_arn: str | None = None
+    image_uri: str | None = None  # None: build training/Dockerfile as an ECR image asset
+
+    # CDK context key for each field, e.g. gpu_nodes_min -> gpuNodesMin.
+    @staticmethod
+    def context_key(field_name: str) -> str:
+        head, *rest = field_name.split("_")
+        return head + "".join(part.capitalize() for part in rest)
+
+    @property
+    def instance(self) -> InstanceFacts:
+        return instance_facts(self.gpu_instance_type)
+
+    @property
+    def uses_reserved_capacity(self) -> bool:
+        return self.capacity_type != "on-demand"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_context(cls, lookup: Callable[[str], Any] | Mapping[str, Any]) -> "PlatformConfig":
+        """Build from CDK context: `lookup` is `node.try_get_context` or a plain mapping.
+
+        Values given with `-c key=value` arrive as strings; they are converted to the field's type.
+        Unknown keys in a mapping are rejected (a typo must not silently fall back to a default).
+        """
+        if isinstance(lookup, Mapping):
+            known = {cls.context_key(f.name) for f in fields(cls)}
+            unknown = sorted(set(lookup) - known)
+            if unknown:
+                raise ConfigError(f"unknown config key(s) {unknown}; allowed: {sorted(known)}")
+            mapping = lookup
+            lookup = mapping.get
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = cls.context_key(f.name)
+            raw = lookup(key)
+            if raw is not None:
+                values[f.name] = _coerce(key, raw, f.default)
+        return cls(**values)
+
+    def to_context(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[self.context_key(f.name)] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def _coerce(key: str, raw: Any, default: Any) -> Any:
+    """Convert a context value (JSON from cdk.json, or a string from `-c`) to the field's type."""
+    if isinstance(default, bool):
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in ("true", "false"):
+            return str(raw).lower() == "true"
+        raise ConfigError(f"{key}={raw!r}: expected true or false")
+    if isinstance(default, int):
+        if isinstance(raw, bool) or not (isinstance(raw, int) or re.fullmatch(r"-?\d+", str(raw))):
+            raise ConfigError(f"{key}={raw!r}: expected a whole number")
+        return int(raw)
+    if isinstance(default, tuple):
+        if isinstance(raw, str):
+            raw = json.loads(raw) if raw.strip().startswith("[") else [p.strip() for p in raw.split(",") if p.strip()]
+        if not isinstance(raw, (list, tuple)) or not all(isinstance(v, str) for v in raw):
+            raise ConfigError(f"{key}={raw!r}: expected a list of strings (JSON list or comma-separated)")
+        return tuple(raw)
+    if not isinstance(raw, str):
+        raise ConfigError(f"{key}={raw!r}: expected a string")
+    return raw
+
+
+def _validate(c: PlatformConfig) -> None:
+    def fail(key: str, value: Any, allowed: str) -> None:
+        raise ConfigError(f"{PlatformConfig.context_key(key)}={value!r} is not allowed: {allowed}")
+
+    if not _NAME.match(c.cluster_name):
+        fail("cluster_name", c.cluster_name, "lower-case letters, digits and '-', starting with a letter, at most 63")
+    if c.account is not None and not _ACCOUNT.match(c.account):
+        fail("account", c.account, "a 12-digit AWS account id, or leave it unset")
+    if not _REGION.match(c.region):
+        fail("region", c.region, "an AWS region name such as us-east-1")
+    if len(c.availability_zones) < 2 or len(set(c.availability_zones)) != len(c.availability_zones):
+        fail("availability_zones", list(c.availability_zones), "at least two distinct zones (the EKS control plane needs two)")
+    for zone in c.availability_zones:
+        if not zone.startswith(c.region) or not re.fullmatch(r"[a-z]", zone[len(c.region):]):
+            fail("availability_zones", list(c.availability_zones), f"zones of region {c.region}, such as {c.region}a")
+    if c.gpu_availability_zone not in c.availability_zones:
+        fail("gpu_availability_zone", c.gpu_availability_zone, f"one of availabilityZones {list(c.availability_zones)}")
+    if c.kubernetes_version not in KUBERNETES_VERSIONS:
+        fail("kubernetes_version", c.kubernetes_version, f"one of {list(KUBERNETES_VERSIONS)}")
+    if c.gpu_instance_type not in INSTANCE_TYPES:
+        fail("gpu_instance_type", c.gpu_instance_type, f"one of {sorted(INSTANCE_TYPES)}")
+    for key in ("gpu_nodes_min", "gpu_nodes_desired", "gpu_nodes_max"):
+        if getattr(c, key) < 1:
+            fail(key, getattr(c, key), "at least 1 (a GPU node group of zero nodes trains nothing)")
+    if not c.gpu_nodes_min <= c.gpu_nodes_desired <= c.gpu_nodes_max:
+        raise ConfigError(
+            f"GPU node counts must satisfy gpuNodesMin <= gpuNodesDesired <= gpuNodesMax; got "
+            f"gpuNodesMin={c.gpu_nodes_min}, gpuNodesDesired={c.gpu_nodes_desired}, gpuNodesMax={c.gpu_nodes_max}"
+        )
+    if c.capacity_type not in CAPACITY_TYPES:
+        fail("capacity_type", c.capacity_type, f"one of {list(CAPACITY_TYPES)}")
+    if c.uses_reserved_capacity:
+        if c.capacity_reservation_id is None or not _RESERVATION_ID.match(c.capacity_reservation_id):
+            fail("capacity_reservation_id", c.capacity_reservation_id,
+                 f"with capacityType={c.capacity_type}: a reservation id like cr-0123456789abcdef0")
+    elif c.capacity_reservation_id is not None:
+        fail("capacity_reservation_id", c.capacity_reservation_id,
+             "only with capacityType capacity-reservation or capacity-block")
+    if c.system_nodes < 1:
+        fail("system_nodes", c.system_nodes, "at least 1 (add-ons need a node)")
+    if not (c.fsx_storage_gib == 1200 or (c.fsx_storage_gib > 0 and c.fsx_storage_gib % 2400 == 0)):
+        fail("fsx_storage_gib", c.fsx_storage_gib, "1200 or a multiple of 2400 GiB (FSx for Lustre PERSISTENT_2)")
+    if c.fsx_throughput_per_tib not in FSX_THROUGHPUTS_PER_TIB:
+        fail("fsx_throughput_per_tib", c.fsx_throughput_per_tib, f"one of {list(FSX_THROUGHPUTS_PER_TIB)} MB/s/TiB")
+    if not c.api_allowed_cidrs:
+        fail("api_allowed_cidrs", [], "at least one CIDR such as 203.0.113.0/24")
+    for cidr in c.api_allowed_cidrs:
+        try:
+            network = ipaddress.ip_network(cidr, strict=True)
+        except ValueError:
+            fail("api_allowed_cidrs", cidr, "IPv4 CIDRs such as 203.0.113.0/24 (host bits zero)")
+        if network.version != 4:
+            fail("api_allowed_cidrs", cidr, "IPv4 CIDRs (the EKS public endpoint takes IPv4)")
+    if c.admin_role_arn is not None and not _ROLE_ARN.match(c.admin_role_arn):
+        fail("admin_role_arn", c.admin_role_arn, "an IAM role ARN like arn:aws:iam::123456789012:role/Admin")
+    if c.image_uri is not None and not _IMAGE_URI.match(c.image_uri):
+        fail("image_uri", c.image_uri, "a full image reference with a tag or digest, e.g. 123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0")

@@ -1,0 +1,44 @@
+"""The one table of GPU instance facts, read by the CDK node group and the k8s charts alike."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InstanceFacts:
+    """What a node of this type offers to a training pod."""
+
+    name: str
+    gpus: int
+    network_cards: int
+    efa_interfaces: int  # one EFA interface per network card that supports EFA
+    memory_gib: int
+    vcpus: int
+    local_nvme_count: int  # instance-store NVMe drives (RAID0 for scratch)
+    # Memory a pod may request: what the node has less kubelet/system reservations.
+    pod_memory_gib: int
+    hugepages_2mi_gib: int  # EFA uses hugepages for its bounce buffers
+
+
+INSTANCE_TYPES: dict[str, InstanceFacts] = {
+    facts.name: facts
+    for facts in (
+        InstanceFacts("p5.48xlarge", gpus=8, network_cards=32, efa_interfaces=32, memory_gib=2048,
+                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5),
+        InstanceFacts("p5en.48xlarge", gpus=8, network_cards=16, efa_interfaces=16, memory_gib=2048,
+                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5),
+        InstanceFacts("p4d.24xlarge", gpus=8, network_cards=4, efa_interfaces=4, memory_gib=1152,
+                      vcpus=96, local_nvme_count=8, pod_memory_gib=1000, hugepages_2mi_gib=5),
+        # A small single-GPU type for trial deployments (no EFA).
+        InstanceFacts("g6.xlarge", gpus=1, network_cards=1, efa_interfaces=0, memory_gib=16,
+                      vcpus=4, local_nvme_count=1, pod_memory_gib=12, hugepages_2mi_gib=0),
+    )
+}
+
+
+def instance_facts(instance_type: str) -> InstanceFacts:
+    try:
+        return INSTANCE_TYPES[instance_type]
+    except KeyError:
+        allowed = ", ".join(sorted(INSTANCE_TYPES))
+        raise ValueError(f"unknown GPU instance type {instance_type!r}; supported: {allowed}") from None

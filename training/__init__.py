@@ -1,0 +1,1 @@
+"""FSDP2 training with NVIDIA Resiliency Extension fault tolerance."""

@@ -1,0 +1,243 @@
+"""`TrainConfig`: the typed training config, from a YAML/JSON file plus `--section.key value` overrides.
+
+Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging.
+Unknown sections or keys and out-of-range values fail with a message naming the key, the value
+and what is allowed.
+"""
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+MODEL_PRESETS = ("tiny", "small", "1b", "8b")
+CHECKPOINT_MODES = ("sync", "async", "off")
+RESTART_MODES = ("injob", "inprocess", "both")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class TrainConfigError(ValueError):
+    """A training config value is not allowed; the message names the key, the value and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"  # one of MODEL_PRESETS; shapes live in training/model.py
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 200
+    batch_size: int = 4  # sequences per data-parallel rank per step
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 1234
+    device: str = "auto"  # auto: cuda when available (NCCL), else cpu (gloo)
+    # Off the GPU, a gloo collective cannot be aborted: a short timeout bounds how long peers of a
+    # failed rank wait. On CUDA the NCCL timeout is the watchdog's.
+    collective_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None  # pre-tokenized uint16/uint32 .bin file; None: synthetic tokens
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <run_dir>/checkpoints
+    interval: int = 20  # steps between saves
+    mode: str = "async"  # sync | async | off
+    keep: int = 3  # complete checkpoints kept on disk
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    restart: str = "injob"  # injob (ft_launcher) | inprocess (Wrapper) | both
+    max_restarts: int = 3  # ft_launcher's in-job restart budget
+    # NVRx rank monitor timeouts (seconds). Until observed timings exist these generous values
+    # apply; after `calculate_timeouts_after` steps they are recomputed and saved in checkpoints.
+    initial_rank_heartbeat_timeout: float = 600.0
+    rank_heartbeat_timeout: float = 300.0
+    setup_section_timeout: float = 600.0
+    step_section_timeout: float = 180.0
+    checkpoint_section_timeout: float = 600.0
+    out_of_section_timeout: float = 600.0
+    calculate_timeouts_after: int = 5
+    timeout_safety_factor: float = 5.0
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 10  # steps between progress lines (rank 0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    faults: tuple[str, ...] = ()  # fault specs; format in training/faults.py
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["faults"] = list(self.faults)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_train_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Load a config file (YAML or JSON; None: defaults) and apply `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            loaded = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise TrainConfigError(f"{path}: not valid YAML/JSON: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise TrainConfigError(f"{path}: expected a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. checkpoint.mode=sync")
+        *sections, leaf = key.split(".")
+        target = data
+        for section in sections:
+            target = target.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise TrainConfigError(f"override {item!r}: {section} is not a section")
+        target[leaf] = yaml.safe_load(value) if value else None
+    return _build(TrainConfig, data, "")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise TrainConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise TrainConfigError(f"unknown key(s) {[prefix + k for k in unknown]} in {where}; allowed: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if value is None and type(None) in args:
+        return None
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise TrainConfigError(f"{key}={value!r}: expected a list of strings")
+        return tuple(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TrainConfigError(f"{key}={value!r}: expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TrainConfigError(f"{key}={value!r}: expected a whole number")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TrainConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise TrainConfigError(f"{key}={value!r}: expected a string")
+        return str(value)
+    raise TrainConfigError(f"{key}: unsupported type {hint}")
+
+
+def _validate(c: TrainConfig) -> None:
+    def fail(key: str, value: Any, allowed: str) -> None:
+        raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+    if c.model.preset not in MODEL_PRESETS:
+        fail("model.preset", c.model.preset, f"one of {list(MODEL_PRESETS)}")
+    t = c.training
+    for key in ("steps", "batch_size", "seq_len"):
+        if getattr(t, key) < 1:
+            fail(f"training.{key}", getattr(t, key), "at least 1")
+    if not t.lr > 0:
+        fail("training.lr", t.lr, "greater than 0")
+    if t.warmup_steps < 0:
+        fail("training.warmup_steps", t.warmup_steps, "0 or more")
+    if t.weight_decay < 0:
+        fail("training.weight_decay", t.weight_decay, "0 or more")
+    if t.grad_clip < 0:
+        fail("training.grad_clip", t.grad_clip, "0 (off) or more")
+    if t.device not in DEVICES:
+        fail("training.device", t.device, f"one of {list(DEVICES)}")
+    if not t.collective_timeout_s > 0:
+        fail("training.collective_timeout_s", t.collective_timeout_s, "greater than 0")
+    ck = c.checkpoint
+    if ck.mode not in CHECKPOINT_MODES:
+        fail("checkpoint.mode", ck.mode, f"one of {list(CHECKPOINT_MODES)}")
+    if ck.interval < 1:
+        fail("checkpoint.interval", ck.interval, "at least 1 step")
+    if ck.keep < 1:
+        fail("checkpoint.keep", ck.keep, "at least 1 (the newest complete checkpoint is never deleted)")
+    ft = c.fault_tolerance
+    if ft.restart not in RESTART_MODES:
+        fail("fault_tolerance.restart", ft.restart, f"one of {list(RESTART_MODES)}")
+    if ft.max_restarts < 0:
+        fail("fault_tolerance.max_restarts", ft.max_restarts, "0 or more")
+    for key in ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "setup_section_timeout",
+                "step_section_timeout", "checkpoint_section_timeout", "out_of_section_timeout"):
+        if not getattr(ft, key) > 0:
+            fail(f"fault_tolerance.{key}", getattr(ft, key), "greater than 0 seconds")
+    if ft.initial_rank_heartbeat_timeout < ft.rank_heartbeat_timeout:
+        raise TrainConfigError(
+            "fault_tolerance.initial_rank_heartbeat_timeout "
+            f"({ft.initial_rank_heartbeat_timeout}) must be at least rank_heartbeat_timeout "
+            f"({ft.rank_heartbeat_timeout}): the first heartbeat comes after setup, which is slower than a step"
+        )
+    if ft.checkpoint_section_timeout < ft.step_section_timeout:
+        raise TrainConfigError(
+            f"fault_tolerance.checkpoint_section_timeout ({ft.checkpoint_section_timeout}) must be at least "
+            f"step_section_timeout ({ft.step_section_timeout}): a save never takes less than a step"
+        )
+    if ft.calculate_timeouts_after < 1:
+        fail("fault_tolerance.calculate_timeouts_after", ft.calculate_timeouts_after, "at least 1 step")
+    if ft.timeout_safety_factor < 1:
+        fail("fault_tolerance.timeout_safety_factor", ft.timeout_safety_factor, "1 or more")
+    if c.logging.log_interval < 1:
+        fail("logging.log_interval", c.logging.log_interval, "at least 1 step")
+    if not c.run_dir:
+        fail("run_dir", c.run_dir, "a directory path")
