@@ -1,0 +1,80 @@
+"""The run's append-only event log: the contract between training and the goodput report.
+
+Each writer (a rank, the local controller, the fault injector) appends JSON lines to its own file
+`<run_dir>/events/<source>.jsonl`, so concurrent writers never interleave within a line, also on
+Lustre where O_APPEND across clients is not atomic. `read_events` merges all files by time.
+
+Every record has `t` (unix seconds, float), `event` (one of EVENTS) and `source`; the other fields
+depend on the event:
+
+  run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
+  attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
+  resume          step, source_kind, path          rank 0; source_kind: disk | memory | none
+  step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step
+  ckpt_start      step                             rank 0
+  ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
+  ckpt_committed  step, path, seconds              rank 0: save visible; seconds from start to commit
+  ckpt_failed     step, error                      rank 0: the save is invisible, training goes on
+  ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
+  fault_injected  kind, rank, step                 the faulty rank, just before the fault fires
+  fault_detected  kind, rank, detail               whoever detects it (Wrapper, launcher, controller)
+  restart         attempt, restart_kind            controller or rank 0
+  node_replaced   node, attempt                    the local controller
+  run_end         step, status                     rank 0 (status: completed) or controller (failed)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+EVENTS = frozenset({
+    "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
+    "ckpt_failed", "ckpt_fallback", "fault_injected", "fault_detected", "restart", "node_replaced",
+    "run_end",
+})
+
+
+def events_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "events"
+
+
+class EventLog:
+    """Appends events for one source; each record is one write() of one line, flushed at once."""
+
+    def __init__(self, run_dir: str | os.PathLike, source: str) -> None:
+        self.source = source
+        directory = events_dir(run_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(directory / f"{source}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if event not in EVENTS:
+            raise ValueError(f"unknown event {event!r}; known: {sorted(EVENTS)}")
+        record = {"t": time.time(), "event": event, "source": self.source, **fields}
+        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All events of a run, ordered by time. A torn last line (a writer killed mid-write) is skipped."""
+    directory = events_dir(run_dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no event log (expected {directory}/*.jsonl)")
+    records = [r for path in sorted(directory.glob("*.jsonl")) for r in _read_lines(path)]
+    return sorted(records, key=lambda r: r["t"])
+
+
+def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
+    with path.open() as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "t" in record and "event" in record:
+                yield record
