@@ -1,0 +1,161 @@
+"""Checkpoint-interval planner: the optimum against brute force, Young/Daly values, inputs."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from training.plan import (
+    Mechanism, daly_interval, expected_goodput, main, make_plan, optimum_interval, young_interval)
+
+DISK = Mechanism("injob", 17.0)
+IN_MEMORY = Mechanism("inprocess", 10.0)
+BENCH = {
+    "checkpoint": {"async_blocking_s": 0.5, "sync_blocking_s": 8.0},
+    "recovery": {name: {"median_recovery_s": r} for name, r in
+                 (("inprocess", 9.0), ("injob", 17.0), ("node_replacement", 95.0), ("k8s_restart", 270.0))},
+}
+
+
+@pytest.mark.parametrize("save_s, mtbf_s", [(0.5, 450_000.0), (5.0, 9000.0), (60.0, 3600.0), (1000.0, 900.0)])
+def test_optimum_matches_brute_force_maximization(save_s: float, mtbf_s: float) -> None:
+    taus = np.geomspace(1e-4 * mtbf_s, 10 * mtbf_s, 200_001)
+    goodputs = [expected_goodput(t, save_s, DISK, mtbf_s, step_s=1.0) for t in taus]
+    best = optimum_interval(save_s, mtbf_s)
+    assert best == pytest.approx(taus[int(np.argmax(goodputs))], rel=1e-3)
+    assert expected_goodput(best, save_s, DISK, mtbf_s, 1.0) >= max(goodputs) - 1e-12
+
+
+@pytest.mark.parametrize("save_s, mtbf_s, young_s", [(5.0, 9000.0, 300.0), (2.0, 10_000.0, 200.0),
+                                                     (18.0, 3600.0, 360.0)])
+def test_young_values(save_s: float, mtbf_s: float, young_s: float) -> None:
+    assert young_interval(save_s, mtbf_s) == pytest.approx(young_s)
+
+
+@pytest.mark.parametrize("save_s, mtbf_s", [(0.5, 450_000.0), (5.0, 9000.0), (60.0, 3600.0)])
+def test_daly_refines_young_towards_the_optimum(save_s: float, mtbf_s: float) -> None:
+    best = optimum_interval(save_s, mtbf_s)
+    assert abs(daly_interval(save_s, mtbf_s) - best) < abs(young_interval(save_s, mtbf_s) - best)
+    assert daly_interval(save_s, mtbf_s) == pytest.approx(best, rel=2e-3)
+
+
+def test_daly_beyond_its_range_is_the_mtbf() -> None:
+    assert daly_interval(3000.0, 1000.0) == 1000.0
+
+
+def test_in_memory_rollback_loses_a_step_not_half_an_interval() -> None:
+    mtbf, save, step, tau = 36_000.0, 2.0, 1.5, 400.0
+    # First order in 1/M: save overhead, and per failure the recovery plus half the lost segment.
+    assert expected_goodput(tau, save, IN_MEMORY, mtbf, step) == pytest.approx(
+        tau / (tau + save) * (1 - (IN_MEMORY.recovery_s + step / 2) / mtbf), abs=1e-7)
+    same_r = Mechanism("injob", IN_MEMORY.recovery_s)
+    assert expected_goodput(tau, save, same_r, mtbf, step) == pytest.approx(
+        tau / (tau + save) * (1 - (IN_MEMORY.recovery_s + (tau + save) / 2) / mtbf), abs=2e-5)
+
+
+def test_make_plan_uses_the_job_mtbf() -> None:
+    plan = make_plan(nodes=4, gpus_per_node=8, node_mtbf_h=10.0, save_s=5.0, step_s=1.0,
+                     mechanisms=(IN_MEMORY, DISK))
+    assert plan.mtbf_s == 9000.0 and plan.young_s == pytest.approx(300.0)
+    assert plan.optimum_s == pytest.approx(optimum_interval(5.0, 9000.0))
+    inproc, injob = (o.goodput for o in plan.outcomes)
+    assert 0 < injob < inproc < 1
+
+
+def test_cli_prints_interval_goodputs_and_first_failure(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--nodes", "4", "--node-mtbf-hours", "10", "--save-blocking-s", "5",
+                 "--recovery-s", "inprocess=10", "--recovery-s", "injob=17", "--recovery-s", "k8s=270"]) == 0
+    out = capsys.readouterr().out
+    assert "Young  sqrt(2 S M)           300 s (5.0 min)" in out
+    assert "Expected time to first failure: 9000 s (2.5 h)" in out
+    assert "checkpoint.interval = 297 steps" in out
+    assert "in-memory rollback: loses at most one step" in out
+    assert [line.split()[0] for line in out.splitlines()[-3:]] == ["inprocess", "injob", "k8s"]
+
+
+def test_cli_single_recovery_number(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--nodes", "2", "--node-mtbf-hours", "100", "--save-blocking-s", "1", "--recovery-s", "60"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[:4] == ["restart", "R", "=", "60"]
+
+
+BASE = ["--nodes", "2", "--node-mtbf-hours", "100", "--save-blocking-s", "1", "--recovery-s", "60"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--nodes": "0"}, "argument --nodes: expected a positive integer, got '0'"),
+    ({"--nodes": "2.5"}, "argument --nodes: expected a positive integer, got '2.5'"),
+    ({"--node-mtbf-hours": "-1"}, "argument --node-mtbf-hours: expected a positive number"),
+    ({"--node-mtbf-hours": "nan"}, "argument --node-mtbf-hours: expected a positive number"),
+    ({"--save-blocking-s": "fast"}, "argument --save-blocking-s: expected a positive number"),
+    ({"--recovery-s": "injob=0"}, "argument --recovery-s: expected a positive number"),
+    ({"--recovery-s": "=5"}, "expected NAME=SECONDS"),
+    ({"--save-blocking-s": None}, "give --save-blocking-s and --recovery-s, or --from-bench FILE"),
+])
+def test_cli_rejects_bad_inputs(change: dict, message: str, capsys: pytest.CaptureFixture) -> None:
+    args = dict(zip(BASE[::2], BASE[1::2])) | change
+    argv = [item for key, value in args.items() if value is not None for item in (key, value)]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_rejects_a_mechanism_given_twice(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(BASE + ["--recovery-s", "restart=5"])
+    assert "each mechanism once, got ['restart', 'restart']" in capsys.readouterr().err
+
+
+def _bench(tmp_path: Path, data: object) -> str:
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_from_bench(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bench = _bench(tmp_path, BENCH)
+    assert main(["--nodes", "16", "--node-mtbf-hours", "2000", "--from-bench", bench]) == 0
+    out = capsys.readouterr().out
+    assert "Save blocking S = 0.5 s" in out
+    assert f"{young_interval(0.5, 450_000.0):.0f} s" in out
+    assert [line.split()[0] for line in out.splitlines()[-4:]] == [
+        "inprocess", "injob", "node_replacement", "k8s_restart"]
+    assert main(["--nodes", "16", "--node-mtbf-hours", "2000", "--from-bench", bench, "--save-mode", "sync"]) == 0
+    assert "Save blocking S = 8 s" in capsys.readouterr().out
+    # explicit flags take precedence over the file
+    assert main(["--nodes", "16", "--node-mtbf-hours", "2000", "--from-bench", bench, "--save-blocking-s", "3"]) == 0
+    assert "Save blocking S = 3 s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"recovery": BENCH["recovery"]}, "missing key checkpoint (the expected layout is in"),
+    ({**BENCH, "checkpoint": {"sync_blocking_s": 8.0}}, "missing key checkpoint.async_blocking_s"),
+    ({**BENCH, "recovery": {"injob": {"mean_recovery_s": 17.0}}}, "missing key recovery.injob.median_recovery_s"),
+    ({**BENCH, "recovery": {}}, "recovery: expected an object of mechanisms"),
+    ({**BENCH, "recovery": {"injob": {"median_recovery_s": -1}}},
+     "recovery.injob.median_recovery_s: expected a positive number, got -1"),
+    ([1, 2], "missing key checkpoint"),
+])
+def test_from_bench_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture, data, message: str) -> None:
+    bench = _bench(tmp_path, data)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--nodes", "1", "--node-mtbf-hours", "1", "--from-bench", bench])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"error: {bench}: ") and message in err
+
+
+def test_from_bench_unreadable(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "bench.json").write_text("{not json")
+    cases = ((tmp_path / "absent.json", "cannot read bench result"), (tmp_path / "bench.json", "not JSON"))
+    for path, message in cases:
+        with pytest.raises(SystemExit):
+            main(["--nodes", "1", "--node-mtbf-hours", "1", "--from-bench", str(path)])
+        assert message in capsys.readouterr().err
+
+
+def test_goodput_is_a_probability() -> None:
+    for tau in (1.0, 100.0, 1e4):
+        g = expected_goodput(tau, 5.0, DISK, 9000.0, 1.0)
+        assert 0 < g < 1 and math.isfinite(g)
