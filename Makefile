@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CHECKOV_VENV := $(VENV)/tools/checkov
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
+export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup demo test synth manifests bench clean

@@ -27,7 +27,7 @@ GPU_NODE_LABEL = "platform.training/gpu-node"
 
 CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
 FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
-KUBERNETES_VERSIONS = ("1.32", "1.33", "1.34")
+KUBERNETES_VERSIONS = ("1.33", "1.34")  # kubectl 1.34 (the provider layer) serves 1.33-1.35
 
 _RESERVATION_ID = re.compile(r"^cr-[0-9a-f]{8}([0-9a-f]{9})?$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")

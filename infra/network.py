@@ -1,0 +1,73 @@
+"""The VPC the platform lives in, and the security groups the GPU nodes carry."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from aws_cdk import aws_ec2 as ec2, aws_logs as logs
+from constructs import Construct
+
+# One /18 per zone: each p5 node takes an IP for every EFA interface plus one per pod.
+_PRIVATE_CIDR_MASK = 18
+_PUBLIC_CIDR_MASK = 24
+
+
+@dataclass(frozen=True)
+class NetworkProps:
+    availability_zones: Sequence[str]  # the control plane needs two; system nodes spread over all
+    gpu_availability_zone: str  # GPU nodes and FSx share one zone: no cross-zone hops, one placement group
+
+
+class Network(Construct):
+    """VPC with public subnets (NAT) and private subnets in every zone, flow logs, an S3 gateway."""
+
+    vpc: ec2.Vpc
+    gpu_subnet: ec2.ISubnet
+    node_security_group: ec2.SecurityGroup
+    efa_security_group: ec2.SecurityGroup
+
+    def __init__(self, scope: Construct, construct_id: str, props: NetworkProps) -> None:
+        super().__init__(scope, construct_id)
+        self.vpc = ec2.Vpc(
+            self,
+            "Vpc",
+            ip_addresses=ec2.IpAddresses.cidr("10.0.0.0/16"),
+            availability_zones=list(props.availability_zones),
+            # A NAT gateway per zone: a zone outage must not cut the other zone's nodes off the registries.
+            nat_gateways=len(props.availability_zones),
+            subnet_configuration=[
+                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=_PUBLIC_CIDR_MASK),
+                ec2.SubnetConfiguration(
+                    name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=_PRIVATE_CIDR_MASK
+                ),
+            ],
+        )
+        # Image layers and checkpoint exports go to S3 without paying for NAT traffic.
+        self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
+        flow_log_group = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH)
+        self.vpc.add_flow_log(
+            "FlowLog",
+            destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
+            traffic_type=ec2.FlowLogTrafficType.ALL,
+            max_aggregation_interval=ec2.FlowLogMaxAggregationInterval.ONE_MINUTE,
+        )
+        self.gpu_subnet = self.vpc.select_subnets(
+            subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS,
+            availability_zones=[props.gpu_availability_zone],
+        ).subnets[0]
+
+        # The GPU nodes' own group: FSx for Lustre admits Lustre traffic from it alone.
+        self.node_security_group = ec2.SecurityGroup(
+            self, "NodeSecurityGroup", vpc=self.vpc, description="GPU training nodes (FSx for Lustre clients)"
+        )
+        # EFA's OS-bypass traffic must be allowed in and out to the group itself, and nothing else.
+        self.efa_security_group = ec2.SecurityGroup(
+            self,
+            "EfaSecurityGroup",
+            vpc=self.vpc,
+            description="EFA: all traffic to and from members of this group",
+            allow_all_outbound=False,
+        )
+        self.efa_security_group.add_ingress_rule(self.efa_security_group, ec2.Port.all_traffic(), "EFA from itself")
+        self.efa_security_group.add_egress_rule(self.efa_security_group, ec2.Port.all_traffic(), "EFA to itself")
+

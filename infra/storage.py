@@ -1,0 +1,111 @@
+"""FSx for Lustre for checkpoints and run directories, optionally exported to S3."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
+from constructs import Construct
+
+from infra.nag import acknowledge
+
+# Lustre: 988 for LNet, 1018-1023 for the servers' connections back to clients.
+LUSTRE_PORTS = ((988, 988), (1018, 1023))
+
+
+@dataclass(frozen=True)
+class CheckpointStorageProps:
+    vpc: ec2.IVpc
+    subnet: ec2.ISubnet  # the GPU subnet: Lustre is single-zone, keep it beside the nodes
+    client_security_group: ec2.ISecurityGroup
+    storage_gib: int
+    throughput_per_tib: int
+    export_bucket: bool
+
+
+class CheckpointStorage(Construct):
+    """A PERSISTENT_2 Lustre file system reachable on the Lustre ports from the client group only."""
+
+    file_system: fsx.LustreFileSystem
+    bucket: s3.Bucket | None
+
+    def __init__(self, scope: Construct, construct_id: str, props: CheckpointStorageProps) -> None:
+        super().__init__(scope, construct_id)
+        security_group = ec2.SecurityGroup(
+            self, "SecurityGroup", vpc=props.vpc, description="FSx for Lustre: Lustre ports from GPU nodes only"
+        )
+        # Clients in; LustreFileSystem itself admits the group's own members (the file servers).
+        # The servers also call clients back: that rule is written here, as the network stack
+        # must not depend on storage.
+        for index, (low, high) in enumerate(LUSTRE_PORTS):
+            security_group.add_ingress_rule(
+                props.client_security_group, ec2.Port.tcp_range(low, high), "Lustre from GPU nodes"
+            )
+            ec2.CfnSecurityGroupIngress(
+                self,
+                f"ClientIngress{index}",
+                group_id=props.client_security_group.security_group_id,
+                source_security_group_id=security_group.security_group_id,
+                ip_protocol="tcp",
+                from_port=low,
+                to_port=high,
+                description="Lustre from the file servers",
+            )
+
+        self.file_system = fsx.LustreFileSystem(
+            self,
+            "FileSystem",
+            vpc=props.vpc,
+            vpc_subnet=props.subnet,
+            security_group=security_group,
+            storage_capacity_gib=props.storage_gib,
+            file_system_type_version=fsx.FileSystemTypeVersion.V_2_15,
+            kms_key=kms.Key(
+                self,
+                "Key",
+                description="FSx for Lustre checkpoints",
+                enable_key_rotation=True,
+                removal_policy=RemovalPolicy.DESTROY,
+            ),
+            lustre_configuration=fsx.LustreConfiguration(
+                deployment_type=fsx.LustreDeploymentType.PERSISTENT_2,
+                per_unit_storage_throughput=props.throughput_per_tib,
+                data_compression_type=fsx.LustreDataCompressionType.LZ4,
+            ),
+            # A retained file system would keep its ENIs in the VPC and block `cdk destroy --all`.
+            # Checkpoints that must outlive it go to the export bucket, which is retained.
+            removal_policy=RemovalPolicy.DESTROY,
+        )
+        self.bucket = self._export_bucket() if props.export_bucket else None
+
+    def _export_bucket(self) -> s3.Bucket:
+        """A bucket linked to the whole file system: new and changed files are exported automatically."""
+        bucket = s3.Bucket(
+            self,
+            "ExportBucket",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            enforce_ssl=True,
+            versioned=True,
+            removal_policy=RemovalPolicy.RETAIN,
+        )
+        acknowledge(
+            bucket,
+            "AwsSolutions-S1",
+            "Only FSx writes to this bucket (data repository export); its access is the file system's own, "
+            "so per-request access logs would add a bucket and record nothing new.",
+        )
+        fsx.CfnDataRepositoryAssociation(
+            self,
+            "ExportAssociation",
+            file_system_id=self.file_system.file_system_id,
+            file_system_path="/",
+            data_repository_path=f"s3://{bucket.bucket_name}",
+            # A file system created anew (e.g. after the old one was deleted) sees the exported checkpoints.
+            batch_import_meta_data_on_create=True,
+            s3=fsx.CfnDataRepositoryAssociation.S3Property(
+                auto_export_policy=fsx.CfnDataRepositoryAssociation.AutoExportPolicyProperty(
+                    events=["NEW", "CHANGED", "DELETED"]
+                ),
+            ),
+        )
+        return bucket

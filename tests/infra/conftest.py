@@ -1,0 +1,142 @@
+"""Synthesizes the platform offline, once per distinct config per session, and shares the result.
+
+Every app is built the way app.py builds it: cdk.json's context (defaults and feature flags) under
+the test's overrides, read through `PlatformConfig.from_context(app.node.try_get_context)`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+os.environ.setdefault("JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION", "1")
+
+import aws_cdk as cdk  # noqa: E402  (after the jsii env var)
+
+from infra.config import PlatformConfig  # noqa: E402
+from infra.platform import build_platform  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CDK_CONTEXT: dict[str, Any] = json.loads((REPO_ROOT / "cdk.json").read_text())["context"]
+STACK_IDS = ("Network", "Storage", "Cluster")
+
+IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"
+ADMIN_ROLE_ARN = "arn:aws:iam::123456789012:role/Admin"
+# Everything optional switched on; the image from a URI, since building one needs Docker.
+FULL = {"imageUri": IMAGE_URI, "adminRoleArn": ADMIN_ROLE_ARN, "fsxExportBucket": True}
+# One synthesis per instance type; each also takes one capacity option so no config is synthesized twice.
+VARIANTS = {
+    "p5en": {"gpuInstanceType": "p5en.48xlarge", "capacityType": "capacity-reservation",
+             "capacityReservationId": "cr-0123456789abcdef0"},
+    "p4d": {"gpuInstanceType": "p4d.24xlarge", "capacityType": "capacity-block",
+            "capacityReservationId": "cr-0fedcba9876543210"},
+    "g6": {"gpuInstanceType": "g6.xlarge"},
+}
+
+
+@dataclass(frozen=True)
+class Synth:
+    config: PlatformConfig
+    outdir: Path = field(repr=False)
+    templates: dict[str, dict[str, Any]] = field(repr=False)  # stack id -> template
+
+    def resources(self, stack: str, resource_type: str) -> dict[str, dict[str, Any]]:
+        return {k: v for k, v in self.templates[stack]["Resources"].items() if v["Type"] == resource_type}
+
+    def one(self, stack: str, resource_type: str) -> dict[str, Any]:
+        found = list(self.resources(stack, resource_type).values())
+        assert len(found) == 1, f"expected one {resource_type} in {stack}, found {len(found)}"
+        return found[0]["Properties"]
+
+    def security_group(self, stack: str, description_word: str) -> str:
+        """Logical id of the one security group whose description holds the word."""
+        [logical_id] = [k for k, v in self.resources(stack, "AWS::EC2::SecurityGroup").items()
+                        if description_word in v["Properties"]["GroupDescription"]]
+        return logical_id
+
+    def gpu_subnet(self) -> str:
+        """Logical id of the private subnet in the GPU zone."""
+        [logical_id] = [k for k, v in self.resources("Network", "AWS::EC2::Subnet").items()
+                        if v["Properties"]["AvailabilityZone"] == self.config.gpu_availability_zone
+                        and not v["Properties"]["MapPublicIpOnLaunch"]]
+        return logical_id
+
+    def imported(self, stack: str, value: Any) -> dict[str, str]:
+        """How another stack refers to `value` of `stack`: Fn::ImportValue of the export CDK made."""
+        [name] = [o["Export"]["Name"] for o in self.templates[stack].get("Outputs", {}).values()
+                  if "Export" in o and o["Value"] == value]
+        return {"Fn::ImportValue": name}
+
+    def outputs(self) -> dict[str, Any]:
+        """The platform's outputs by key over all stacks, as the k8s layer reads cdk-outputs.json
+        (CDK's own cross-stack ExportsOutput* left out). A key in two stacks fails here."""
+        merged: dict[str, Any] = {}
+        for template in self.templates.values():
+            for key, output in template.get("Outputs", {}).items():
+                if not key.startswith("ExportsOutput"):
+                    assert key not in merged, f"output {key} in two stacks"
+                    merged[key] = output["Value"]
+        return merged
+
+
+def make_app(outdir: Path, overrides: dict[str, Any]) -> tuple[cdk.App, PlatformConfig]:
+    app = cdk.App(outdir=str(outdir), context={**CDK_CONTEXT, **overrides})
+    return app, PlatformConfig.from_context(app.node.try_get_context)
+
+
+def _synthesize(outdir: Path, overrides: dict[str, Any]) -> Synth:
+    app, config = make_app(outdir, overrides)
+    build_platform(app, config)
+    assembly = app.synth()
+    templates = {stack_id: assembly.get_stack_artifact(stack_id).template for stack_id in STACK_IDS}
+    return Synth(config=config, outdir=outdir, templates=templates)
+
+
+@pytest.fixture(scope="session")
+def synth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[dict[str, Any]], Synth]:
+    """synth(overrides) -> Synth; the same overrides are synthesized once per session."""
+    cache: dict[str, Synth] = {}
+
+    def run(overrides: dict[str, Any]) -> Synth:
+        key = json.dumps(overrides, sort_keys=True)
+        if key not in cache:
+            cache[key] = _synthesize(tmp_path_factory.mktemp("cdk"), overrides)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session", name="make_app")
+def make_app_fixture():
+    """make_app(outdir, overrides) -> (app, config), for tests that need their own app."""
+    return make_app
+
+
+@pytest.fixture(scope="session")
+def full(synth) -> Synth:
+    return synth(FULL)
+
+
+@pytest.fixture(scope="session")
+def defaults(synth) -> Synth:
+    """cdk.json exactly as shipped: the image is built from training/Dockerfile as an asset."""
+    return synth({})
+
+
+@pytest.fixture(scope="session", params=sorted(VARIANTS))
+def variant(request, synth) -> Synth:
+    return synth({**FULL, **VARIANTS[request.param]})
+
+
+@pytest.fixture(scope="session")
+def g6(synth) -> Synth:
+    return synth({**FULL, **VARIANTS["g6"]})

@@ -1,0 +1,80 @@
+"""PlatformConfig: bad values fail before synthesis, naming the key, the value and what is allowed."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from infra.cluster import KUBECTL_LAYERS
+from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        pytest.param({"gpuInstanceType": "p3.2xlarge"}, ["gpuInstanceType", "p3.2xlarge", "p5.48xlarge"], id="unknown-instance-type"),
+        pytest.param({"fsxStorageGib": 1800}, ["fsxStorageGib", "1800", "1200 or a multiple of 2400"], id="fsx-capacity-1800"),
+        pytest.param({"fsxStorageGib": 3600}, ["fsxStorageGib", "3600", "1200 or a multiple of 2400"], id="fsx-capacity-3600"),
+        pytest.param({"fsxStorageGib": 0}, ["fsxStorageGib", "0"], id="fsx-capacity-zero"),
+        pytest.param({"fsxThroughputPerTib": 200}, ["fsxThroughputPerTib", "200", "[125, 250, 500, 1000]"], id="fsx-throughput"),
+        pytest.param({"gpuNodesMin": 3, "gpuNodesDesired": 2}, ["gpuNodesMin=3", "gpuNodesDesired=2"], id="min-above-desired"),
+        pytest.param({"gpuNodesDesired": 5, "gpuNodesMax": 4}, ["gpuNodesDesired=5", "gpuNodesMax=4"], id="desired-above-max"),
+        pytest.param({"gpuNodesMin": 0, "gpuNodesDesired": 0}, ["gpuNodesMin", "0", "at least 1"], id="zero-gpu-nodes"),
+        pytest.param({"systemNodes": 0}, ["systemNodes", "0", "at least 1"], id="zero-system-nodes"),
+        pytest.param({"apiAllowedCidrs": ["10.0.0.0/33"]}, ["apiAllowedCidrs", "10.0.0.0/33", "CIDR"], id="cidr-bad-mask"),
+        pytest.param({"apiAllowedCidrs": ["10.0.0.1/24"]}, ["apiAllowedCidrs", "10.0.0.1/24", "host bits"], id="cidr-host-bits"),
+        pytest.param({"apiAllowedCidrs": "not-a-cidr"}, ["apiAllowedCidrs", "not-a-cidr"], id="cidr-garbage"),
+        pytest.param({"adminRoleArn": "arn:aws:iam::1234:role/Admin"}, ["adminRoleArn", "arn:aws:iam::1234:role/Admin", "IAM role ARN"], id="arn-short-account"),
+        pytest.param({"adminRoleArn": "arn:aws:iam::123456789012:user/bob"}, ["adminRoleArn", "user/bob"], id="arn-not-a-role"),
+        pytest.param(
+            {"capacityType": "capacity-reservation", "capacityReservationId": "cr-xyz"},
+            ["capacityReservationId", "cr-xyz", "cr-0123456789abcdef0"],
+            id="reservation-id-malformed",
+        ),
+        pytest.param({"capacityType": "capacity-block"}, ["capacityReservationId", "None"], id="reservation-id-missing"),
+        pytest.param({"capacityReservationId": "cr-0123456789abcdef0"}, ["capacityReservationId", "only with"], id="reservation-id-on-demand"),
+        pytest.param({"capacityType": "spot"}, ["capacityType", "spot", "on-demand"], id="capacity-type"),
+        pytest.param({"gpuAvailabilityZone": "us-east-1c"}, ["gpuAvailabilityZone", "us-east-1c"], id="gpu-zone-not-listed"),
+        pytest.param({"kubernetesVersion": "1.29"}, ["kubernetesVersion", "1.29", "1.34"], id="kubernetes-version"),
+        pytest.param({"gpuNodesMax": "four"}, ["gpuNodesMax", "four", "whole number"], id="not-a-number"),
+        pytest.param({"imageUri": "train:latest"}, ["imageUri", "train:latest"], id="image-uri-not-a-registry-path"),
+    ],
+)
+def test_bad_value_is_rejected_naming_key_value_and_allowed(overrides, named):
+    with pytest.raises(ConfigError) as error:
+        PlatformConfig.from_context(overrides)
+    for text in named:
+        assert text in str(error.value)
+
+
+def test_unknown_key_is_rejected_with_the_allowed_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['gpuNodeCount'\].*gpuNodesDesired"):
+        PlatformConfig.from_context({"gpuNodeCount": 3})
+
+
+def test_command_line_strings_are_converted():
+    """`cdk synth -c gpuNodesMax=8 -c fsxExportBucket=true -c apiAllowedCidrs=a,b` arrive as strings."""
+    config = PlatformConfig.from_context(
+        {"gpuNodesMax": "8", "fsxExportBucket": "true", "apiAllowedCidrs": "203.0.113.0/24,198.51.100.0/24"}
+    )
+    assert config.gpu_nodes_max == 8
+    assert config.fsx_export_bucket is True
+    assert config.api_allowed_cidrs == ("203.0.113.0/24", "198.51.100.0/24")
+
+
+def test_cdk_json_context_holds_every_key_with_its_default(repo_root):
+    context = json.loads((repo_root / "cdk.json").read_text())["context"]
+    platform_keys = {k: v for k, v in context.items() if not k.startswith("@")}
+    assert platform_keys == PlatformConfig().to_context()
+
+
+def test_cdk_json_runs_app_py_with_the_project_venv(repo_root):
+    assert json.loads((repo_root / "cdk.json").read_text())["app"] == ".venv/bin/python app.py"
+
+
+def test_every_allowed_kubernetes_version_has_a_kubectl_layer():
+    """kubectl v34 (the installed layer) supports 1.33-1.35 control planes; 1.32 is out of skew."""
+    assert set(KUBECTL_LAYERS) == set(KUBERNETES_VERSIONS)
+    with pytest.raises(ConfigError, match=re.escape("kubernetesVersion='1.32' is not allowed") + ".*1.33.*1.34"):
+        PlatformConfig(kubernetes_version="1.32")

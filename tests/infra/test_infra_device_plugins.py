@@ -1,0 +1,50 @@
+"""NVIDIA and EFA device plugins: pinned Helm charts that run on the tainted GPU nodes."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
+
+GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def _charts(synth) -> dict[str, dict]:
+    return {c["Properties"]["Chart"]: c["Properties"] for c in synth.resources("Cluster", "Custom::AWSCDK-EKS-HelmChart").values()}
+
+
+def test_both_charts_from_their_repositories(full):
+    charts = _charts(full)
+    assert sorted(charts) == ["aws-efa-k8s-device-plugin", "nvidia-device-plugin"]
+    assert charts["nvidia-device-plugin"]["Repository"] == "https://nvidia.github.io/k8s-device-plugin"
+    assert charts["aws-efa-k8s-device-plugin"]["Repository"] == "https://aws.github.io/eks-charts"
+    assert {c["Namespace"] for c in charts.values()} == {"kube-system"}
+
+
+@pytest.mark.parametrize("chart", ["nvidia-device-plugin", "aws-efa-k8s-device-plugin"])
+def test_chart_version_is_pinned(full, chart):
+    assert re.fullmatch(r"v?\d+\.\d+\.\d+", _charts(full)[chart]["Version"])
+
+
+@pytest.mark.parametrize("chart", ["nvidia-device-plugin", "aws-efa-k8s-device-plugin"])
+def test_chart_tolerates_the_gpu_taint_and_selects_gpu_nodes(full, chart):
+    values = json.loads(_charts(full)[chart]["Values"])
+    assert GPU_TOLERATION in values["tolerations"]
+    assert values["nodeSelector"] == {GPU_NODE_LABEL: "true"}
+
+
+def test_nvidia_affinity_replaces_the_node_feature_discovery_default(full):
+    affinity = json.loads(_charts(full)["nvidia-device-plugin"]["Values"])["affinity"]
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": GPU_NODE_LABEL, "operator": "In", "values": ["true"]}]}]
+
+
+def test_efa_plugin_admits_the_configured_instance_type(full):
+    values = json.loads(_charts(full)["aws-efa-k8s-device-plugin"]["Values"])
+    assert values["supportedInstanceLabels"]["values"] == [full.config.gpu_instance_type]
+
+
+def test_no_efa_plugin_for_an_instance_without_efa(g6):
+    assert sorted(_charts(g6)) == ["nvidia-device-plugin"]

@@ -1,0 +1,156 @@
+"""GPU node group: launch template (EFA interfaces, IMDSv2, disks, NodeConfig), capacity, scheduling.
+
+`full` is p5.48xlarge on demand; `variant` runs each test for p5en (capacity reservation),
+p4d (capacity block) and g6.xlarge (no EFA, on demand).
+"""
+from __future__ import annotations
+
+from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
+
+# EFA interfaces by instance type, written out here as an independent check of infra/instances.py.
+EXPECTED_EFA = {"p5.48xlarge": 32, "p5en.48xlarge": 16, "p4d.24xlarge": 4, "g6.xlarge": 0}
+
+
+def _launch_template(synth) -> dict:
+    return synth.one("Cluster", "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
+
+
+def _gpu_nodegroup(synth) -> dict:
+    [gpu] = [g["Properties"] for g in synth.resources("Cluster", "AWS::EKS::Nodegroup").values()
+             if g["Properties"]["AmiType"] == "AL2023_x86_64_NVIDIA"]
+    return gpu
+
+
+def _imported_group(synth, description_word: str) -> dict:
+    """How the cluster stack refers to a network-stack security group."""
+    return synth.imported("Network", {"Fn::GetAtt": [synth.security_group("Network", description_word), "GroupId"]})
+
+
+def _cluster_group(synth) -> dict:
+    """The security group EKS creates for the control plane and nodes to talk over."""
+    return {"Fn::GetAtt": [next(iter(synth.resources("Cluster", "AWS::EKS::Cluster"))), "ClusterSecurityGroupId"]}
+
+
+def _user_data(synth) -> str:
+    """The MIME document, with the script parts (base64-encoded by CloudFormation) in plain text."""
+    body = _launch_template(synth)["UserData"]["Fn::Base64"]
+    if isinstance(body, str):
+        return body
+    return "".join(p if isinstance(p, str) else p["Fn::Base64"] for p in body["Fn::Join"][1])
+
+
+def test_p5_has_32_efa_interfaces_one_per_network_card(full):
+    interfaces = _launch_template(full)["NetworkInterfaces"]
+    assert len(interfaces) == 32
+    assert [i["NetworkCardIndex"] for i in interfaces] == list(range(32))
+    assert [i["DeviceIndex"] for i in interfaces] == [0] + [1] * 31
+    assert {i["InterfaceType"] for i in interfaces} == {"efa"}
+
+
+def test_interfaces_follow_the_instance_table(variant):
+    facts = variant.config.instance
+    interfaces = _launch_template(variant)["NetworkInterfaces"]
+    assert facts.efa_interfaces == EXPECTED_EFA[facts.name]
+    assert len(interfaces) == facts.network_cards
+    assert [i["NetworkCardIndex"] for i in interfaces] == list(range(facts.network_cards))
+    assert [i["DeviceIndex"] for i in interfaces] == [0] + [1] * (facts.network_cards - 1)
+    efa = [i for i in interfaces if i.get("InterfaceType") == "efa"]
+    assert len(efa) == EXPECTED_EFA[facts.name]
+
+
+def test_g6_gets_a_single_normal_interface_without_the_efa_group(g6):
+    [interface] = _launch_template(g6)["NetworkInterfaces"]
+    assert (interface["NetworkCardIndex"], interface["DeviceIndex"]) == (0, 0)
+    assert "InterfaceType" not in interface
+    assert interface["Groups"] == [_cluster_group(g6), _imported_group(g6, "GPU training nodes")]
+
+
+def test_every_interface_carries_cluster_node_and_efa_groups(full):
+    expected = [
+        _cluster_group(full),
+        _imported_group(full, "GPU training nodes"),
+        _imported_group(full, "EFA"),
+    ]
+    assert all(i["Groups"] == expected for i in _launch_template(full)["NetworkInterfaces"])
+
+
+def test_instance_type_is_in_the_launch_template_not_the_node_group(variant):
+    assert _launch_template(variant)["InstanceType"] == variant.config.gpu_instance_type
+    assert "InstanceTypes" not in _gpu_nodegroup(variant)
+
+
+def test_imdsv2_required(full):
+    assert _launch_template(full)["MetadataOptions"]["HttpTokens"] == "required"
+
+
+def test_root_volume_is_encrypted_gp3(full):
+    [root] = _launch_template(full)["BlockDeviceMappings"]
+    assert root["DeviceName"] == "/dev/xvda"
+    assert root["Ebs"]["VolumeType"] == "gp3"
+    assert root["Ebs"]["Encrypted"] is True
+
+
+def test_user_data_is_a_nodeadm_mime_document_with_raid0_local_storage(full):
+    user_data = _user_data(full)
+    assert user_data.startswith("Content-Type: multipart/mixed; boundary=")
+    assert "MIME-Version: 1.0" in user_data
+    assert "Content-Type: application/node.eks.aws" in user_data
+    assert "kind: NodeConfig" in user_data
+    assert "localStorage:\n      strategy: RAID0" in user_data
+
+
+def test_efa_hugepages_reserved_for_efa_instances_only(full, variant):
+    pages = full.config.instance.hugepages_2mi_gib * 512
+    assert f"vm.nr_hugepages = {pages}" in _user_data(full)
+    if variant.config.instance.hugepages_2mi_gib == 0:
+        assert "nr_hugepages" not in _user_data(variant)
+
+
+def test_placement_group_only_without_reserved_capacity(full, variant):
+    def placement(synth):
+        groups = synth.resources("Cluster", "AWS::EC2::PlacementGroup")
+        return groups, _launch_template(synth).get("Placement")
+
+    groups, ref = placement(full)
+    [(logical_id, group)] = groups.items()
+    assert group["Properties"]["Strategy"] == "cluster"
+    assert ref == {"GroupName": {"Fn::GetAtt": [logical_id, "GroupName"]}}
+    if variant.config.uses_reserved_capacity:
+        assert placement(variant) == ({}, None)
+
+
+def test_capacity_options(full, variant):
+    config = variant.config
+    template = _launch_template(variant)
+    if config.capacity_type == "on-demand":
+        assert "CapacityReservationSpecification" not in template
+        assert "InstanceMarketOptions" not in template
+        assert _gpu_nodegroup(variant)["CapacityType"] == "ON_DEMAND"
+        return
+    target = template["CapacityReservationSpecification"]["CapacityReservationTarget"]
+    assert target == {"CapacityReservationId": config.capacity_reservation_id}
+    if config.capacity_type == "capacity-block":
+        assert template["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+        assert _gpu_nodegroup(variant)["CapacityType"] == "CAPACITY_BLOCK"
+    else:
+        assert "InstanceMarketOptions" not in template
+        assert _gpu_nodegroup(variant)["CapacityType"] == "ON_DEMAND"
+
+
+def test_node_group_ami_labels_taint_repair_and_sizes(full):
+    group = _gpu_nodegroup(full)
+    config = full.config
+    assert group["Labels"] == {GPU_NODE_LABEL: "true"}
+    assert group["Taints"] == [{"Key": GPU_TAINT_KEY, "Value": "true", "Effect": "NO_SCHEDULE"}]
+    assert group["NodeRepairConfig"] == {"Enabled": True}
+    assert group["ScalingConfig"] == {
+        "MinSize": config.gpu_nodes_min, "DesiredSize": config.gpu_nodes_desired, "MaxSize": config.gpu_nodes_max
+    }
+    launch_template = next(iter(full.resources("Cluster", "AWS::EC2::LaunchTemplate")))
+    assert group["LaunchTemplate"] == {
+        "Id": {"Ref": launch_template}, "Version": {"Fn::GetAtt": [launch_template, "LatestVersionNumber"]}
+    }
+
+
+def test_gpu_nodes_run_in_the_gpu_zone_subnet_only(full):
+    assert _gpu_nodegroup(full)["Subnets"] == [full.imported("Network", {"Ref": full.gpu_subnet()})]

@@ -1,0 +1,72 @@
+"""The training image (Dockerfile, asset wiring, URI path) and the outputs the k8s layer reads."""
+from __future__ import annotations
+
+import json
+import re
+
+from infra.config import NAMESPACE, PVC_NAME
+
+OUTPUT_KEYS = {
+    "ClusterName", "UpdateKubeconfigCommand", "Namespace", "PvcName",
+    "FsxFileSystemId", "FsxDnsName", "FsxMountName", "ImageUri",
+}
+
+
+def _instructions(dockerfile: str) -> list[str]:
+    return [line.strip() for line in dockerfile.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_dockerfile_builds_on_ngc_pytorch_with_pinned_nvrx_and_the_training_package(repo_root):
+    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+    [base] = [line for line in lines if line.startswith("ARG BASE_IMAGE=")]
+    assert re.fullmatch(r"ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:25\.\d\d-py3", base)
+    assert "FROM ${BASE_IMAGE}" in lines
+    [install] = [line for line in lines if line.startswith("RUN pip install")]
+    assert "nvidia-resiliency-ext==0.7.0" in install.split()
+    assert "COPY training/ /workspace/training/" in lines
+
+
+def test_dockerignore_sends_only_the_training_package(repo_root):
+    lines = _instructions((repo_root / ".dockerignore").read_text())
+    assert lines[:2] == ["*", "!training/"]
+
+
+def test_without_image_uri_the_dockerfile_is_an_ecr_asset(defaults):
+    manifest = json.loads((defaults.outdir / "Cluster.assets.json").read_text())
+    [(asset_hash, image)] = manifest["dockerImages"].items()
+    assert image["source"]["dockerFile"] == "training/Dockerfile"
+    assert image["source"]["platform"] == "linux/amd64"
+    # The staged build context holds the training package (and CDK's copy of .dockerignore) only.
+    context = defaults.outdir / image["source"]["directory"]
+    assert sorted(p.name for p in context.iterdir()) == [".dockerignore", "training"]
+    assert (context / "training" / "Dockerfile").is_file()
+    image_uri = json.dumps(defaults.outputs()["ImageUri"])
+    assert "container-assets" in image_uri and asset_hash in image_uri
+
+
+def test_with_image_uri_no_image_is_built(full):
+    assert full.outputs()["ImageUri"] == full.config.image_uri
+    assert json.loads((full.outdir / "Cluster.assets.json").read_text()).get("dockerImages", {}) == {}
+
+
+def test_outputs_have_the_exact_keys_the_k8s_layer_reads(full, defaults):
+    assert set(full.outputs()) == OUTPUT_KEYS
+    assert set(defaults.outputs()) == OUTPUT_KEYS
+
+
+def test_output_values(full):
+    outputs = full.outputs()
+    assert outputs["Namespace"] == NAMESPACE
+    assert outputs["PvcName"] == PVC_NAME
+    [cluster_id] = full.resources("Cluster", "AWS::EKS::Cluster")
+    assert outputs["ClusterName"] == {"Ref": cluster_id}
+    separator, parts = outputs["UpdateKubeconfigCommand"]["Fn::Join"]
+    command = separator.join(p if isinstance(p, str) else json.dumps(p) for p in parts)
+    assert command == (
+        f'aws eks update-kubeconfig --name {{"Ref": "{cluster_id}"}} --region {{"Ref": "AWS::Region"}} '
+        f"--role-arn {full.config.admin_role_arn}"
+    )
+    [fs_id] = full.resources("Storage", "AWS::FSx::FileSystem")
+    assert outputs["FsxFileSystemId"] == {"Ref": fs_id}
+    assert outputs["FsxDnsName"]["Fn::Join"][1][0] == {"Ref": fs_id}
+    assert outputs["FsxMountName"] == {"Fn::GetAtt": [fs_id, "LustreMountName"]}
