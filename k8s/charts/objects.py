@@ -1,0 +1,34 @@
+"""Plain-dict Kubernetes objects on cdk8s core (no cdk8s-plus): schemas are checked by kubernetes-validate."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from cdk8s import ApiObject, JsonPatch
+from constructs import Construct
+
+
+def api_object(scope: Construct, id: str, *, api_version: str, kind: str, name: str,
+               namespace: str | None = None, body: Mapping[str, Any] | None = None,
+               labels: Mapping[str, str] | None = None,
+               annotations: Mapping[str, str] | None = None) -> ApiObject:
+    """An ApiObject with a fixed name (no cdk8s hash suffix) and top-level fields such as spec."""
+    metadata: dict[str, Any] = {"name": name}
+    if namespace:
+        metadata["namespace"] = namespace
+    if labels:
+        metadata["labels"] = dict(labels)
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    obj = ApiObject(scope, id, api_version=api_version, kind=kind, metadata=metadata)
+    for key, value in (body or {}).items():
+        obj.add_json_patch(JsonPatch.add(f"/{key}", value))
+    return obj
+
+
+def checkov_skips(reasons: Mapping[str, str]) -> dict[str, str]:
+    """Annotations that suppress checkov checks on this object, each with its reason."""
+    for check, reason in reasons.items():
+        # checkov splits the annotation value on "=": a second one would break its parser.
+        if not reason or "=" in reason:
+            raise ValueError(f"{check}: a skip needs a reason without '=': {reason!r}")
+    return {f"checkov.io/skip{i}": f"{check}={reason}" for i, (check, reason) in enumerate(reasons.items(), 1)}

@@ -1,0 +1,174 @@
+"""`JobConfig`: everything the charts render, from the platform config, the training config and
+the infra outputs, checked before any manifest is written.
+
+Derived values (grace period, ft_launcher's --term-timeout, restart budget per mode) live here as
+properties so the charts, the launcher command and the tests read one definition.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import PurePosixPath
+
+from infra.config import CHECKPOINT_MOUNT_PATH, RENDEZVOUS_PORT, PlatformConfig
+from infra.instances import InstanceFacts
+from k8s.outputs import InfraOutputs
+from training.config import TrainConfig
+
+# A pod's hostname is "<job>-<index>" (at most 63) and the chaos CronJob is "<job>-chaos" (at most 52).
+_JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+_CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
+CLUSTER_DOMAIN = "cluster.local"  # the EKS default
+# After the last in-flight checkpoint may take checkpoint_section_timeout, ft_launcher needs a moment
+# to SIGKILL its ranks and exit before the kubelet's own SIGKILL.
+LAUNCHER_EXIT_MARGIN_S = 30
+
+
+class JobConfigError(ValueError):
+    """A job setting is not allowed or contradicts another; the message names both."""
+
+
+@dataclass(frozen=True)
+class FaultInjectionConfig:
+    """A chaos drill: delete one training pod on a schedule (off unless given)."""
+
+    schedule: str = "*/30 * * * *"
+    target_index: int | None = None  # None: the last index (not the rendezvous host)
+    # kubectl turns 0 into 1 unless forced, and a forced delete frees the index before the pod is
+    # gone: 1 s (SIGTERM, then SIGKILL) is the closest to a crash; more is a graceful stop.
+    grace_period_s: int = 1
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    platform: PlatformConfig
+    train: TrainConfig
+    infra: InfraOutputs
+    name: str = "fsdp-train"
+    nodes: int | None = None  # None: the node group's desired size
+    backoff_limit_per_index: int = 3  # pod failures per index before that index (and so the job) fails
+    ttl_seconds_after_finished: int = 86400
+    termination_grace_s: int | None = None  # None: long enough for an in-flight checkpoint
+    shm_fraction: float = 0.25  # /dev/shm size as a part of the pod's memory (it counts against it)
+    fault_injection: FaultInjectionConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes is None:
+            object.__setattr__(self, "nodes", self.platform.gpu_nodes_desired)
+        object.__setattr__(self, "train", _with_fsx_paths(self.train, self.name))
+        _validate(self)
+
+    @property
+    def instance(self) -> InstanceFacts:
+        return self.platform.instance
+
+    @property
+    def namespace(self) -> str:
+        return self.infra.namespace
+
+    @property
+    def service_name(self) -> str:
+        return self.name
+
+    @property
+    def restart_mode(self) -> str:
+        return self.train.fault_tolerance.restart
+
+    @property
+    def inprocess(self) -> bool:
+        return self.restart_mode in ("inprocess", "both")
+
+    @property
+    def max_restarts(self) -> int:
+        # inprocess only: the Wrapper restarts within the process; a launcher restart of the whole
+        # worker group would only race it. A failed pod is retried by the Job instead.
+        return 0 if self.restart_mode == "inprocess" else self.train.fault_tolerance.max_restarts
+
+    @property
+    def rendezvous_endpoint(self) -> str:
+        # Indexed Job pods are named <job>-<index> and, with subdomain=<service>, resolvable here.
+        return f"{self.name}-0.{self.service_name}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{RENDEZVOUS_PORT}"
+
+    @property
+    def term_timeout_s(self) -> int:
+        # SIGTERM (drain, eviction) -> ft_launcher forwards it and waits this long for its ranks:
+        # enough to commit a checkpoint that is in flight.
+        return _ceil(self.train.fault_tolerance.checkpoint_section_timeout)
+
+    @property
+    def grace_period_s(self) -> int:
+        return self.termination_grace_s or self.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
+
+    @property
+    def shm_gib(self) -> int:
+        return max(1, int(self.instance.pod_memory_gib * self.shm_fraction))
+
+    @property
+    def pod_cpus(self) -> int:
+        # Requests equal limits (Guaranteed QoS, evicted last); leave the kubelet reservation and
+        # the node's daemon sets (CNI, device plugins, CSI) a few cores.
+        return self.instance.vcpus - max(2, self.instance.vcpus // 24)
+
+    @property
+    def fault_target_index(self) -> int:
+        assert self.fault_injection is not None
+        target = self.fault_injection.target_index
+        return self.nodes - 1 if target is None else target
+
+
+def _ceil(seconds: float) -> int:
+    return int(-(-seconds // 1))
+
+
+def _with_fsx_paths(train: TrainConfig, job_name: str) -> TrainConfig:
+    """Relative run/checkpoint dirs would die with the pod: root them on the shared FSx volume."""
+    run_dir = train.run_dir
+    if not PurePosixPath(run_dir).is_absolute():
+        run_dir = str(PurePosixPath(CHECKPOINT_MOUNT_PATH) / "runs" / job_name)
+    ckpt = train.checkpoint
+    if ckpt.dir is not None and not PurePosixPath(ckpt.dir).is_absolute():
+        ckpt = replace(ckpt, dir=str(PurePosixPath(run_dir) / ckpt.dir))
+    return replace(train, run_dir=run_dir, checkpoint=ckpt)
+
+
+def _on_fsx(path: str) -> bool:
+    return PurePosixPath(path).is_relative_to(CHECKPOINT_MOUNT_PATH)
+
+
+def _validate(j: JobConfig) -> None:
+    if not _JOB_NAME.match(j.name):
+        raise JobConfigError(f"job name {j.name!r} is not allowed: lower-case letters, digits and '-', "
+                             "starting with a letter, at most 40 characters")
+    if j.nodes < 1:
+        raise JobConfigError(f"nodes={j.nodes} is not allowed: at least 1 (one pod per GPU node)")
+    if j.nodes > j.platform.gpu_nodes_max:
+        raise JobConfigError(f"nodes={j.nodes} exceeds gpuNodesMax={j.platform.gpu_nodes_max}: "
+                             "the pods of the extra indexes could never be scheduled")
+    for path, key in ((j.train.run_dir, "run_dir"), (j.train.checkpoint_dir, "checkpoint.dir")):
+        if not _on_fsx(path):
+            raise JobConfigError(f"{key}={path!r} is not allowed on the cluster: it must be under "
+                                 f"{CHECKPOINT_MOUNT_PATH} (FSx), or relative, so it outlives the pod")
+    if j.backoff_limit_per_index < 0:
+        raise JobConfigError(f"backoff_limit_per_index={j.backoff_limit_per_index} is not allowed: 0 or more")
+    if j.ttl_seconds_after_finished < 0:
+        raise JobConfigError(f"ttl_seconds_after_finished={j.ttl_seconds_after_finished} is not allowed: 0 or more")
+    if not 0 < j.shm_fraction <= 0.5:
+        raise JobConfigError(f"shm_fraction={j.shm_fraction} is not allowed: more than 0, at most 0.5 "
+                             "(/dev/shm is pod memory that the training process cannot use)")
+    minimum_grace = j.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
+    if j.termination_grace_s is not None and j.termination_grace_s < minimum_grace:
+        raise JobConfigError(
+            f"termination_grace_s={j.termination_grace_s} contradicts "
+            f"fault_tolerance.checkpoint_section_timeout={j.train.fault_tolerance.checkpoint_section_timeout}: "
+            f"a drained pod must be able to finish an in-flight checkpoint; use at least {minimum_grace} "
+            f"(checkpoint timeout + {LAUNCHER_EXIT_MARGIN_S} s for the launcher to exit)")
+    if j.fault_injection is not None:
+        fi = j.fault_injection
+        if not _CRON.match(fi.schedule.strip()):
+            raise JobConfigError(f"fault_injection.schedule={fi.schedule!r} is not allowed: "
+                                 "a cron schedule such as '*/30 * * * *'")
+        if not 0 <= j.fault_target_index < j.nodes:
+            raise JobConfigError(f"fault_injection.target_index={fi.target_index} is not allowed: "
+                                 f"an index of the job, 0..{j.nodes - 1}")
+        if fi.grace_period_s < 1:
+            raise JobConfigError(f"fault_injection.grace_period_s={fi.grace_period_s} is not allowed: 1 or more")

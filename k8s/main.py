@@ -1,0 +1,104 @@
+"""`make manifests`: render dist/*.k8s.yaml for `kubectl apply -f dist/`.
+
+Inputs: the platform config (cdk.json "context" plus `-c key=value`, read by the same
+PlatformConfig.from_context as the CDK app), the training config (k8s/train.yaml plus
+`--set section.key=value`), and cdk-outputs.json from `cdk deploy --outputs-file` when present.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python k8s/main.py` puts k8s/, not the repository, on sys.path
+    sys.path.insert(0, str(REPO_ROOT))
+# The jsii runtime under cdk8s prints a Node 20 end-of-life banner on every start: known noise.
+os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+
+import cdk8s  # noqa: E402  (needs the environment above)
+
+from infra.config import ConfigError, PlatformConfig  # noqa: E402
+from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
+from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
+from k8s.charts.training import TrainingChart  # noqa: E402
+from k8s.job_config import FaultInjectionConfig, JobConfig, JobConfigError  # noqa: E402
+from k8s.outputs import OutputsError, load_infra_outputs  # noqa: E402
+from training.config import TrainConfigError, load_train_config  # noqa: E402
+
+
+def load_platform(cdk_json: Path, overrides: list[str]) -> PlatformConfig:
+    context = json.loads(cdk_json.read_text()).get("context", {}) if cdk_json.exists() else {}
+    known = {PlatformConfig.context_key(f.name) for f in fields(PlatformConfig)}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise ConfigError(f"-c {item!r}: expected key=value with key one of {sorted(known)}")
+        context[key] = value
+    # A lookup function, like the CDK app's node.try_get_context: CDK's own keys in cdk.json are ignored.
+    return PlatformConfig.from_context(context.get)
+
+
+def build_app(job: JobConfig, outdir: Path) -> cdk8s.App:
+    """One chart, one file per concern; the file names sort in `kubectl apply -f dist/` order."""
+    app = cdk8s.App(outdir=str(outdir), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
+    ServiceAccountChart(app, "service-account", job)
+    TrainingChart(app, "training", job)
+    if job.fault_injection is not None:
+        FaultInjectionChart(app, "training-fault-injection", job)
+    return app
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python k8s/main.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--outdir", type=Path, default=REPO_ROOT / "dist")
+    p.add_argument("--cdk-json", type=Path, default=REPO_ROOT / "cdk.json")
+    p.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE",
+                   help="platform config override, as for `cdk synth -c`")
+    p.add_argument("--outputs", type=Path, default=REPO_ROOT / "cdk-outputs.json",
+                   help="`cdk deploy --outputs-file` result (default: %(default)s)")
+    p.add_argument("--train-config", type=Path, default=REPO_ROOT / "k8s" / "train.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="training config override, e.g. fault_tolerance.restart=both")
+    p.add_argument("--job-name", default="fsdp-train")
+    p.add_argument("--nodes", type=int, help="pods (= GPU nodes) in the job; default: gpuNodesDesired")
+    p.add_argument("--grace-period", type=int,
+                   help="pod termination grace seconds; default: checkpoint section timeout + launcher exit margin")
+    p.add_argument("--fault-injection", action="store_true", help="also render the chaos-drill CronJob")
+    p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
+    p.add_argument("--fault-target-index", type=int, help="job index whose pod is deleted; default: the last")
+    p.add_argument("--fault-grace-period", type=int, default=FaultInjectionConfig.grace_period_s,
+                   help="seconds the deleted pod gets before SIGKILL (default: %(default)s, like a crash)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        platform = load_platform(args.cdk_json, args.context)
+        fault_injection = (FaultInjectionConfig(args.fault_schedule, args.fault_target_index, args.fault_grace_period)
+                           if args.fault_injection else None)
+        job = JobConfig(platform=platform, train=load_train_config(args.train_config, args.set),
+                        infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
+                        nodes=args.nodes, termination_grace_s=args.grace_period, fault_injection=fault_injection)
+    except (ConfigError, TrainConfigError, JobConfigError, OutputsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    for stale in args.outdir.glob("*.k8s.yaml"):  # e.g. a chaos drill rendered by an earlier run
+        stale.unlink()
+    build_app(job, args.outdir).synth()
+    print(f"infra outputs: {job.infra.source}")
+    print(f"job {job.name}: {job.nodes} x {job.instance.name}, restart={job.restart_mode}, "
+          f"fault injection {'on' if fault_injection else 'off'}")
+    for path in sorted(args.outdir.glob("*.k8s.yaml")):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

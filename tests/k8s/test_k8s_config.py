@@ -1,0 +1,43 @@
+"""Bad settings stop `make manifests` with one line that names the setting; nothing is written."""
+from __future__ import annotations
+
+import pytest
+
+
+
+@pytest.mark.parametrize("args, context, expected", [
+    (["--nodes", "0"], {}, "nodes=0 is not allowed: at least 1"),
+    (["--nodes", "5"], {}, "nodes=5 exceeds gpuNodesMax=4"),
+    ([], {"gpuNodesDesired": 0}, "gpuNodesDesired=0 is not allowed"),
+    (["-c", "gpuNodesMax=1"], {}, "gpuNodesMin <= gpuNodesDesired <= gpuNodesMax"),
+    (["-c", "gpuNodes=3"], {}, "-c 'gpuNodes=3': expected key=value with key one of"),
+    (["-c", "gpuInstanceType=p3.2xlarge"], {}, "gpuInstanceType='p3.2xlarge' is not allowed"),
+    (["--set", "fault_tolerance.restart=sometimes"], {},
+     "fault_tolerance.restart='sometimes' is not allowed: one of ['injob', 'inprocess', 'both']"),
+    (["--set", "fault_tolerance.max_restarts=-1"], {}, "fault_tolerance.max_restarts=-1"),
+    (["--set", "fault_tolerance.checkpoint_section_timeout=60"], {},
+     "checkpoint_section_timeout (60.0) must be at least step_section_timeout (180.0)"),
+    (["--set", "fault_tolerance.initial_rank_heartbeat_timeout=30"], {},
+     "initial_rank_heartbeat_timeout (30.0) must be at least rank_heartbeat_timeout"),
+    (["--set", "run_dir=/tmp/run"], {}, "run_dir='/tmp/run' is not allowed on the cluster"),
+    (["--job-name", "Train_1"], {}, "job name 'Train_1' is not allowed"),
+    (["--grace-period", "120"], {},
+     "termination_grace_s=120 contradicts fault_tolerance.checkpoint_section_timeout=600.0"),
+    (["--fault-injection", "--fault-target-index", "2"], {},
+     "fault_injection.target_index=2 is not allowed: an index of the job, 0..1"),
+    (["--fault-injection", "--fault-grace-period", "0"], {}, "fault_injection.grace_period_s=0 is not allowed: 1 or more"),
+    (["--fault-injection", "--fault-schedule", "every hour"], {}, "fault_injection.schedule='every hour'"),
+])
+def test_bad_config_fails_with_a_message_naming_it(render_error, args, context, expected):
+    assert expected in render_error(*args, context=context)
+
+
+def test_outputs_missing_a_key(render_error):
+    err = render_error(outputs={"ft-training-cluster": {"ClusterName": "c", "Namespace": "training"}})
+    assert "missing output(s) ['PvcName', 'ImageUri']" in err
+
+
+def test_outputs_disagreeing_between_stacks(render_error):
+    outputs = {"a": {"Namespace": "training"}, "b": {"Namespace": "other"}}
+    assert "output Namespace differs between stacks" in render_error(outputs=outputs)
+

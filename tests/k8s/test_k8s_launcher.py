@@ -1,0 +1,145 @@
+"""The Job's ft_launcher command line, checked by the installed ft_launcher (NVRx 0.4.1) itself,
+and its `sh -c` wrapper run for real with a stand-in ft_launcher."""
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from nvidia_resiliency_ext.fault_tolerance import launcher as nvrx_launcher
+
+from infra.config import RENDEZVOUS_PORT
+from infra.instances import INSTANCE_TYPES
+from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
+from training.config import RESTART_MODES, load_train_config
+from training.exit_codes import CONFIG_ERROR
+
+REPO = Path(__file__).resolve().parents[2]
+# Every option string the Job may use, each checked in NVIDIA/nvidia-resiliency-ext v0.7.0
+# (fault_tolerance/launcher.py get_args_parser and fault_tolerance/cli_args.py), the image's version.
+# A new flag in k8s/launcher.py fails here until it has been checked there too.
+NVRX_0_7_0_FLAGS = {
+    "--nnodes", "--nproc-per-node", "--max-restarts", "--term-timeout", "--rdzv-backend", "--rdzv-endpoint",
+    "--rdzv-id", "--rdzv-conf", "--ft-cfg-path", "--ft-restart-policy", "--ft-initial-rank-heartbeat-timeout",
+    "--ft-rank-heartbeat-timeout", "--ft-rank-section-timeouts", "--ft-rank-out-of-section-timeout",
+    "--ft-safety-factor", "-m",
+}
+
+
+def _launcher_argv(rendered, index: int) -> list[str]:
+    """What ft_launcher receives in pod `index`: the wrapper prepends --rdzv-conf on index 0."""
+    args = rendered.container["args"]
+    return ["--rdzv-conf", "is_host=1", *args] if index == 0 else list(args)
+
+
+def _flags(argv: list[str]) -> list[str]:
+    """Option strings before the training module (what follows belongs to training.train)."""
+    head = argv[:argv.index("training.train")]
+    return [a.split("=", 1)[0] for a in head if a.startswith("-")]
+
+
+@pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
+@pytest.mark.parametrize("mode", RESTART_MODES)
+def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
+    r = render("--set", f"fault_tolerance.restart={mode}", context={"gpuInstanceType": instance_type})
+    parser = nvrx_launcher.get_args_parser()
+    exact = set(parser._option_string_actions)  # 0.4.1 allows abbreviations; 0.7.0 does not
+    train = load_train_config(REPO / "k8s" / "train.yaml")
+    for index in (0, 1):
+        argv = _launcher_argv(r, index)
+        args = parser.parse_args(argv)  # SystemExit on an unknown flag or a bad value
+        flags = _flags(argv)
+        assert set(flags) <= exact, f"not exact 0.4.1 option strings: {set(flags) - exact}"
+        assert set(flags) <= NVRX_0_7_0_FLAGS, f"not checked against NVRx 0.7.0: {set(flags) - NVRX_0_7_0_FLAGS}"
+        assert args.nnodes == "2"  # gpuNodesDesired
+        assert args.nproc_per_node == str(INSTANCE_TYPES[instance_type].gpus)
+        assert args.rdzv_backend == "c10d"
+        assert args.rdzv_endpoint == f"fsdp-train-0.fsdp-train.training.svc.cluster.local:{RENDEZVOUS_PORT}"
+        assert args.rdzv_id == "fsdp-train"
+        assert args.rdzv_conf == ("is_host=1" if index == 0 else "")
+        assert args.ft_restart_policy == "any-failed"
+        assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts)
+        assert args.module and args.training_script == "training.train"
+        assert args.training_script_args == ["--config", TRAIN_CONFIG_PATH]
+
+
+def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkeypatch):
+    """Past parsing: ft_launcher's own config_from_args accepts the flags and the --ft-cfg-path file,
+    and ends up with the training config's timeouts."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else config_from_args sets it in os.environ
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its default log dir
+    r = render()
+    ft_file = tmp_path / "ft.yaml"
+    ft_file.write_text(r.config_map("fsdp-train-ft-config")["ft.yaml"])
+    argv = [a.replace(FT_CONFIG_PATH, str(ft_file)) for a in _launcher_argv(r, 0)]
+    config, _, cmd_args = nvrx_launcher.config_from_args(nvrx_launcher.get_args_parser().parse_args(argv))
+    train = load_train_config(REPO / "k8s" / "train.yaml").fault_tolerance
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 8)
+    assert config.rdzv_configs["is_host"] == "1"
+    assert config.term_timeout == train.checkpoint_section_timeout
+    ft = config.fault_tol_cfg
+    assert ft.initial_rank_heartbeat_timeout == train.initial_rank_heartbeat_timeout
+    assert ft.rank_heartbeat_timeout == train.rank_heartbeat_timeout
+    assert ft.rank_out_of_section_timeout == train.out_of_section_timeout
+    assert ft.rank_section_timeouts == {"setup": train.setup_section_timeout, "step": train.step_section_timeout,
+                                        "checkpoint": train.checkpoint_section_timeout}
+    assert ft.safety_factor == train.timeout_safety_factor
+    assert cmd_args == ["-u", "-m", "training.train", "--config", TRAIN_CONFIG_PATH]
+
+
+def test_nvrx_ft_file_has_only_keys_nvrx_knows(render, tmp_path):
+    from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig
+
+    ft_file = tmp_path / "ft.yaml"
+    ft_file.write_text(render().config_map("fsdp-train-ft-config")["ft.yaml"])
+    cfg = FaultToleranceConfig.from_yaml_file(str(ft_file), ignore_not_recognized=False)
+    assert cfg.rank_termination_signal.name == "SIGKILL"
+
+
+
+def _run_wrapper(rendered, tmp_path: Path, index: int, config_text: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the container's command + args with a stand-in ft_launcher that records its argv,
+    the real python (the pre-flight imports training.config) and the config at a temporary path."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / f"argv{index}.json"
+    fake = bin_dir / "ft_launcher"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    config = tmp_path / "config.yaml"
+    config.write_text(config_text)
+    command = [part.replace(TRAIN_CONFIG_PATH, str(config)) for part in rendered.container["command"]]
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": str(index)}
+    proc = subprocess.run([*command, *rendered.container["args"]], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    return proc, record
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_wrapper_adds_is_host_on_index_0_only(render, tmp_path, index):
+    r = render()
+    proc, record = _run_wrapper(r, tmp_path, index, r.config_map("fsdp-train-config")["config.yaml"])
+    assert proc.returncode == 0, proc.stderr
+    expected = _launcher_argv(r, index)
+    assert json.loads(record.read_text()) == expected
+
+
+def test_wrapper_exits_with_config_error_before_launching(render, tmp_path):
+    r = render()
+    bad = yaml.safe_load(r.config_map("fsdp-train-config")["config.yaml"])
+    bad["fault_tolerance"]["restart"] = "sometimes"
+    proc, record = _run_wrapper(r, tmp_path, 0, yaml.safe_dump(bad))
+    assert proc.returncode == CONFIG_ERROR
+    assert "invalid training config" in proc.stderr and "fault_tolerance.restart" in proc.stderr
+    assert not record.exists(), "ft_launcher must not start on an invalid config"
+
+
+def test_command_has_nothing_kubernetes_would_expand(render):
+    # The kubelet replaces $(VAR) in command and args with container env values before sh sees them.
+    r = render()
+    assert not [part for part in r.container["command"] + r.container["args"] if "$(" in part]

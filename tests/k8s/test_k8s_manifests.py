@@ -1,0 +1,201 @@
+"""What `make manifests` writes: Kubernetes 1.34 schemas (strict) and the Job's fault-tolerance settings."""
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, PVC_NAME,
+                          RENDEZVOUS_PORT, SERVICE_ACCOUNT)
+from infra.instances import INSTANCE_TYPES
+from k8s.charts.training import NODE_SCRATCH_PATH
+from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
+from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
+from k8s.outputs import PLACEHOLDER_IMAGE
+from training.config import RESTART_MODES
+from training.exit_codes import CONFIG_ERROR
+
+from k8s_render import IMAGE, render_into
+
+K8S_VERSION = "1.34.0"
+
+
+@pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
+@pytest.mark.parametrize("mode", RESTART_MODES)
+def test_every_manifest_validates_strictly_against_kubernetes_1_34(render, mode, instance_type):
+    r = render("--fault-injection", "--set", f"fault_tolerance.restart={mode}",
+               context={"gpuInstanceType": instance_type})
+    assert sorted(r.files) == ["service-account.k8s.yaml", "training-fault-injection.k8s.yaml", "training.k8s.yaml"]
+    for obj in r.objects():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises ValidationError
+
+
+def test_strict_validation_rejects_an_unknown_field(render):
+    job = copy.deepcopy(render().one("Job"))
+    job["spec"]["template"]["spec"]["containers"][0]["gpus"] = 8
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+
+
+def test_job_is_indexed_one_pod_per_node_with_a_per_index_retry_budget(render):
+    spec = render("--nodes", "3").one("Job")["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 3
+    assert spec["backoffLimitPerIndex"] >= 1 and spec["maxFailedIndexes"] == 0
+    assert "backoffLimit" not in spec  # with backoffLimitPerIndex it is the per-index budget that counts
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["ttlSecondsAfterFinished"] > 0
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_node_count_defaults_to_the_node_groups_desired_size(render):
+    assert render(context={"gpuNodesDesired": 3}).one("Job")["spec"]["completions"] == 3
+
+
+def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors(render):
+    rules = render().one("Job")["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                 "values": [CONFIG_ERROR]}} in rules
+
+
+def test_headless_service_gives_index_0_the_rendezvous_name(render):
+    r = render()
+    svc, job = r.one("Service"), r.one("Job")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert svc["spec"]["ports"] == [{"name": "rendezvous", "port": RENDEZVOUS_PORT}]
+    assert r.pod["subdomain"] == svc["metadata"]["name"]
+    endpoint = r.container["args"][r.container["args"].index("--rdzv-endpoint") + 1]
+    host = f"{job['metadata']['name']}-0.{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert endpoint == f"{host}:{RENDEZVOUS_PORT}"
+
+
+def test_config_maps_carry_the_training_config_rooted_on_fsx(render):
+    r = render("--set", "checkpoint.interval=50")
+    train = yaml.safe_load(r.config_map("fsdp-train-config")["config.yaml"])
+    assert train["checkpoint"]["interval"] == 50
+    assert train["run_dir"] == f"{CHECKPOINT_MOUNT_PATH}/runs/fsdp-train"
+    ft = yaml.safe_load(r.config_map("fsdp-train-ft-config")["ft.yaml"])["fault_tolerance"]
+    assert ft["rank_section_timeouts"]["checkpoint"] == train["fault_tolerance"]["checkpoint_section_timeout"]
+    mounts = {m["name"]: m["mountPath"] for m in r.container["volumeMounts"]}
+    volumes = {v["name"]: v for v in r.pod["volumes"]}
+    assert volumes["train-config"]["configMap"]["name"] == "fsdp-train-config"
+    assert f"{mounts['train-config']}/config.yaml" == TRAIN_CONFIG_PATH
+    assert volumes["ft-config"]["configMap"]["name"] == "fsdp-train-ft-config"
+    assert f"{mounts['ft-config']}/ft.yaml" == FT_CONFIG_PATH
+
+
+def test_relative_checkpoint_dir_lands_under_the_run_dir_on_fsx(render):
+    cfg = yaml.safe_load(render("--set", "checkpoint.dir=ckpt").config_map("fsdp-train-config")["config.yaml"])
+    assert cfg["checkpoint"]["dir"] == f"{CHECKPOINT_MOUNT_PATH}/runs/fsdp-train/ckpt"
+
+
+@pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
+def test_resources_come_from_the_instance_table_with_requests_equal_to_limits(render, instance_type):
+    facts = INSTANCE_TYPES[instance_type]
+    r = render(context={"gpuInstanceType": instance_type})
+    resources = r.container["resources"]
+    assert resources["requests"] == resources["limits"]
+    got = resources["limits"]
+    assert got["nvidia.com/gpu"] == str(facts.gpus)
+    assert got["memory"] == f"{facts.pod_memory_gib}Gi"
+    assert got.get("vpc.amazonaws.com/efa") == (str(facts.efa_interfaces) if facts.efa_interfaces else None)
+    assert got.get("hugepages-2Mi") == (f"{facts.hugepages_2mi_gib}Gi" if facts.hugepages_2mi_gib else None)
+    assert 0 < int(got["cpu"]) < facts.vcpus
+    assert r.pod["nodeSelector"] == {"node.kubernetes.io/instance-type": instance_type, GPU_NODE_LABEL: "true"}
+    efa_env = {"FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_FORK_SAFE"}
+    assert (efa_env <= set(r.env)) == bool(facts.efa_interfaces)
+
+
+def test_volumes_fsx_shared_memory_and_node_nvme(render):
+    r = render()
+    volumes = {v["name"]: v for v in r.pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in r.container["volumeMounts"]}
+    assert volumes["fsx"]["persistentVolumeClaim"] == {"claimName": PVC_NAME}
+    assert mounts["fsx"] == CHECKPOINT_MOUNT_PATH
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and volumes["dshm"]["emptyDir"]["sizeLimit"].endswith("Gi")
+    assert mounts["dshm"] == "/dev/shm"
+    # AL2023 nodeadm localStorage RAID0 mounts the array at /mnt/k8s-disks/0; the pod gets a subdirectory.
+    assert volumes["scratch"]["hostPath"] == {"path": NODE_SCRATCH_PATH, "type": "DirectoryOrCreate"}
+    assert NODE_SCRATCH_PATH.startswith("/mnt/k8s-disks/0/")
+
+
+def test_pod_tolerates_the_gpu_taint_and_runs_as_the_service_account(render):
+    r = render()
+    assert {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"} in r.pod["tolerations"]
+    assert r.pod["serviceAccountName"] == SERVICE_ACCOUNT
+    assert r.pod["automountServiceAccountToken"] is False
+
+
+def test_grace_period_covers_an_in_flight_checkpoint(render):
+    r = render("--set", "fault_tolerance.checkpoint_section_timeout=900")
+    args = r.container["args"]
+    term_timeout = int(args[args.index("--term-timeout") + 1])
+    assert term_timeout == 900  # ft_launcher waits this long for its ranks after SIGTERM
+    assert r.pod["terminationGracePeriodSeconds"] == term_timeout + LAUNCHER_EXIT_MARGIN_S
+
+
+@pytest.mark.parametrize("mode", RESTART_MODES)
+def test_restart_mode_sets_the_nccl_environment_and_restart_budget(render, mode):
+    r = render("--set", f"fault_tolerance.restart={mode}", "--set", "fault_tolerance.max_restarts=7")
+    env = r.env
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] != "0"
+    if mode == "injob":
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+        assert "NCCL_NVLS_ENABLE" not in env and "TORCH_NCCL_RETHROW_CUDA_ERRORS" not in env
+    else:
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+        assert env["NCCL_NVLS_ENABLE"] == "0"
+        assert env["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
+    # inprocess only: the Wrapper restarts in the process, the launcher does not restart the group.
+    assert f"--max-restarts={0 if mode == 'inprocess' else 7}" in r.container["args"]
+
+
+def test_fault_injection_is_off_by_default_and_stale_files_are_removed(tmp_path, capsys):
+    on = render_into(tmp_path / "same", capsys, "--fault-injection")
+    assert "training-fault-injection.k8s.yaml" in on.files
+    off = render_into(tmp_path / "same", capsys)
+    assert "training-fault-injection.k8s.yaml" not in off.files
+    assert "fault injection off" in off.stdout
+
+
+def test_fault_injection_deletes_one_index_with_pod_only_rights(render):
+    r = render("--fault-injection", "--nodes", "3", "--fault-target-index", "2", "--fault-schedule", "*/10 * * * *")
+    cron, role, binding = r.one("CronJob"), r.one("Role"), r.one("RoleBinding")
+    assert cron["spec"]["schedule"] == "*/10 * * * *"
+    assert cron["metadata"]["namespace"] == role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]}]
+    pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": NAMESPACE}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    args = pod["containers"][0]["args"]
+    assert args[:2] == ["delete", "pod"]
+    assert "batch.kubernetes.io/job-name=fsdp-train,batch.kubernetes.io/job-completion-index=2" in args
+    # Default target: the last index, not the rendezvous host.
+    default = render("--fault-injection").one("CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    selector = "batch.kubernetes.io/job-name=fsdp-train,batch.kubernetes.io/job-completion-index=1"
+    assert selector in default["containers"][0]["args"]
+
+
+def test_outputs_file_supplies_image_namespace_and_pvc(render):
+    outputs = {"s1": {"ClusterName": "c", "Namespace": "ml", "PvcName": "ckpt"}, "s2": {"ImageUri": IMAGE}}
+    r = render(outputs=outputs)
+    assert r.container["image"] == IMAGE
+    assert {o["metadata"]["namespace"] for o in r.objects()} == {"ml"}
+    # The Namespace (with the PVC in it) is the infra stack's: deleting dist/ must not delete it.
+    assert not [o for o in r.objects() if o["kind"] == "Namespace"]
+    assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "ckpt"}} in r.pod["volumes"]
+    assert "infra outputs: " in r.stdout and "placeholder" not in r.stdout
+
+
+def test_without_outputs_placeholders_are_used_and_announced(render):
+    r = render(outputs=None)
+    assert r.container["image"] == PLACEHOLDER_IMAGE
+    assert "not found: placeholders" in r.stdout
+    # The platform's own image, when configured, is no placeholder.
+    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"
+    assert render(outputs=None, context={"imageUri": image}).container["image"] == image
