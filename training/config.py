@@ -6,22 +6,38 @@ and what is allowed.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
 
+from training.exit_codes import CONFIG_ERROR
+
 MODEL_PRESETS = ("tiny", "small", "1b", "8b")
 CHECKPOINT_MODES = ("sync", "async", "off")
 RESTART_MODES = ("injob", "inprocess", "both")
 DEVICES = ("auto", "cpu", "cuda")
+DATA_DTYPES = ("uint16", "uint32")
+WHEN_BUSY = ("wait", "skip")
 
 
 class TrainConfigError(ValueError):
     """A training config value is not allowed; the message names the key, the value and what is allowed."""
+
+
+class ConfigArgumentParser(argparse.ArgumentParser):
+    """argparse for the training CLIs: a bad flag is a config error (exit CONFIG_ERROR, not 2), so
+    the Job fails at once instead of retrying a command line that cannot work."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str | None = None  # pre-tokenized uint16/uint32 .bin file; None: synthetic tokens
+    dtype: str = "uint16"  # token width of the file at `path`
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,12 @@ class CheckpointConfig:
     interval: int = 20  # steps between saves
     mode: str = "async"  # sync | async | off
     keep: int = 3  # complete checkpoints kept on disk
+    # An async save still in flight when the next is due: wait for it (the wait is recorded as
+    # ckpt_blocked) or skip the new one. Never two in flight.
+    when_busy: str = "wait"
+    # Write the full training state to <run_dir>/final (DCP, sync) after the last step: the
+    # artefact that exact-resume comparisons read.
+    save_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,9 @@ class FaultToleranceConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int = 10  # steps between progress lines (rank 0)
+    # Each rank appends the global sample indices of every step to <run_dir>/samples/rank<R>.jsonl
+    # (tests check that a resumed run consumes every sample exactly once).
+    sample_log: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,7 +232,11 @@ def _validate(c: TrainConfig) -> None:
         fail("training.device", t.device, f"one of {list(DEVICES)}")
     if not t.collective_timeout_s > 0:
         fail("training.collective_timeout_s", t.collective_timeout_s, "greater than 0")
+    if c.data.dtype not in DATA_DTYPES:
+        fail("data.dtype", c.data.dtype, f"one of {list(DATA_DTYPES)}")
     ck = c.checkpoint
+    if ck.when_busy not in WHEN_BUSY:
+        fail("checkpoint.when_busy", ck.when_busy, f"one of {list(WHEN_BUSY)}")
     if ck.mode not in CHECKPOINT_MODES:
         fail("checkpoint.mode", ck.mode, f"one of {list(CHECKPOINT_MODES)}")
     if ck.interval < 1:

@@ -7,6 +7,8 @@ Lustre where O_APPEND across clients is not atomic. `read_events` merges all fil
 Every record has `t` (unix seconds, float), `event` (one of EVENTS) and `source`; the other fields
 depend on the event:
 
+  job_start       nodes, nproc_per_node            the local controller, before any launcher starts, so
+                                                   the report's wall time includes start-up
   run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
   attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
   resume          step, source_kind, path          rank 0; source_kind: disk | memory | none
@@ -18,7 +20,7 @@ depend on the event:
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
   fault_injected  kind, rank, step                 the faulty rank, just before the fault fires
   fault_detected  kind, rank, detail               whoever detects it (Wrapper, launcher, controller)
-  restart         attempt, restart_kind            controller or rank 0
+  restart         attempt, restart_kind            controller (restart_kind: node) or rank 0
   node_replaced   node, attempt                    the local controller
   run_end         step, status                     rank 0 (status: completed) or controller (failed)
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 EVENTS = frozenset({
-    "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
+    "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
     "ckpt_failed", "ckpt_fallback", "fault_injected", "fault_detected", "restart", "node_replaced",
     "run_end",
 })

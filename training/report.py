@@ -28,6 +28,9 @@ fault nobody injected); it is open until the first step completed after its rest
   steps lost        step reached at the fault (the last step completed, or resumed to) minus the step
                     training resumed from: resume.step, i.e. the last step held in the restored state
                     (without a resume event, the first step completed afterwards minus one).
+  time lost         fault -> the next step after the one reached at the fault is completed, less one
+                    typical (median) step time: how much later training got there than without the
+                    fault, recovery and recomputed steps together. None when it never got there.
 Checkpoints: saves started, committed and failed (ckpt_start, ckpt_committed, ckpt_failed); the
 blocking time of each save (ckpt_blocked.seconds): mean, max, total.
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -86,6 +90,7 @@ class Fault:
     recovery_s: float | None
     resumed_from: int | None
     steps_lost: int | None
+    time_lost_s: float | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,8 @@ class Timeline:
     attempts: tuple[Attempt, ...]
     faults: tuple[Fault, ...]
     counts: dict[str, int]  # events by name
+    first_loss: float
+    final_loss: float
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,8 @@ class GoodputReport:
     infra_goodput: float
     faults: tuple[Fault, ...]
     checkpoints: CheckpointStats
+    first_loss: float
+    final_loss: float  # loss of the last step in the trajectory that produced the final model
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -156,8 +165,10 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
                     for r in events if r["event"] == "ckpt_blocked"),
         attempts=tuple(Attempt(int(_number(r, "attempt")), str(r.get("restart_kind", "?")))
                        for r in events if r["event"] == "attempt_start"),
-        faults=_faults(events, t0),
+        faults=_faults(events, t0, typical_step_s=statistics.median(step_times)),
         counts=dict(Counter(r["event"] for r in events)),
+        first_loss=_number(steps[0], "loss"),
+        final_loss=_number(steps[-1], "loss"),
     )
 
 
@@ -180,6 +191,8 @@ def summarize(tl: Timeline) -> GoodputReport:
         training_goodput=_ratio(productive, tl.wall_s),
         infra_goodput=_ratio(executed, tl.wall_s),
         faults=tl.faults,
+        first_loss=tl.first_loss,
+        final_loss=tl.final_loss,
         checkpoints=CheckpointStats(
             started=tl.counts.get("ckpt_start", 0),
             committed=tl.counts.get("ckpt_committed", 0),
@@ -223,8 +236,9 @@ class _OpenFault:
     restarted: Event | None = None  # first restart, attempt_start or resume
     resumed: Event | None = None
     recovered: Event | None = None  # first step after the restart, or started after the fault
+    regained: Event | None = None  # first step past the one reached at the fault
 
-    def close(self, t0: float) -> Fault:
+    def close(self, t0: float, typical_step_s: float) -> Fault:
         injected = self.onset["event"] == "fault_injected"
         kinds = [r.get("restart_kind") for r in (self.detected, self.restarted) if r and r["event"] in RESTARTS]
         if self.resumed is not None:
@@ -244,10 +258,12 @@ class _OpenFault:
             recovery_s=self.recovered["t"] - self.onset["t"] if self.recovered else None,
             resumed_from=resumed_from,
             steps_lost=max(self.position - resumed_from, 0) if resumed_from is not None else None,
+            time_lost_s=(max(self.regained["t"] - self.onset["t"] - typical_step_s, 0.0)
+                         if self.regained else None),
         )
 
 
-def _faults(events: list[Event], t0: float) -> tuple[Fault, ...]:
+def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Fault, ...]:
     closed: list[_OpenFault] = []
     fault: _OpenFault | None = None
     position = 0
@@ -271,11 +287,15 @@ def _faults(events: list[Event], t0: float) -> tuple[Fault, ...]:
                 fault.recovered = r
                 closed.append(fault)
                 fault = None
+        if name == "step":  # only recovered faults wait for this: a step in flight at the fault is no regain
+            for waiting in closed:
+                if waiting.regained is None and _number(r, "step") > waiting.position:
+                    waiting.regained = r
         if name in ("step", "resume"):
             position = int(_number(r, "step"))
     if fault is not None:
         closed.append(fault)
-    return tuple(f.close(t0) for f in closed)
+    return tuple(f.close(t0, typical_step_s) for f in closed)
 
 
 def _number(record: Event, key: str) -> float:
@@ -307,7 +327,7 @@ def format_report(report: GoodputReport) -> str:
     ck = report.checkpoints
     lines = [
         f"Run: {report.status}, final step {report.final_step}, {report.attempts} attempt(s), "
-        f"wall {report.wall_s:.1f} s",
+        f"wall {report.wall_s:.1f} s, loss {report.first_loss:.4f} -> {report.final_loss:.4f}",
         f"Training goodput {report.training_goodput:6.1%}  productive step time "
         f"{report.productive_step_s:.1f} s ({report.useful_steps} steps, each once) / wall",
         f"Infra goodput    {report.infra_goodput:6.1%}  time inside steps {report.executed_step_s:.1f} s "
@@ -321,12 +341,12 @@ def format_report(report: GoodputReport) -> str:
     ]
     if report.faults:
         lines.append(f"  {'#':>2}  {'kind':<16}{'rank':>5}{'at s':>9}  {'detected after':<26}"
-                     f"{'restart':<11}{'recovery s':>11}  steps lost")
+                     f"{'restart':<11}{'recovery s':>11}{'time lost s':>12}  steps lost")
     for i, f in enumerate(report.faults, 1):
         detected = f"{_s(f.detection_s)} s ({f.detected_by})" if f.detection_s is not None else "-"
         lost = f"{f.steps_lost} (back to {f.resumed_from})" if f.steps_lost is not None else "-"
         lines.append(f"  {i:>2}  {f.kind:<16}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
-                     f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>11}  {lost}")
+                     f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>11}{_s(f.time_lost_s):>12}  {lost}")
     return "\n".join(lines)
 
 
@@ -346,20 +366,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="draw the timeline (default RUN_DIR/timeline.png)")
     args = parser.parse_args(argv)
     try:
-        timeline, report = report_run(args.run_dir)
-        print(format_report(report))
-        json_path = args.run_dir / "report.json"
-        json_path.write_text(report.to_json() + "\n")
-        print(f"wrote {json_path}")
-        if args.plot is not None:
-            from training.plot import plot_timeline  # matplotlib only when a picture is asked for
-
-            png = plot_timeline(timeline, report, Path(args.plot) if args.plot else args.run_dir / "timeline.png")
-            print(f"wrote {png}")
+        print(write_report(args.run_dir, plot=args.plot is not None,
+                           png=Path(args.plot) if args.plot else None))
     except (ReportError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def write_report(run_dir: Path, plot: bool, png: Path | None = None) -> str:
+    """Report a run: RUN_DIR/report.json, and the timeline picture when asked; returns the text."""
+    timeline, report = report_run(run_dir)
+    json_path = run_dir / "report.json"
+    json_path.write_text(report.to_json() + "\n")
+    lines = [format_report(report), f"wrote {json_path}"]
+    if plot:
+        from training.plot import plot_timeline  # matplotlib only when a picture is asked for
+
+        lines.append(f"wrote {plot_timeline(timeline, report, png or run_dir / 'timeline.png')}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,15 @@ def test_faults_detection_recovery_and_steps_lost(faulty_run: FakeRun) -> None:
     approx = pytest.approx
     assert faults == (
         # detected by the launcher; restart 0.5 s later, 6 s to start, 2 s to load, 1 s step
-        Fault("exception", 1, 48, approx(52.0), approx(1.5), "fault_detected", "injob", approx(11.0), 40, 7),
+        # time lost: step 48 done 11 s + 7 recomputed steps after the fault, less the 1 s it takes anyway
+        Fault("exception", 1, 48, approx(52.0), approx(1.5), "fault_detected", "injob", approx(11.0), 40, 7,
+              approx(17.0)),
         # no fault_detected: detection ends at the controller's restart
-        Fault("node_failure", 12, 76, approx(98.5), approx(30.0), "restart", "injob", approx(43.0), 70, 5),
-        # in-process restart, rolled back in memory to the step in flight
-        Fault("gpu_error", 2, 91, approx(163.5), approx(0.4), "fault_detected", "inprocess", approx(1.7), 90, 0),
+        Fault("node_failure", 12, 76, approx(98.5), approx(30.0), "restart", "injob", approx(43.0), 70, 5,
+              approx(47.0)),
+        # in-process restart, rolled back in memory to the step in flight: the first step back is step 91
+        Fault("gpu_error", 2, 91, approx(163.5), approx(0.4), "fault_detected", "inprocess", approx(1.7), 90, 0,
+              approx(0.7)),
     )
 
 
@@ -61,7 +65,9 @@ def test_clean_run(fake_run: FakeRun) -> None:
     assert (report.faults, report.lost_executions, report.attempts) == ((), 0, 1)
     assert report.training_goodput == report.infra_goodput == pytest.approx(30 / (30 + 2.0))
     assert report.checkpoints.blocking_mean_s is None
+    assert (report.first_loss, report.final_loss) == (10.0, pytest.approx(10.0 / 30))
     assert "blocking not logged" in format_report(report)
+    assert "loss 10.0000 -> 0.3333" in format_report(report)
 
 
 def test_rollback_without_resume_event_counts_the_last_execution(fake_run: FakeRun) -> None:

@@ -1,0 +1,147 @@
+"""Single-process checks of the components: model presets, the data stream, the checkpoint manager."""
+from __future__ import annotations
+
+import errno
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import CheckpointManager, committed_checkpoints
+from training.config import MODEL_PRESETS
+from training.data import TokenStream, write_token_file
+from training.events import EventLog, read_events
+from training.model import PRESETS, build_model
+
+# DCP without a process group (these single-process checks) says so in a warning each time.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def test_presets_and_forward():
+    assert tuple(PRESETS) == MODEL_PRESETS
+    n_8b = sum(p.numel() for p in build_model("8b").parameters())  # meta device: no memory
+    assert 7.9e9 < n_8b < 8.1e9
+    model = build_model("tiny", "cpu")
+    model.init_weights(0)
+    logits = model(torch.randint(0, 256, (2, 16)))
+    assert logits.shape == (2, 16, 256)
+    # causal: the first position's output does not depend on later tokens
+    tokens = torch.randint(0, 256, (1, 16))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 256
+    assert torch.allclose(model(tokens)[0, :8], model(changed)[0, :8], atol=1e-6)
+
+
+def _stream(rank, world=2, **kw):
+    return TokenStream(seq_len=16, batch_size=3, rank=rank, world_size=world, vocab_size=256, seed=7, **kw)
+
+
+def test_stream_slices_are_disjoint_deterministic_and_resumable():
+    a, b = _stream(0), _stream(1)
+    first = [a.next_batch(), b.next_batch()]
+    assert first[0].indices == [0, 1, 2] and first[1].indices == [3, 4, 5]
+    assert torch.equal(first[0].inputs[:, 1:], first[0].targets[:, :-1])
+    again = _stream(0)
+    assert torch.equal(again.next_batch().inputs, first[0].inputs)
+    resumed = _stream(1)
+    resumed.load_state_dict(b.state_dict())
+    assert resumed.next_batch().indices == [9, 10, 11] == b.next_batch().indices
+
+
+def test_stream_from_token_file(tmp_path):
+    path = write_token_file(tmp_path / "corpus.bin", n_tokens=2000, vocab_size=256)
+    assert np.fromfile(path, dtype=np.uint16).size == 2000
+    s = _stream(0, path=str(path))
+    batch = s.next_batch()
+    tokens = np.fromfile(path, dtype=np.uint16).astype(np.int64)
+    assert batch.inputs[1].tolist() == tokens[16:32].tolist()
+
+
+def _manager(tmp_path, mode="sync", **kw):
+    return CheckpointManager(tmp_path / "ckpt", mode=mode, keep=2, events=EventLog(tmp_path, "rank0"), **kw)
+
+
+def _events(tmp_path, name):
+    return [e for e in read_events(tmp_path) if e["event"] == name]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_commit_prune_and_load(tmp_path, mode):
+    m = _manager(tmp_path, mode)
+    for step in (1, 2, 3):
+        m.save(step, {"w": torch.full((8,), float(step))})
+        m.wait()
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [3, 2]  # keep=2
+    assert not list(m.dir.glob(".tmp-*"))
+    target = {"w": torch.zeros(8)}
+    assert m.load(target)[0] == 3 and torch.equal(target["w"], torch.full((8,), 3.0))
+    assert [e["step"] for e in _events(tmp_path, "ckpt_committed")] == [1, 2, 3]
+    assert len(_events(tmp_path, "ckpt_blocked")) == 3
+
+
+@pytest.mark.parametrize("when_busy", ["skip", "wait"])
+def test_async_save_overlaps_and_at_most_one_in_flight(tmp_path, monkeypatch, when_busy):
+    m = _manager(tmp_path, "async", when_busy=when_busy)
+    real_write = dcp.FileSystemWriter.write_data
+    release = threading.Event()
+
+    def held_write(self, plan, planner):
+        release.wait(10)
+        return real_write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
+    m.save(1, {"w": torch.ones(4)})  # returns while the write is held: training goes on
+    assert committed_checkpoints(m.dir) == []
+    if when_busy == "wait":
+        threading.Timer(0.5, release.set).start()
+    m.save(2, {"w": torch.ones(4)})  # skip: dropped at once; wait: blocks until save 1 is committed
+    release.set()
+    m.wait()
+    blocked = {e["step"]: e["seconds"] for e in _events(tmp_path, "ckpt_blocked")}
+    if when_busy == "skip":
+        assert [s for s, _ in committed_checkpoints(m.dir)] == [1]
+        assert list(blocked) == [1]
+    else:
+        assert [s for s, _ in committed_checkpoints(m.dir)] == [2, 1]
+        assert blocked[2] >= 0.4 > blocked[1]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_save_leaves_nothing_visible_and_training_goes_on(tmp_path, monkeypatch, mode):
+    m = _manager(tmp_path, mode)
+    m.save(1, {"w": torch.ones(4)})
+    m.wait()
+
+    def disk_full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", disk_full)
+    m.save(2, {"w": torch.ones(4)})  # no exception escapes (async: it fails in the background)
+    m.wait()
+    monkeypatch.undo()
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [1]
+    assert not list(m.dir.glob(".tmp-*"))
+    [failed] = _events(tmp_path, "ckpt_failed")
+    assert failed == {**failed, "step": 2, "error": "rank 0: OSError: [Errno 28] No space left on device"}
+    m.save(3, {"w": torch.ones(4)})
+    m.wait()
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [3, 1]
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
+    m = _manager(tmp_path, "sync")
+    m.save(1, {"w": torch.full((4,), 1.0)})
+    m.save(2, {"w": torch.full((4,), 2.0)})
+    newest = committed_checkpoints(m.dir)[0][1]
+    for shard in newest.glob("*.distcp"):
+        shard.write_bytes(b"garbage")
+    target = {"w": torch.zeros(4)}
+    assert m.load(target)[0] == 1
+    assert torch.equal(target["w"], torch.full((4,), 1.0))
+    [fallback] = _events(tmp_path, "ckpt_fallback")
+    assert fallback["path"] == str(newest)
+    assert "falling back to step_00000001" in caplog.text
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [1]  # the corrupt one is set aside
+    assert list(m.dir.glob("corrupt-step_00000002-*"))

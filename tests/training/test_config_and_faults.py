@@ -1,0 +1,85 @@
+"""Config and fault-spec validation: clear errors, and the config-error exit code from both CLIs."""
+from __future__ import annotations
+
+import pytest
+
+from training import local, train
+from training.config import TrainConfigError, load_train_config
+from training.exit_codes import CONFIG_ERROR
+from training.faults import KINDS, FaultSpecError, parse_fault, parse_faults
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["checkpoint.mode=fast"], "checkpoint.mode='fast' is not allowed: one of ['sync', 'async', 'off']"),
+    (["checkpoint.when_busy=drop"], "checkpoint.when_busy='drop' is not allowed: one of ['wait', 'skip']"),
+    (["data.dtype=int8"], "data.dtype='int8'"),
+    (["checkpoint.save_final=maybe"], "checkpoint.save_final='maybe': expected true or false"),
+    (["logging.sampel_log=true"], "unknown key(s) ['logging.sampel_log']"),
+    (["model.preset=70b"], "one of ['tiny', 'small', '1b', '8b']"),
+])
+def test_bad_config_values_are_named(overrides, message):
+    with pytest.raises(TrainConfigError) as err:
+        load_train_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_new_config_keys_load(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint: {when_busy: skip, save_final: true}\ndata: {dtype: uint32}\nlogging: {sample_log: true}\n")
+    cfg = load_train_config(path)
+    assert (cfg.checkpoint.when_busy, cfg.checkpoint.save_final, cfg.data.dtype, cfg.logging.sample_log) == \
+        ("skip", True, "uint32", True)
+
+
+def test_fault_spec_parses():
+    spec = parse_fault("sigkill@60:rank=3")
+    assert (spec.kind, spec.step, spec.rank, spec.key) == ("sigkill", 60, 3, "sigkill@60_rank=3")
+    assert parse_fault("exception@5").rank == 0
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("segfault@3", "unknown kind 'segfault'"),
+    ("exception", "not of the form KIND@STEP"),
+    ("exception@x", "step 'x' is not a whole number"),
+    ("exception@0", "step must be at least 1"),
+    ("exception@3:node=1", "unknown option 'node' for exception"),
+    ("exception@3:rank=-1", "rank='-1' is not a rank number"),
+    ("exception@3:rank", "option 'rank' is not key=value"),
+])
+def test_bad_fault_specs_are_rejected_clearly(text, problem):
+    with pytest.raises(FaultSpecError) as err:
+        parse_fault(text)
+    message = str(err.value)
+    assert repr(text) in message and problem in message
+    if "kind" in problem or "form" in problem:
+        assert all(kind in message for kind in KINDS)
+
+
+def test_fault_rank_must_exist_and_specs_must_be_unique():
+    with pytest.raises(FaultSpecError, match="rank 4 does not exist"):
+        parse_faults(["exception@3:rank=4"], world_size=4)
+    with pytest.raises(FaultSpecError, match="repeated"):
+        parse_faults(["exception@3:rank=1", "exception@3:rank=1"])
+
+
+def test_train_cli_exits_with_config_error(capsys):
+    assert train.main(["checkpoint.mode=fast"]) == CONFIG_ERROR
+    assert train.main(["faults=[boom@3]"]) == CONFIG_ERROR
+    assert "unknown kind 'boom'" in capsys.readouterr().err
+
+
+def test_local_cli_exits_with_config_error_before_starting_anything(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert local.main(["--run-dir", str(run_dir), "--nodes", "1", "--nproc-per-node", "2",
+                       "--faults", "sigkill@3:rank=2"]) == CONFIG_ERROR
+    assert "rank 2 does not exist (world size 2)" in capsys.readouterr().err
+    assert not (run_dir / "logs").exists()
+
+
+@pytest.mark.parametrize("main, argv", [(train.main, ["--bogus"]), (local.main, ["--nodes", "0"]),
+                                        (local.main, ["--nodes", "two"])])
+def test_bad_cli_flags_exit_with_config_error(main, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == CONFIG_ERROR
+    assert "error:" in capsys.readouterr().err

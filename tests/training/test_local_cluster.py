@@ -1,0 +1,85 @@
+"""The local controller: it replaces a node whose launcher died, and Ctrl-C leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from training.events import read_events
+from training_helpers import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        try:
+            if any(e["event"] == "step" and e["step"] >= step for e in read_events(run_dir)):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout} s: {proc.communicate()[0][-3000:]}")
+
+
+def _launcher(controller: subprocess.Popen, node: int) -> psutil.Process:
+    wanted = f"--rdzv-conf=is_host={1 if node == 0 else 0}"
+    return next(p for p in psutil.Process(controller.pid).children() if wanted in p.cmdline())
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    return [p for p in processes if running(p)]
+
+
+def test_controller_replaces_a_dead_node(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "40",
+                  "checkpoint.interval=5", "training.collective_timeout_s=20",
+                  "fault_tolerance.timeout_safety_factor=50")
+    _wait_for_step(run_dir, 8, proc)
+    victim = _launcher(proc, 1)
+    orphans = victim.children(recursive=True)
+    victim.kill()  # node loss: the launcher dies, its ranks would be orphaned
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-4000:]
+    events = read_events(run_dir)
+    assert [(e["node"], e["attempt"]) for e in events if e["event"] == "node_replaced"] == [(1, 1)]
+    assert any(e["event"] == "restart" and e["restart_kind"] == "node" for e in events)
+    assert [e["status"] for e in events if e["event"] == "run_end"] == ["completed"]
+    assert max(e["step"] for e in events if e["event"] == "step") == 40
+    assert not _alive(orphans)
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "100000",
+                  "fault_tolerance.timeout_safety_factor=50")
+    _wait_for_step(run_dir, 3, proc)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) >= 6  # 2 launchers, 2 ranks, 2 rank monitors at least
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-3000:]
+    assert not _alive(tree), [p.pid for p in _alive(tree)]
+    assert "stop requested" in out
+    assert [e["status"] for e in read_events(run_dir) if e["event"] == "run_end"] == ["stopped"]

@@ -1,0 +1,326 @@
+"""Checkpoints in torch.distributed.checkpoint (DCP) format: sharded, loadable without NVRx.
+
+Layout under the checkpoint directory:
+
+  step_00000040/          complete: every rank's shards, DCP .metadata, and COMMITTED (a JSON marker)
+  .tmp-step_00000060/     a save in progress or abandoned by a crash: never loaded, removed at start
+  corrupt-step_00000020/  a complete checkpoint that failed to load, set aside
+
+Atomic commit: every rank writes its shards (fsynced) into `.tmp-step_N`; DCP's coordinator (rank 0)
+writes `.metadata` only after gathering every rank's write result, so when rank 0's save returns,
+all data is durable. Rank 0 then writes COMMITTED, renames the directory to `step_N` (one atomic
+rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` dir.
+
+Async mode: the state is staged (copied) synchronously, then written in the background while
+training goes on; `poll()` (called every step on every rank) commits a finished save. At most one
+save is in flight: the next waits for it (the wait is emitted as ckpt_blocked) or, with
+when_busy=skip, is skipped with a log line. On CPU the background writer is torch's
+`dcp.async_save` (thread executor, own gloo group, so its collectives never interleave with the
+training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
+
+A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
+goes on. Loading takes the newest complete checkpoint; if that fails to load, it is set aside
+(`ckpt_fallback`) and the previous one is tried.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from training.events import EventLog
+
+log = logging.getLogger(__name__)
+
+COMMIT_MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (step, path), newest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / COMMIT_MARKER).is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found, reverse=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# CheckpointException derives from BaseException; DCP raises it on every rank when any rank failed.
+_SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def _describe(err: BaseException) -> str:
+    """One line: the first failing rank's error, not DCP's multi-rank traceback dump."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, cause = next(iter(sorted(err.failures.items())))
+        if isinstance(cause, tuple):  # DCP wraps each rank's failure as (exception, traceback)
+            cause = cause[0]
+        err = cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
+        return f"rank {rank}: {type(err).__name__}: {err}"[:500]
+    return f"{type(err).__name__}: {err}"[:500]
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """Stateful objects replaced by their state dicts (what the async writers stage)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+class _AsyncWriter(Protocol):
+    def start(self, state: dict[str, Any], path: Path) -> None: ...
+    def done(self, blocking: bool) -> bool:
+        """True once the in-flight save is durable on every rank; raises if it failed."""
+
+
+class _TorchAsyncWriter:
+    """dcp.async_save: synchronous staging into CPU copies, background write in a thread."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self._pg = process_group
+        self._future = None
+
+    def start(self, state: dict[str, Any], path: Path) -> None:
+        self._future = dcp.async_save(_plain(state), storage_writer=dcp.FileSystemWriter(path),
+                                      process_group=self._pg)
+
+    def done(self, blocking: bool) -> bool:
+        assert self._future is not None
+        if blocking:
+            self._future.result()
+        elif not self._future.done():
+            return False
+        self._future.result()  # re-raises a failed save's exception
+        return True
+
+
+class _NvrxAsyncWriter:
+    """NVRx async checkpointing (CUDA only: it stages with CUDA copies). Planning is collective
+    and synchronous; the write runs in NVRx's persistent worker process; finalization (gather of
+    write results, .metadata on the coordinator) runs on every rank in `done`, which NVRx makes a
+    collective: every rank must call `poll()`/`wait()` at the same steps, as the train loop does."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+        self._pg = process_group
+        self._queue = AsyncCallsQueue(persistent=True)
+
+    def start(self, state: dict[str, Any], path: Path) -> None:
+        from functools import partial
+
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+            save_state_dict_async_finalize, save_state_dict_async_plan)
+
+        path.mkdir(parents=True, exist_ok=True)
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            _plain(state), FileSystemWriterAsync(path), process_group=self._pg)
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
+        self._queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn))
+
+    def done(self, blocking: bool) -> bool:
+        self._queue.maybe_finalize_async_calls(blocking=blocking)
+        return self._queue.get_num_unfinalized_calls() == 0
+
+
+def _make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None) -> _AsyncWriter:
+    if device.type == "cuda":
+        try:
+            return _NvrxAsyncWriter(process_group)
+        except ImportError:
+            log.info("nvidia_resiliency_ext async checkpointing not importable; using dcp.async_save")
+    return _TorchAsyncWriter(process_group)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    tmp: Path
+    started: float
+
+
+class CheckpointManager:
+    """Saves, commits, prunes and loads checkpoints. Every method is called on every rank at the
+    same point of the program (they run collectives); only rank 0 renames, deletes and emits."""
+
+    def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
+                 events: EventLog | None = None, device: torch.device = torch.device("cpu")) -> None:
+        self.dir = Path(directory)
+        self.mode, self.keep, self.when_busy = mode, keep, when_busy
+        self.events = events
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self._inflight: _InFlight | None = None
+        self._writer: _AsyncWriter | None = None
+        if self.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".tmp-step_*"):  # abandoned by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+        if mode == "async":
+            # A separate group: background-save collectives must not interleave with the training group's.
+            group = dist.new_group(backend="gloo") if self.distributed else None
+            self._writer = _make_async_writer(device, group)
+        if self.distributed:
+            dist.barrier()  # no rank writes before the stale dirs are gone
+
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        if self.mode == "off":
+            return
+        t0 = time.monotonic()
+        if self._inflight is not None:
+            if self.when_busy == "skip" and not self._all_done():
+                self._log(f"checkpoint at step {step} skipped: the save of step {self._inflight.step} is still in flight")
+                return
+            self.wait()
+        tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        self._emit("ckpt_start", step=step)
+        try:
+            if self.mode == "sync":
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+            else:
+                assert self._writer is not None
+                self._writer.start(state, tmp)
+                self._inflight = _InFlight(step, tmp, t0)
+        except _SAVE_ERRORS as err:  # any failed save is survivable: training goes on
+            self._inflight = None
+            self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
+            self._failed(step, tmp, err)
+            return
+        self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
+        if self.mode == "sync":
+            self._commit(step, tmp, t0)
+
+    def poll(self) -> None:
+        """Commit the in-flight async save if it has finished (non-blocking)."""
+        if self._inflight is not None:
+            self._finish(blocking=False)
+
+    def wait(self) -> None:
+        """Block until the in-flight async save is committed or has failed."""
+        if self._inflight is not None:
+            self._finish(blocking=True)
+
+    def _all_done(self) -> bool:
+        assert self._writer is not None and self._inflight is not None
+        try:
+            done = self._writer.done(blocking=False)
+        except _SAVE_ERRORS:  # failed counts as done; `wait` reports it
+            done = True
+        if not self.distributed:
+            return done
+        flag = torch.tensor([0 if done else 1])
+        dist.all_reduce(flag)  # every rank must take the same skip/wait decision
+        return int(flag.item()) == 0
+
+    def _finish(self, blocking: bool) -> None:
+        assert self._writer is not None and self._inflight is not None
+        inflight = self._inflight
+        try:
+            if not self._writer.done(blocking):
+                return
+        except _SAVE_ERRORS as err:
+            self._inflight = None
+            self._failed(inflight.step, inflight.tmp, err)
+            return
+        self._inflight = None
+        self._commit(inflight.step, inflight.tmp, inflight.started)
+
+    def _commit(self, step: int, tmp: Path, started: float) -> None:
+        if self.rank != 0:
+            return
+        final = self.dir / step_dir_name(step)
+        try:
+            marker = tmp / COMMIT_MARKER
+            with open(marker, "w") as f:
+                json.dump({"step": step, "world_size": dist.get_world_size() if self.distributed else 1,
+                           "time": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # same step saved again after a resume from an older checkpoint
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.dir)
+        except OSError as err:
+            self._failed(step, tmp, err)
+            return
+        self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4))
+        for _, old in committed_checkpoints(self.dir)[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
+        if self.rank != 0:
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = _describe(err)
+        self._log(f"checkpoint at step {step} failed, nothing made visible, training goes on: {error}")
+        self._emit("ckpt_failed", step=step, error=error)
+
+    # ---- loading ---------------------------------------------------------------------------
+    def load(self, state: dict[str, Any]) -> tuple[int, Path] | None:
+        """Load the newest complete checkpoint into `state`; on failure fall back to older ones.
+        Returns (step, path), or None when there is no checkpoint."""
+        candidates = committed_checkpoints(self.dir) if self.rank == 0 else None
+        if self.distributed:  # every rank tries the same list, in the same order
+            box = [candidates]
+            dist.broadcast_object_list(box, src=0)
+            candidates = box[0]
+        assert candidates is not None
+        for i, (step, path) in enumerate(candidates):
+            try:
+                dcp.load(state, checkpoint_id=path)
+                return step, path
+            except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
+                error = _describe(err)
+                older = f"falling back to {candidates[i + 1][1].name}" if i + 1 < len(candidates) else "no older checkpoint"
+                self._log(f"checkpoint {path} could not be loaded ({error}); {older}")
+                self._emit("ckpt_fallback", path=str(path), error=error)
+                if self.rank == 0:  # set aside, so no later restart tries it again
+                    os.rename(path, path.with_name(f"corrupt-{path.name}-{int(time.time())}"))
+                if self.distributed:
+                    dist.barrier()
+        if candidates:
+            raise RuntimeError(f"no loadable checkpoint in {self.dir}: all {len(candidates)} complete ones failed")
+        return None
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def close(self) -> None:
+        self.wait()
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.rank == 0 and self.events is not None:
+            self.events.emit(event, **fields)
+
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            log.warning(message)

@@ -1,0 +1,60 @@
+"""Process-group setup and teardown; device and backend chosen from the config and the machine."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  # nccl on CUDA, gloo on CPU
+
+
+def choose_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("training.device=cuda but no CUDA device is visible")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(requested_device: str, timeout_s: float) -> DistInfo:
+    """Join the job's process group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR …);
+    without a launcher, a single-process group on a free local port."""
+    device = choose_device(requested_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    # cpu:gloo alongside NCCL: DCP async saves and small CPU collectives need a CPU backend
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ["LOCAL_RANK"]), device=device,
+                    backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

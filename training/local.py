@@ -1,0 +1,299 @@
+"""The local emulated cluster: one ft_launcher per emulated node on 127.0.0.1, and a controller that
+plays the Kubernetes Indexed Job.
+
+    python -m training.local --nodes 2 --nproc-per-node 2 --steps 200 --run-dir runs/x \\
+        [--config FILE] [--faults exception@30:rank=1,sigkill@60:rank=3] [section.key=value …]
+    python -m training.local --demo        # what `make demo` runs
+
+Each node runs the pods' command, `ft_launcher … -m training.train --config FILE`, with c10d
+rendezvous on a free port; node 0 hosts the store (`--rdzv-conf is_host=1`, as pod index 0).
+Launchers run in their own sessions; their output goes to <run_dir>/logs/node<i>.log and rank 0's
+lines are echoed here. A node whose launcher exits non-zero is started again (at most
+--node-retries times per node), with node_replaced and restart events; its orphaned ranks are
+killed first. Ctrl-C (or SIGTERM) stops every launcher and every process they started.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.distributed import free_port
+from training.events import EventLog, read_events
+from training.exit_codes import CONFIG_ERROR
+from training.fault_tolerance import launcher_ft_args
+from training.faults import FaultSpecError, parse_faults
+from training.report import ReportError, write_report
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_FAULTS = ("exception@60:rank=1", "sigkill@140:rank=3")
+# The demo: tiny model, async checkpoints every 20 steps, short gloo timeouts (a CPU collective
+# cannot be aborted; a short timeout bounds how long survivors of a fault can hang).
+# Hang timeouts are calculated as max observed x 10: room for a busy laptop.
+DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.interval=20",
+                  "training.collective_timeout_s=30", "logging.log_interval=20",
+                  "fault_tolerance.timeout_safety_factor=10")
+STOP_GRACE_S = 10.0
+_GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
+
+
+@dataclass
+class Node:
+    index: int
+    log_path: Path
+    proc: psutil.Popen | None = None
+    retries: int = 0
+    done: bool = False
+    # every process this node's launcher started, as last seen: killed when the launcher dies
+    descendants: list[psutil.Process] = field(default_factory=list)
+    _log_offset: int = 0
+    _partial: str = ""
+
+    def refresh_descendants(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            current = self.proc.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        known = {p.pid for p in self.descendants}
+        self.descendants += [p for p in current if p.pid not in known]
+        self.descendants = [p for p in self.descendants if p.is_running()]
+
+    def new_output_lines(self) -> list[str]:
+        if not self.log_path.exists():
+            return []
+        with self.log_path.open("rb") as f:
+            f.seek(self._log_offset)
+            chunk = f.read().decode(errors="replace")
+            self._log_offset = f.tell()
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()
+        return lines
+
+
+class Cluster:
+    def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
+                 max_restarts: int, node_retries: int) -> None:
+        self.cfg, self.config_path = cfg, config_path
+        self.nproc_per_node, self.max_restarts, self.node_retries = nproc_per_node, max_restarts, node_retries
+        self.run_dir = Path(cfg.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes)]
+        self.events = EventLog(self.run_dir, "controller")
+        self.port = free_port()
+        self.run_id = f"local-{uuid.uuid4().hex[:8]}"
+        self._stop_requested = False
+        self._attempts = 0
+
+    def launcher_command(self, node: Node) -> list[str]:
+        ft = self.cfg.fault_tolerance
+        return [
+            str(Path(sys.executable).parent / "ft_launcher"),
+            f"--nnodes={len(self.nodes)}", f"--nproc-per-node={self.nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf=is_host={1 if node.index == 0 else 0}",
+            f"--max-restarts={self.max_restarts}",
+            "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
+            *launcher_ft_args(ft),
+            "-m", "training.train", "--config", str(self.config_path),
+        ]
+
+    def start(self, node: Node) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               "PYTHONUNBUFFERED": "1"}
+        with node.log_path.open("ab") as log_file:
+            node.proc = psutil.Popen(self.launcher_command(node), cwd=REPO_ROOT, env=env, stdout=log_file,
+                                     stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_terminate_with_parent)
+        node.descendants = []
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        self._stop_requested = True
+
+    def run(self) -> int:
+        """Run to completion; returns 0 when every node finished, 1 on failure, 130 when stopped."""
+        self.events.emit("job_start", nodes=len(self.nodes), nproc_per_node=self.nproc_per_node)
+        for node in self.nodes:
+            self.start(node)
+        try:
+            status = self._supervise()
+        finally:
+            self.stop_all()
+            for node in self.nodes:
+                self.echo_rank0(node)
+        if status != 0:
+            self.events.emit("run_end", step=last_step(self.run_dir), status="failed" if status == 1 else "stopped")
+        self.events.close()
+        return status
+
+    def _supervise(self) -> int:
+        while not self._stop_requested:
+            for node in self.nodes:
+                node.refresh_descendants()
+                self.echo_rank0(node)
+                if node.done or node.proc is None or node.proc.poll() is None:
+                    continue
+                if node.proc.returncode == 0:
+                    node.done = True
+                elif not self.replace(node, node.proc.returncode):
+                    return 1
+            if all(n.done for n in self.nodes):
+                return 0
+            time.sleep(0.2)
+        self.say("stop requested: shutting down every node")
+        return 130
+
+    def replace(self, node: Node, rc: int) -> bool:
+        self.events.emit("fault_detected", kind="node", rank=None,
+                         detail=f"node {node.index}: ft_launcher exited with {rc}")
+        kill_processes(node.descendants)  # in a pod these would die with the container
+        if node.retries >= self.node_retries:
+            self.say(f"node {node.index}: launcher exited with {rc}; no retries left ({self.node_retries})")
+            return False
+        node.retries += 1
+        self._attempts += 1
+        self.say(f"node {node.index}: launcher exited with {rc}; starting a replacement "
+                 f"({node.retries}/{self.node_retries})")
+        self.events.emit("node_replaced", node=node.index, attempt=node.retries)
+        self.events.emit("restart", attempt=self._attempts, restart_kind="node")
+        self.start(node)
+        return True
+
+    def stop_all(self) -> None:
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        for node in live:
+            node.refresh_descendants()
+            with contextlib.suppress(*_GONE):
+                os.killpg(node.proc.pid, signal.SIGTERM)  # the launcher stops its workers on SIGTERM
+        deadline = time.monotonic() + STOP_GRACE_S
+        for node in live:
+            with contextlib.suppress(*_GONE):
+                node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for node in self.nodes:
+            if node.proc is not None:
+                with contextlib.suppress(*_GONE):
+                    os.killpg(node.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(*_GONE):
+                    node.proc.wait(timeout=5)
+            kill_processes(node.descendants)
+
+    def echo_rank0(self, node: Node) -> None:
+        for line in node.new_output_lines():
+            if "[rank0]" in line:
+                print(line, flush=True)
+
+    def say(self, message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
+
+
+def _terminate_with_parent() -> None:
+    """In the launcher, before exec: SIGTERM it when the controller dies, even by SIGKILL (Linux),
+    so a killed controller leaves no cluster behind; the launcher then stops its own workers."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def kill_processes(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        with contextlib.suppress(*_GONE):
+            if p.is_running():
+                p.kill()
+    psutil.wait_procs([p for p in processes if _alive(p)], timeout=5)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def last_step(run_dir: Path) -> int:
+    steps = [e["step"] for e in read_events(run_dir) if e["event"] == "step"]
+    return max(steps, default=0)
+
+
+def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
+    overrides = list(DEMO_OVERRIDES if args.demo else ()) + list(args.overrides)
+    overrides.append(f"run_dir={args.run_dir}")
+    if args.steps is not None:
+        overrides.append(f"training.steps={args.steps}")
+    if args.faults is not None:
+        specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
+        overrides.append("faults=[" + ",".join(specs) + "]")
+    cfg = load_train_config(args.config, overrides)
+    parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    return cfg, path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ConfigArgumentParser(prog="python -m training.local", description=__doc__.split("\n\n")[0])
+    p.add_argument("--demo", action="store_true", help="2 nodes x 2 ranks, tiny model, async checkpoints, "
+                   f"two injected faults ({', '.join(DEMO_FAULTS)})")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="training.steps (default: the config's; demo: 200)")
+    p.add_argument("--run-dir", default=None, help="default: runs/local-<time>")
+    p.add_argument("--config", default=None, help="training config file (YAML/JSON)")
+    p.add_argument("--faults", action="append", default=None, metavar="SPEC[,SPEC…]",
+                   help="fault specs, comma-separated or repeated (format: training/faults.py); "
+                   "--faults '' runs the demo without faults")
+    p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts "
+                   "(default: fault_tolerance.max_restarts)")
+    p.add_argument("--node-retries", type=int, default=2, help="replacements per node after its launcher died")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.nproc_per_node < 1:
+        p.error("--nodes and --nproc-per-node must be at least 1")
+    if args.demo:
+        args.steps = args.steps or 200
+        if args.faults is None:
+            args.faults = list(DEMO_FAULTS)
+    args.run_dir = args.run_dir or f"runs/{'demo' if args.demo else 'local'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, config_path = build_config(args)
+    except (TrainConfigError, FaultSpecError, OSError) as err:
+        print(f"training.local: invalid config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    max_restarts = cfg.fault_tolerance.max_restarts if args.max_restarts is None else args.max_restarts
+    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, max_restarts, args.node_retries)
+    signal.signal(signal.SIGINT, cluster.request_stop)
+    signal.signal(signal.SIGTERM, cluster.request_stop)
+    cluster.say(f"{args.nodes} node(s) x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, "
+                f"checkpoints {cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; "
+                f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/")
+    started = time.monotonic()
+    status = cluster.run()
+    cluster.say(f"finished in {time.monotonic() - started:.1f} s; goodput report:")
+    try:
+        print(write_report(Path(cfg.run_dir), plot=True), flush=True)
+    except ReportError as err:  # e.g. stopped before the first step: nothing to report
+        print(f"no goodput report: {err}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""One progress line every N steps (rank 0): step, loss, tokens/s, step time, ETA."""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+log = logging.getLogger("training.progress")
+
+
+class Progress:
+    def __init__(self, total_steps: int, interval: int, enabled: bool) -> None:
+        self.total, self.interval, self.enabled = total_steps, interval, enabled
+        self._t_last = time.monotonic()
+        self._tokens = 0
+        self._steps = 0
+
+    def update(self, step: int, loss: float, step_time_s: float, tokens: int) -> None:
+        self._tokens += tokens
+        self._steps += 1
+        if not self.enabled or (step % self.interval and step != self.total):
+            return
+        now = time.monotonic()
+        elapsed = max(now - self._t_last, 1e-9)
+        per_step = elapsed / self._steps
+        eta = timedelta(seconds=round(per_step * (self.total - step)))
+        log.info("step %d/%d | loss %.4f | %.0f tok/s | step %.3f s | ETA %s",
+                 step, self.total, loss, self._tokens / elapsed, step_time_s, eta)
+        self._t_last, self._tokens, self._steps = now, 0, 0

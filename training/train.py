@@ -1,0 +1,257 @@
+"""Entry point of every rank: `python -m training.train --config FILE [section.key=value …]`,
+started by ft_launcher in the pods and by training.local here.
+
+`run(cfg)` is re-entrant (everything it builds it also tears down), so it can be wrapped by
+nvidia_resiliency_ext.inprocess.Wrapper for in-process restarts.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from training.checkpoint import CheckpointManager
+from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.data import Batch, TokenStream
+from training.distributed import DistInfo, init_distributed, teardown
+from training.events import EventLog, read_events
+from training.exit_codes import CONFIG_ERROR
+from training.fault_tolerance import RankMonitor
+from training.faults import FaultInjector, FaultSpecError, parse_faults
+from training.model import PRESETS, Transformer, build_model
+from training.parallelize import parallelize
+from training.progress import Progress
+
+log = logging.getLogger("training.train")
+
+
+class ModelState(Stateful):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class TrainState(Stateful):
+    """Step, data position and NVRx timeouts: the same on every rank."""
+
+    def __init__(self, stream: TokenStream, monitor: RankMonitor) -> None:
+        self.step = 0
+        self.stream, self.monitor = stream, monitor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "data": self.stream.state_dict(), "ft": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.stream.load_state_dict(state["data"])
+        self.monitor.load_state_dict(state["ft"])
+
+
+class RngState(Stateful):
+    """This rank's RNG streams (a per-rank checkpoint key: ranks differ)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at the last step."""
+    t = cfg.training
+    if step <= t.warmup_steps:
+        return t.lr * step / max(t.warmup_steps, 1)
+    progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+    return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def build(cfg: TrainConfig, info: DistInfo) -> tuple[Transformer, torch.optim.Optimizer]:
+    on_cuda = info.device.type == "cuda"
+    # CPU: materialise whole, init, then shard. CUDA: shard on meta, materialise only the shards.
+    model = build_model(cfg.model.preset, "meta" if on_cuda else "cpu")
+    if not on_cuda:
+        model.init_weights(cfg.training.seed)
+    model = parallelize(model, info)
+    if on_cuda:
+        model.to_empty(device=info.device)
+        model.init_weights(cfg.training.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
+                                  foreach=True)
+    return model, optimizer
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, lr: float,
+               grad_clip: float, info: DistInfo) -> float:
+    """One optimizer step; returns the loss averaged over all ranks."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    logits = model(batch.inputs.to(info.device))
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten())
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    return mean_loss.item() / info.world_size
+
+
+def _attempt_number(run_dir: str) -> int:
+    return sum(1 for e in read_events(run_dir) if e["event"] == "attempt_start")
+
+
+def run(cfg: TrainConfig) -> None:
+    monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
+    info = init_distributed(cfg.training.device, cfg.training.collective_timeout_s)
+    events = EventLog(cfg.run_dir, f"rank{info.rank}")
+    lead = info.rank == 0
+    try:
+        _train(cfg, info, monitor, events, lead)
+    finally:
+        monitor.shutdown()
+        teardown()
+        events.close()
+
+
+def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: EventLog, lead: bool) -> None:
+    t = cfg.training
+    if lead:
+        attempt = _attempt_number(cfg.run_dir)
+        nodes = info.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        events.emit("run_start", world_size=info.world_size, nodes=nodes, config=cfg.to_dict())
+        kind = "fresh" if attempt == 0 else "injob"
+        events.emit("attempt_start", attempt=attempt, restart_kind=kind)
+        if attempt:
+            events.emit("restart", attempt=attempt, restart_kind=kind)
+    torch.manual_seed(t.seed)
+    model, optimizer = build(cfg, info)
+    stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=info.rank, world_size=info.world_size,
+                         vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
+                         path=cfg.data.path, dtype=cfg.data.dtype)
+    train_state = TrainState(stream, monitor)
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train_state,
+             f"rng_rank{info.rank}": RngState(info.device)}
+    ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
+                             when_busy=cfg.checkpoint.when_busy, events=events, device=info.device)
+    resumed = ckpt.load(state)
+    if lead:
+        events.emit("resume", step=train_state.step, source_kind="disk" if resumed else "none",
+                    path=str(resumed[1]) if resumed else None)
+        log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
+                 f"resumed from {resumed[1]} at step {train_state.step}" if resumed else "starting at step 0")
+    injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, info.rank, events)
+    progress = Progress(t.steps, cfg.logging.log_interval, enabled=lead)
+    samples = _sample_log(cfg, info.rank)
+    tokens_per_step = t.batch_size * t.seq_len * info.world_size
+    monitor.end_setup()
+
+    while train_state.step < t.steps:
+        step = train_state.step + 1
+        injector.maybe_fire(step)
+        with monitor.section("step"):
+            t0 = time.perf_counter()
+            batch = stream.next_batch()
+            mean_loss = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info)
+            step_time = time.perf_counter() - t0
+        train_state.step = step
+        monitor.step_done()
+        if lead:
+            events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
+                        tokens=tokens_per_step)
+        if samples is not None:
+            samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
+            samples.flush()
+        progress.update(step, mean_loss, step_time, tokens_per_step)
+        ckpt.poll()
+        if step % cfg.checkpoint.interval == 0:
+            with monitor.section("checkpoint"):
+                ckpt.save(step, state)
+
+    with monitor.section("checkpoint"):
+        ckpt.close()
+        if cfg.checkpoint.save_final:
+            dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
+                     checkpoint_id=Path(cfg.run_dir) / "final")
+    if samples is not None:
+        samples.close()
+    if lead:
+        events.emit("run_end", step=train_state.step, status="completed")
+        log.info("done: %d steps", train_state.step)
+
+
+def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:
+    if not cfg.logging.sample_log:
+        return None
+    directory = Path(cfg.run_dir) / "samples"
+    directory.mkdir(parents=True, exist_ok=True)
+    return open(directory / f"rank{rank}.jsonl", "a")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ConfigArgumentParser(prog="python -m training.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="training config file (YAML or JSON); default: built-in defaults")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format=f"[%(asctime)s] [rank{rank}] %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)))
+    except (TrainConfigError, FaultSpecError, OSError) as err:
+        print(f"training.train: invalid config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    try:
+        run(cfg)
+    except BaseException:  # noqa: BLE001
+        # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
+        # thread that may be stuck in a collective with a dead peer.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
