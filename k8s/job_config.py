@@ -79,12 +79,6 @@ class JobConfig:
         return self.restart_mode in ("inprocess", "both")
 
     @property
-    def max_restarts(self) -> int:
-        # inprocess only: the Wrapper restarts within the process; a launcher restart of the whole
-        # worker group would only race it. A failed pod is retried by the Job instead.
-        return 0 if self.restart_mode == "inprocess" else self.train.fault_tolerance.max_restarts
-
-    @property
     def rendezvous_endpoint(self) -> str:
         # Indexed Job pods are named <job>-<index> and, with subdomain=<service>, resolvable here.
         return f"{self.name}-0.{self.service_name}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{RENDEZVOUS_PORT}"

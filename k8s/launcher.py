@@ -7,7 +7,6 @@ spellings (0.7.0 dropped `--ft-param-…`) and restart policy `any-failed` (0.7.
 from __future__ import annotations
 
 import shlex
-from dataclasses import replace
 from typing import Any
 
 from k8s.job_config import JobConfig
@@ -38,9 +37,8 @@ def nvrx_ft_config(ft: FaultToleranceConfig) -> dict[str, Any]:
 
 def launcher_args(job: JobConfig) -> list[str]:
     """ft_launcher's arguments, the same on every pod (index 0 adds --rdzv-conf is_host=1)."""
-    # The fault-tolerance flags are the local runner's too (training.fault_tolerance); only the
-    # restart budget depends on the restart mode.
-    ft = replace(job.train.fault_tolerance, max_restarts=job.max_restarts)
+    # The fault-tolerance flags, restart budget included, are the local runner's too
+    # (training.fault_tolerance): with restart=inprocess the launcher restarts nothing.
     return [
         "--nnodes", str(job.nodes),  # fixed size: every rank holds a shard, none is spare
         "--nproc-per-node", str(job.instance.gpus),
@@ -49,7 +47,7 @@ def launcher_args(job: JobConfig) -> list[str]:
         "--rdzv-endpoint", job.rendezvous_endpoint,
         "--rdzv-id", job.name,
         "--ft-cfg-path", FT_CONFIG_PATH,
-        *launcher_ft_args(ft),
+        *launcher_ft_args(job.train.fault_tolerance),
         "-m", "training.train", "--config", TRAIN_CONFIG_PATH,
     ]
 

@@ -21,9 +21,15 @@ training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + A
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
 goes on. Loading takes the newest complete checkpoint; if that fails to load, it is set aside
 (`ckpt_fallback`) and the previous one is tried.
+
+Fault injection (training/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
+rank's write of its shards inside DCP (in async mode, in the background thread), so an injected
+error fails the save on every rank as a real one would. NVRx's CUDA async writer writes in its own
+worker process and is not hooked.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -32,7 +38,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,9 @@ from training.events import EventLog
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
+T = TypeVar("T")
+# hook(step, write) -> write(): called on each rank as it writes its shards of the save of `step`
+WriteHook = Callable[[int, Callable[[], T]], T]
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -93,8 +102,23 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
+class _HookedFileSystemWriter(dcp.FileSystemWriter):
+    """FileSystemWriter whose shard writing runs through a WriteHook (fault injection)."""
+
+    def __init__(self, path: Path, step: int, hook: WriteHook) -> None:
+        super().__init__(path)
+        self._step, self._hook = step, hook
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 (DCP's signature)
+        return self._hook(self._step, functools.partial(super().write_data, plan, planner))
+
+
+def _file_writer(path: Path, step: int, hook: WriteHook | None) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(path) if hook is None else _HookedFileSystemWriter(path, step, hook)
+
+
 class _AsyncWriter(Protocol):
-    def start(self, state: dict[str, Any], path: Path) -> None: ...
+    def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
 
@@ -102,12 +126,13 @@ class _AsyncWriter(Protocol):
 class _TorchAsyncWriter:
     """dcp.async_save: synchronous staging into CPU copies, background write in a thread."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
         self._pg = process_group
+        self._hook = write_hook
         self._future = None
 
-    def start(self, state: dict[str, Any], path: Path) -> None:
-        self._future = dcp.async_save(_plain(state), storage_writer=dcp.FileSystemWriter(path),
+    def start(self, state: dict[str, Any], path: Path, step: int) -> None:
+        self._future = dcp.async_save(_plain(state), storage_writer=_file_writer(path, step, self._hook),
                                       process_group=self._pg)
 
     def done(self, blocking: bool) -> bool:
@@ -132,7 +157,7 @@ class _NvrxAsyncWriter:
         self._pg = process_group
         self._queue = AsyncCallsQueue(persistent=True)
 
-    def start(self, state: dict[str, Any], path: Path) -> None:
+    def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         from functools import partial
 
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -152,13 +177,18 @@ class _NvrxAsyncWriter:
         return self._queue.get_num_unfinalized_calls() == 0
 
 
-def _make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None) -> _AsyncWriter:
+def _make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None,
+                       write_hook: WriteHook | None) -> _AsyncWriter:
     if device.type == "cuda":
         try:
-            return _NvrxAsyncWriter(process_group)
+            writer = _NvrxAsyncWriter(process_group)
+            if write_hook is not None:
+                log.warning("checkpoint fault injection (ckpt-crash, disk-full) does not reach NVRx's async "
+                            "writer: use checkpoint.mode=sync to inject them on CUDA")
+            return writer
         except ImportError:
             log.info("nvidia_resiliency_ext async checkpointing not importable; using dcp.async_save")
-    return _TorchAsyncWriter(process_group)
+    return _TorchAsyncWriter(process_group, write_hook)
 
 
 @dataclass
@@ -173,10 +203,12 @@ class CheckpointManager:
     same point of the program (they run collectives); only rank 0 renames, deletes and emits."""
 
     def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
-                 events: EventLog | None = None, device: torch.device = torch.device("cpu")) -> None:
+                 events: EventLog | None = None, device: torch.device = torch.device("cpu"),
+                 write_hook: WriteHook | None = None) -> None:
         self.dir = Path(directory)
         self.mode, self.keep, self.when_busy = mode, keep, when_busy
         self.events = events
+        self._write_hook = write_hook
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self._inflight: _InFlight | None = None
@@ -188,7 +220,7 @@ class CheckpointManager:
         if mode == "async":
             # A separate group: background-save collectives must not interleave with the training group's.
             group = dist.new_group(backend="gloo") if self.distributed else None
-            self._writer = _make_async_writer(device, group)
+            self._writer = _make_async_writer(device, group, write_hook)
         if self.distributed:
             dist.barrier()  # no rank writes before the stale dirs are gone
 
@@ -206,10 +238,10 @@ class CheckpointManager:
         self._emit("ckpt_start", step=step)
         try:
             if self.mode == "sync":
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+                dcp.save(state, storage_writer=_file_writer(tmp, step, self._write_hook))
             else:
                 assert self._writer is not None
-                self._writer.start(state, tmp)
+                self._writer.start(state, tmp, step)
                 self._inflight = _InFlight(step, tmp, t0)
         except _SAVE_ERRORS as err:  # any failed save is survivable: training goes on
             self._inflight = None

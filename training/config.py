@@ -95,6 +95,20 @@ class FaultToleranceConfig:
     out_of_section_timeout: float = 600.0
     calculate_timeouts_after: int = 5
     timeout_safety_factor: float = 5.0
+    # In-process restart (restart=inprocess|both; training/inprocess.py). A rank making no progress
+    # for inprocess_soft_timeout seconds makes every rank restart in-process; one that cannot be
+    # interrupted is killed by the Wrapper's monitor process at inprocess_hard_timeout. Both must
+    # cover the longest blocking operation (a sync checkpoint save) and stay below the launcher's
+    # rank monitor timeouts, which remain the backstop.
+    inprocess_max_restarts: int = 3  # per process: the Wrapper's restart budget
+    inprocess_soft_timeout: float = 60.0
+    inprocess_hard_timeout: float = 90.0
+
+    @property
+    def launcher_max_restarts(self) -> int:
+        """ft_launcher's --max-restarts: none with restart=inprocess (the Wrapper restarts; what it
+        cannot handle ends the job), else max_restarts."""
+        return 0 if self.restart == "inprocess" else self.max_restarts
 
 
 @dataclass(frozen=True)
@@ -263,6 +277,20 @@ def _validate(c: TrainConfig) -> None:
             f"fault_tolerance.checkpoint_section_timeout ({ft.checkpoint_section_timeout}) must be at least "
             f"step_section_timeout ({ft.step_section_timeout}): a save never takes less than a step"
         )
+    if ft.inprocess_max_restarts < 0:
+        fail("fault_tolerance.inprocess_max_restarts", ft.inprocess_max_restarts, "0 or more")
+    if not 0 < ft.inprocess_soft_timeout < ft.inprocess_hard_timeout:
+        raise TrainConfigError(
+            f"fault_tolerance.inprocess_soft_timeout ({ft.inprocess_soft_timeout}) must be greater than 0 and "
+            f"less than inprocess_hard_timeout ({ft.inprocess_hard_timeout}): the Wrapper first tries to "
+            "interrupt a hung rank, then kills it")
+    if ft.restart != "injob":
+        for key in ("step_section_timeout", "out_of_section_timeout", "rank_heartbeat_timeout"):
+            if not ft.inprocess_hard_timeout < getattr(ft, key):
+                raise TrainConfigError(
+                    f"fault_tolerance.inprocess_hard_timeout ({ft.inprocess_hard_timeout}) must be less than "
+                    f"{key} ({getattr(ft, key)}) with restart={ft.restart}: otherwise the launcher's rank "
+                    "monitor kills a hung rank before the Wrapper can restart it in-process")
     if ft.calculate_timeouts_after < 1:
         fail("fault_tolerance.calculate_timeouts_after", ft.calculate_timeouts_after, "at least 1 step")
     if ft.timeout_safety_factor < 1:

@@ -26,25 +26,33 @@ def choose_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(requested_device: str, timeout_s: float) -> DistInfo:
+def init_distributed(requested_device: str, timeout_s: float, store: dist.Store | None = None) -> DistInfo:
     """Join the job's process group from the launcher's env (RANK, WORLD_SIZE, MASTER_ADDR …);
-    without a launcher, a single-process group on a free local port."""
+    without a launcher, a single-process group on a free local port. `store`: rendezvous there
+    instead (an in-process restart joins each new group under a fresh store prefix)."""
     device = choose_device(requested_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    default_launcher_env()
+    # cpu:gloo alongside NCCL: DCP async saves and small CPU collectives need a CPU backend
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    placement = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                          "world_size": int(os.environ["WORLD_SIZE"])}
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None, **placement)
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                    local_rank=int(os.environ["LOCAL_RANK"]), device=device,
+                    backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def default_launcher_env() -> None:
+    """Without a launcher: the env of a one-process job (rank 0 of 1, a free local port)."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
-    # cpu:gloo alongside NCCL: DCP async saves and small CPU collectives need a CPU backend
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=int(os.environ["LOCAL_RANK"]), device=device,
-                    backend="nccl" if device.type == "cuda" else "gloo")
 
 
 def teardown() -> None:

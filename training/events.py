@@ -18,9 +18,14 @@ depend on the event:
   ckpt_committed  step, path, seconds              rank 0: save visible; seconds from start to commit
   ckpt_failed     step, error                      rank 0: the save is invisible, training goes on
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
-  fault_injected  kind, rank, step                 the faulty rank, just before the fault fires
-  fault_detected  kind, rank, detail               whoever detects it (Wrapper, launcher, controller)
-  restart         attempt, restart_kind            controller (restart_kind: node) or rank 0
+  fault_injected  kind, rank, step, spec           the faulty rank, just before the fault fires; spec:
+                                                   the fault spec as written (training/faults.py)
+  fault_detected  kind, rank, detail, by           whoever detects it; by: the detecting party
+                                                   (controller, nvrx rank monitor, Wrapper …)
+  restart         attempt, restart_kind            controller or rank 0; restart_kind: injob (ft_launcher
+                                                   restarted the worker group), inprocess (Wrapper),
+                                                   node (one node replaced), job (every node restarted
+                                                   with a fresh rendezvous: the rendezvous host was lost)
   node_replaced   node, attempt                    the local controller
   run_end         step, status                     rank 0 (status: completed) or controller (failed)
 """

@@ -33,7 +33,7 @@ def launcher_ft_args(ft: FaultToleranceConfig) -> list[str]:
     runner and the Kubernetes Job build their command lines from this one list)."""
     sections = ",".join(f"{name}:{getattr(ft, f'{name}_section_timeout')}" for name in SECTIONS)
     return [
-        f"--max-restarts={ft.max_restarts}",
+        f"--max-restarts={ft.launcher_max_restarts}",
         "--ft-restart-policy=any-failed",  # 0.7.0 dropped min-healthy
         f"--ft-initial-rank-heartbeat-timeout={ft.initial_rank_heartbeat_timeout}",
         f"--ft-rank-heartbeat-timeout={ft.rank_heartbeat_timeout}",

@@ -1,31 +1,72 @@
 """Fault injection on a schedule, each fault fired once per run.
 
-Spec format (config `faults:` list, or `--faults` of training.local):
+Spec format (config `faults:` list, `--faults` of training.local, or the TRAINING_FAULTS
+environment variable, comma-separated, added to the config's list at every worker start):
 
-    KIND@STEP[:key=value[:key=value…]]
+    KIND@STEP[:key=value…][:persistent]
 
-    exception@30:rank=1    rank 1 raises FaultInjected when it reaches step 30
-    sigkill@60:rank=3      rank 3 SIGKILLs itself when it reaches step 60
+    exception@30:rank=1          rank 1 raises FaultInjected when it reaches step 30
+    sigkill@60:rank=3            rank 3 SIGKILLs itself when it reaches step 60
+    hang@40:rank=1               rank 1 stops (no heartbeat, no collective) and sleeps; its peers
+                                 block in the next collective, inside their `step` section, until
+                                 NVRx's rank monitor kills one at the step-section timeout (the hung
+                                 rank's own heartbeat / out-of-section timeouts are the backstop);
+                                 these must be shorter than training.collective_timeout_s so that
+                                 NVRx, not gloo, detects the hang
+    node-loss@50:node=1          node 1's ft_launcher and every process it started are SIGKILLed
+                                 (fired by the node's local rank 0); the Job / local controller
+                                 replaces the node. node=0 loses the rendezvous host (c10d store)
+    ckpt-crash@20:rank=1         rank 1 dies (SIGKILL) inside the first checkpoint save from step 20,
+                                 after writing its shards and before the save commits (async mode:
+                                 in the background writer); the restart loads the previous checkpoint
+    corrupt-ckpt@25              rank 0 truncates every shard file of the newest committed
+                                 checkpoint, then SIGKILLs itself, so that the restart must load it
+                                 and fall back to the one before (ckpt_fallback event)
+    disk-full@20:count=2         the first 2 checkpoint saves from step 20 fail on rank 0 with
+                                 OSError(ENOSPC) as they start writing: ckpt_failed, nothing
+                                 visible, training goes on and the next interval retries
+    exception@5:rank=1:persistent  fires on every attempt, not once: the job ends after its
+                                 restart budget (fault_tolerance.max_restarts)
 
-KIND is one of KINDS. STEP (at least 1) is the step the rank is about to run: the fault fires
-after step STEP-1 completed and before step STEP starts. Keys: `rank` (global rank, default 0).
-Each kind declares the keys it accepts, so new kinds (hang, node-loss, ckpt-crash, corrupt-ckpt,
-disk-full) add an entry to KINDS with their own keys and handler.
+KIND is one of KINDS. STEP (at least 1) is the step the rank is about to run: a step fault fires
+after step STEP-1 completed and before step STEP starts; a checkpoint fault (ckpt-crash, disk-full)
+fires in the first save of a step >= STEP. Keys (each kind accepts its own, see KINDS):
+`rank` (global rank, default 0), `node` (the node index: the pod's JOB_COMPLETION_INDEX, which
+training.local sets too; else torchelastic's GROUP_RANK), `count` (saves that fail, default 1),
+and the flag `persistent` (exception, sigkill, hang, ckpt-crash).
 
 Once-per-run: before firing, the faulty rank records the fault durably (an fsynced file under
 `<run_dir>/faults/fired/`); after the restart that the fault causes, the recorded fault is not
-fired again, even though the resumed run passes the same step again.
+fired again, even though the resumed run passes the same step again. A persistent fault ignores
+the record. disk-full's `count` failures belong to one firing: a restart in between ends them.
+
+The checkpoint faults wrap the torch DCP FileSystemWriter (sync saves, and async saves on CPU);
+NVRx's CUDA async writer runs in a worker process that the hook cannot reach.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
+import logging
 import os
 import re
 import signal
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, NoReturn, TypeVar
 
+import psutil
+
+from training.checkpoint import committed_checkpoints
 from training.events import EventLog
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+ENV_VAR = "TRAINING_FAULTS"
 
 
 class FaultSpecError(ValueError):
@@ -36,78 +77,182 @@ class FaultInjected(RuntimeError):
     """Raised by the `exception` fault."""
 
 
-def _raise(spec: "FaultSpec") -> None:
-    raise FaultInjected(f"injected fault {spec.text}")
-
-
-def _sigkill(spec: "FaultSpec") -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-@dataclass(frozen=True)
-class FaultKind:
-    fire: Callable[["FaultSpec"], None]
-    keys: frozenset[str] = frozenset({"rank"})
-    help: str = ""
-
-
-KINDS: dict[str, FaultKind] = {
-    "exception": FaultKind(_raise, help="the rank raises FaultInjected and exits non-zero"),
-    "sigkill": FaultKind(_sigkill, help="the rank kills itself with SIGKILL"),
-}
-
-_SPEC = re.compile(r"^(?P<kind>[a-z][a-z0-9-]*)@(?P<step>[^:]+)(?P<opts>(:[^:]*)*)$")
-
-
 @dataclass(frozen=True)
 class FaultSpec:
     text: str
     kind: str
     step: int
-    rank: int = 0
-    options: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    rank: int | None = 0  # None for node faults
+    node: int | None = None
+    count: int = 1
+    persistent: bool = False
 
     @property
     def key(self) -> str:
         """A file-name-safe identity: the normalised spec."""
-        opts = "".join(f"_{k}={v}" for k, v in sorted({**self.options, "rank": str(self.rank)}.items()))
-        return f"{self.kind}@{self.step}{opts}"
+        options = [f"count={self.count}" if self.count != 1 else None,
+                   f"node={self.node}" if self.node is not None else None,
+                   "persistent" if self.persistent else None,
+                   f"rank={self.rank}" if self.rank is not None else None]
+        return "_".join([f"{self.kind}@{self.step}", *filter(None, options)])
+
+
+# ---- what each kind does -----------------------------------------------------------------------
+def _kill_self() -> NoReturn:
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL is delivered before os.kill returns to Python")
+
+
+def _raise(spec: FaultSpec, checkpoint_dir: Path) -> None:
+    raise FaultInjected(f"injected fault {spec.text}")
+
+
+def _sigkill(spec: FaultSpec, checkpoint_dir: Path) -> None:
+    _kill_self()
+
+
+def _hang(spec: FaultSpec, checkpoint_dir: Path) -> None:
+    """No heartbeat, no collective: the peers block in the next one. A signal ends it (the rank
+    monitor's, or the launcher's when it stops the worker group), or an exception raised into this
+    thread by an in-process restart, which is why it sleeps in short naps."""
+    log.warning("fault %s: rank hangs from now on", spec.text)
+    while True:
+        time.sleep(1)
+
+
+def _lose_node(spec: FaultSpec, checkpoint_dir: Path) -> None:
+    """SIGKILL this node's ft_launcher first (so it cannot restart anything), then every process it
+    started, this one last: what a lost machine or a deleted pod leaves behind."""
+    me = psutil.Process()
+    launcher = next((p for p in me.parents() if any("ft_launcher" in part for part in p.cmdline())), None)
+    if launcher is None:
+        raise FaultInjected(f"injected fault {spec.text}: no ft_launcher among this rank's parent processes")
+    others = [p for p in launcher.children(recursive=True) if p.pid != me.pid]
+    # Inside a container the launcher may be PID 1, which ignores SIGKILL sent from inside its own
+    # PID namespace; its SIGTERM handler stops it instead, and the pod fails all the same.
+    launcher.send_signal(signal.SIGTERM if launcher.pid == 1 else signal.SIGKILL)
+    for p in others:
+        try:
+            p.kill()
+        except psutil.Error:  # already gone
+            pass
+    _kill_self()
+
+
+def _corrupt_newest_checkpoint(spec: FaultSpec, checkpoint_dir: Path) -> None:
+    """Truncate every shard of the newest committed checkpoint to half (a torn write / bad disk),
+    then die, so that the restart has to load it."""
+    newest = committed_checkpoints(checkpoint_dir)
+    if newest:
+        step, path = newest[0]
+        shards = sorted(path.glob("*.distcp"))
+        for shard in shards:
+            os.truncate(shard, shard.stat().st_size // 2)
+        log.warning("fault %s: truncated %d shard file(s) of %s", spec.text, len(shards), path)
+    else:
+        log.warning("fault %s: no committed checkpoint in %s to corrupt", spec.text, checkpoint_dir)
+    _kill_self()
+
+
+def _crash_mid_save(spec: FaultSpec, write: Callable[[], T]) -> T:
+    write()  # this rank's shards are on disk; the save has not committed (no metadata, no marker)
+    _kill_self()
+
+
+def _disk_full(spec: FaultSpec, write: Callable[[], T]) -> T:
+    raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text})")
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    help: str
+    keys: frozenset[str]  # options key=value; "rank" or "node" says whom it targets
+    flags: frozenset[str] = frozenset()
+    # exactly one of: fires before the step / wraps this rank's write of a checkpoint save
+    at_step: Callable[[FaultSpec, Path], None] | None = None
+    in_write: Callable[[FaultSpec, Callable[[], T]], T] | None = None
+
+
+_RANK = frozenset({"rank"})
+_PERSISTENT = frozenset({"persistent"})
+KINDS: dict[str, FaultKind] = {
+    "exception": FaultKind("the rank raises FaultInjected and exits non-zero", _RANK, _PERSISTENT, at_step=_raise),
+    "sigkill": FaultKind("the rank kills itself with SIGKILL", _RANK, _PERSISTENT, at_step=_sigkill),
+    "hang": FaultKind("the rank stops heartbeating and sleeps; NVRx timeouts detect it", _RANK, _PERSISTENT,
+                      at_step=_hang),
+    "node-loss": FaultKind("the node's launcher and all its ranks are SIGKILLed", frozenset({"node"}),
+                           at_step=_lose_node),
+    "ckpt-crash": FaultKind("the rank dies while a checkpoint save is in flight", _RANK, _PERSISTENT,
+                            in_write=_crash_mid_save),
+    "corrupt-ckpt": FaultKind("the newest committed checkpoint is truncated, then the rank dies", _RANK,
+                              at_step=_corrupt_newest_checkpoint),
+    "disk-full": FaultKind("the next `count` saves fail with ENOSPC; training goes on", _RANK | {"count"},
+                           in_write=_disk_full),
+}
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+_SPEC = re.compile(r"^(?P<kind>[a-z][a-z0-9-]*)@(?P<step>[^:]+)(?P<opts>(:[^:]*)*)$")
+_NUMBER_KEYS = {"rank": 0, "node": 0, "count": 1}  # key -> smallest allowed value
+
+
+def _allowed() -> str:
+    kinds = "; ".join(f"{name} [{', '.join(sorted(k.keys | k.flags))}] ({k.help})" for name, k in sorted(KINDS.items()))
+    return f"allowed kinds [options]: {kinds}; format KIND@STEP[:key=value…][:persistent], e.g. exception@30:rank=1"
 
 
 def parse_fault(text: str) -> FaultSpec:
-    kinds = "; ".join(f"{name} ({kind.help})" for name, kind in sorted(KINDS.items()))
-    allowed = f"allowed kinds: {kinds}; format KIND@STEP[:rank=R], e.g. exception@30:rank=1"
     m = _SPEC.match(text.strip())
     if not m:
-        raise FaultSpecError(f"fault spec {text!r}: not of the form KIND@STEP[:key=value…]; {allowed}")
+        raise FaultSpecError(f"fault spec {text!r}: not of the form KIND@STEP[:key=value…]; {_allowed()}")
     kind = m.group("kind")
     if kind not in KINDS:
-        raise FaultSpecError(f"fault spec {text!r}: unknown kind {kind!r}; {allowed}")
+        raise FaultSpecError(f"fault spec {text!r}: unknown kind {kind!r}; {_allowed()}")
     try:
         step = int(m.group("step"))
     except ValueError:
-        raise FaultSpecError(f"fault spec {text!r}: step {m.group('step')!r} is not a whole number; {allowed}") from None
+        raise FaultSpecError(f"fault spec {text!r}: step {m.group('step')!r} is not a whole number; {_allowed()}") from None
     if step < 1:
         raise FaultSpecError(f"fault spec {text!r}: step must be at least 1")
-    options: dict[str, str] = {}
+    options: dict[str, int | bool | None] = {}
     for item in filter(None, m.group("opts").split(":")):
-        key, sep, value = item.partition("=")
-        if not sep or not value:
-            raise FaultSpecError(f"fault spec {text!r}: option {item!r} is not key=value")
-        if key not in KINDS[kind].keys:
-            raise FaultSpecError(f"fault spec {text!r}: unknown option {key!r} for {kind}; allowed: {sorted(KINDS[kind].keys)}")
+        key, value = _parse_option(text, kind, item)
+        if key in options:
+            raise FaultSpecError(f"fault spec {text!r}: option {key!r} given twice")
         options[key] = value
-    rank_text = options.pop("rank", "0")
-    if not rank_text.isdigit():
-        raise FaultSpecError(f"fault spec {text!r}: rank={rank_text!r} is not a rank number (0 or more)")
-    return FaultSpec(text=text.strip(), kind=kind, step=step, rank=int(rank_text), options=options)
+    if "node" in KINDS[kind].keys:  # a node fault: whichever ranks run there, no rank of its own
+        if "node" not in options:
+            raise FaultSpecError(f"fault spec {text!r}: {kind} needs node=N (the node index)")
+        options["rank"] = None
+    return FaultSpec(text=text.strip(), kind=kind, step=step, **options)  # type: ignore[arg-type]
 
 
-def parse_faults(texts: tuple[str, ...] | list[str], world_size: int | None = None) -> list[FaultSpec]:
+def _parse_option(text: str, kind: str, item: str) -> tuple[str, int | bool]:
+    key, sep, value = item.partition("=")
+    known = KINDS[kind]
+    if key not in known.keys | known.flags:
+        raise FaultSpecError(f"fault spec {text!r}: unknown option {key!r} for {kind}; "
+                             f"allowed: {sorted(known.keys | known.flags)}")
+    if key in known.flags:
+        if sep:
+            raise FaultSpecError(f"fault spec {text!r}: {key} is a flag and takes no value")
+        return key, True
+    if not sep or not value:
+        raise FaultSpecError(f"fault spec {text!r}: option {item!r} is not key=value")
+    if not value.isdigit() or int(value) < _NUMBER_KEYS[key]:
+        what = "a rank number" if key == "rank" else f"a whole number, at least {_NUMBER_KEYS[key]}"
+        raise FaultSpecError(f"fault spec {text!r}: {key}={value!r} is not {what}")
+    return key, int(value)
+
+
+def parse_faults(texts: tuple[str, ...] | list[str], world_size: int | None = None,
+                 nodes: int | None = None) -> list[FaultSpec]:
     specs = [parse_fault(t) for t in texts]
     for spec in specs:
-        if world_size is not None and spec.rank >= world_size:
+        if world_size is not None and spec.rank is not None and spec.rank >= world_size:
             raise FaultSpecError(f"fault spec {spec.text!r}: rank {spec.rank} does not exist (world size {world_size})")
+        if nodes is not None and spec.node is not None and spec.node >= nodes:
+            raise FaultSpecError(f"fault spec {spec.text!r}: node {spec.node} does not exist ({nodes} node(s))")
     keys = [s.key for s in specs]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
@@ -115,25 +260,65 @@ def parse_faults(texts: tuple[str, ...] | list[str], world_size: int | None = No
     return specs
 
 
+def with_env_faults(cfg: TrainConfig) -> TrainConfig:
+    """The config with the specs of TRAINING_FAULTS (comma-separated) added, those already in its
+    list left out: an operator injects a fault into a running cluster's next worker start."""
+    extra = [s.strip() for s in os.environ.get(ENV_VAR, "").split(",") if s.strip() and s.strip() not in cfg.faults]
+    return dataclasses.replace(cfg, faults=(*cfg.faults, *extra)) if extra else cfg
+
+
+# ---- firing ------------------------------------------------------------------------------------
 def fired_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "faults" / "fired"
 
 
-class FaultInjector:
-    """The faults of one rank. `maybe_fire(step)` is called before each step."""
+def node_index() -> int:
+    """This process's node: the pod index of the Indexed Job (training.local sets it too), else
+    torchelastic's node rank."""
+    return int(os.environ.get("JOB_COMPLETION_INDEX", os.environ.get("GROUP_RANK", 0)))
 
-    def __init__(self, specs: list[FaultSpec], run_dir: str | os.PathLike, rank: int, events: EventLog) -> None:
-        self._mine = [s for s in specs if s.rank == rank]
+
+class FaultInjector:
+    """The faults of one rank. `maybe_fire(step)` is called before each step; `around_write` wraps
+    this rank's write of every checkpoint save (CheckpointManager's write_hook)."""
+
+    def __init__(self, specs: list[FaultSpec], run_dir: str | os.PathLike, rank: int, events: EventLog,
+                 checkpoint_dir: str | os.PathLike | None = None) -> None:
+        first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
         self._dir = fired_dir(run_dir)
+        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
         self._rank = rank
         self._events = events
+        self._failures_left: dict[str, int] = {}  # disk-full: saves still to fail in this firing
 
     def maybe_fire(self, step: int) -> None:
         for spec in self._mine:
-            if spec.step == step and not (self._dir / spec.key).exists():
-                self._record(spec)
-                self._events.emit("fault_injected", kind=spec.kind, rank=self._rank, step=step)
-                KINDS[spec.kind].fire(spec)
+            at_step = KINDS[spec.kind].at_step
+            if at_step is not None and spec.step == step and self._due(spec):
+                self._fire(spec, step)
+                at_step(spec, self._checkpoint_dir)
+
+    def around_write(self, step: int, write: Callable[[], T]) -> T:
+        """Run `write` (this rank's part of the save of `step`), or the fault that replaces it."""
+        for spec in self._mine:
+            in_write = KINDS[spec.kind].in_write
+            if in_write is None or step < spec.step:
+                continue
+            if self._due(spec):
+                self._fire(spec, step)
+                self._failures_left[spec.key] = spec.count
+            if self._failures_left.get(spec.key, 0) > 0:
+                self._failures_left[spec.key] -= 1
+                return in_write(spec, write)
+        return write()
+
+    def _due(self, spec: FaultSpec) -> bool:
+        return spec.persistent or not (self._dir / spec.key).exists()
+
+    def _fire(self, spec: FaultSpec, step: int) -> None:
+        self._record(spec)
+        self._events.emit("fault_injected", kind=spec.kind, rank=self._rank, step=step, spec=spec.text)
 
     def _record(self, spec: FaultSpec) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)

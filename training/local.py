@@ -6,17 +6,29 @@ plays the Kubernetes Indexed Job.
     python -m training.local --demo        # what `make demo` runs
 
 Each node runs the pods' command, `ft_launcher … -m training.train --config FILE`, with c10d
-rendezvous on a free port; node 0 hosts the store (`--rdzv-conf is_host=1`, as pod index 0).
-Launchers run in their own sessions; their output goes to <run_dir>/logs/node<i>.log and rank 0's
-lines are echoed here. A node whose launcher exits non-zero is started again (at most
---node-retries times per node), with node_replaced and restart events; its orphaned ranks are
-killed first. Ctrl-C (or SIGTERM) stops every launcher and every process they started.
+rendezvous on a free port; node 0 hosts the store (`--rdzv-conf is_host=1`, as pod index 0), and
+every node gets its index in JOB_COMPLETION_INDEX, as the pods do. Launchers run in their own
+sessions; their output goes to <run_dir>/logs/node<i>.log and rank 0's lines are echoed here.
+
+What the controller does when a launcher exits (each time with a fault_detected event, by=controller):
+- killed by a signal (a lost node): its orphaned ranks are killed and the node is started again, at
+  most --node-retries times per node (node_replaced, restart with restart_kind=node). Node 0 takes
+  the c10d store with it, so no other launcher can rejoin: every node is restarted with a fresh
+  rendezvous (new port and id; restart_kind=job), like a Job whose index-0 pod was replaced; the
+  ranks resume from the last checkpoint.
+- exited with an error: ft_launcher gives up only once its in-job restart budget
+  (fault_tolerance.max_restarts) is spent, so the job fails, with a message naming the ranks and
+  faults that the event log recorded (e.g. a persistent fault), instead of restarting forever.
+It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
+"worker failed") and records them as fault_detected, so the report measures detection time.
+Ctrl-C (or SIGTERM) stops every launcher and every process they started.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +44,7 @@ from training.distributed import free_port
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR
 from training.fault_tolerance import launcher_ft_args
-from training.faults import FaultSpecError, parse_faults
+from training.faults import FaultSpecError, parse_faults, with_env_faults
 from training.report import ReportError, write_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +56,13 @@ DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.inte
                   "training.collective_timeout_s=30", "logging.log_interval=20",
                   "fault_tolerance.timeout_safety_factor=10")
 STOP_GRACE_S = 10.0
+# NVRx 0.4.1 log lines that report a detected fault: (pattern, kind, detecting party). The rank
+# monitor's logger tags lines with the local rank it watches: [RankMonServer<pid>@<host>:<local rank>].
+_DETECTIONS = (
+    (re.compile(r"\[RankMonServer\d+@[^\]]*:(?P<local_rank>\d+)\] (?P<what>(Section '\w+' has been open|"
+                r"Was out of section|Did not get (initial|subsequent) heartbeat).*)"), "hang", "nvrx rank monitor"),
+    (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
+)
 _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
 
 
@@ -84,17 +103,20 @@ class Node:
 
 class Cluster:
     def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
-                 max_restarts: int, node_retries: int) -> None:
+                 node_retries: int) -> None:
         self.cfg, self.config_path = cfg, config_path
-        self.nproc_per_node, self.max_restarts, self.node_retries = nproc_per_node, max_restarts, node_retries
+        self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
+        self.max_restarts = cfg.fault_tolerance.launcher_max_restarts
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes)]
         self.events = EventLog(self.run_dir, "controller")
-        self.port = free_port()
-        self.run_id = f"local-{uuid.uuid4().hex[:8]}"
+        self.new_rendezvous()
         self._stop_requested = False
         self._attempts = 0
+
+    def new_rendezvous(self) -> None:
+        self.port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
 
     def launcher_command(self, node: Node) -> list[str]:
         ft = self.cfg.fault_tolerance
@@ -103,7 +125,6 @@ class Cluster:
             f"--nnodes={len(self.nodes)}", f"--nproc-per-node={self.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf=is_host={1 if node.index == 0 else 0}",
-            f"--max-restarts={self.max_restarts}",
             "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
             *launcher_ft_args(ft),
             "-m", "training.train", "--config", str(self.config_path),
@@ -111,8 +132,12 @@ class Cluster:
 
     def start(self, node: Node) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
+               "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
+        if self.cfg.fault_tolerance.restart != "injob":
+            # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
+            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         with node.log_path.open("ab") as log_file:
             node.proc = psutil.Popen(self.launcher_command(node), cwd=REPO_ROOT, env=env, stdout=log_file,
                                      stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -132,7 +157,7 @@ class Cluster:
         finally:
             self.stop_all()
             for node in self.nodes:
-                self.echo_rank0(node)
+                self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
         if status != 0:
             self.events.emit("run_end", step=last_step(self.run_dir), status="failed" if status == 1 else "stopped")
         self.events.close()
@@ -142,34 +167,71 @@ class Cluster:
         while not self._stop_requested:
             for node in self.nodes:
                 node.refresh_descendants()
-                self.echo_rank0(node)
-                if node.done or node.proc is None or node.proc.poll() is None:
-                    continue
-                if node.proc.returncode == 0:
-                    node.done = True
-                elif not self.replace(node, node.proc.returncode):
-                    return 1
-            if all(n.done for n in self.nodes):
-                return 0
+                self.read_output(node, detect=True)
+            status = self._handle_exits()
+            if status is not None:
+                return status
             time.sleep(0.2)
         self.say("stop requested: shutting down every node")
         return 130
 
+    def _handle_exits(self) -> int | None:
+        """Act on launchers that exited; returns the job's status once it is decided, else None."""
+        # Poll node 0 last: a launcher that exits because node 0's store died is then never seen
+        # before node 0's own death, which calls for a whole-job restart instead.
+        polled = [(n, n.proc.poll()) for n in reversed(self.nodes) if not n.done and n.proc is not None]
+        for node, rc in reversed(polled):
+            if rc is None:
+                continue
+            if rc == 0:
+                node.done = True
+            elif rc > 0:
+                self.give_up(node, rc)
+                return 1
+            elif not self.replace(node, rc):
+                return 1
+            elif node.index == 0:
+                return None  # every node was restarted: the other exits polled are stale
+        return 0 if all(n.done for n in self.nodes) else None
+
     def replace(self, node: Node, rc: int) -> bool:
-        self.events.emit("fault_detected", kind="node", rank=None,
-                         detail=f"node {node.index}: ft_launcher exited with {rc}")
+        """A lost node (its launcher killed by a signal): start it again, at most node_retries times."""
+        detail = f"launcher of node {node.index} was killed by {signal.Signals(-rc).name}"
+        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         kill_processes(node.descendants)  # in a pod these would die with the container
         if node.retries >= self.node_retries:
-            self.say(f"node {node.index}: launcher exited with {rc}; no retries left ({self.node_retries})")
+            self.say(f"{detail}; no retries left ({self.node_retries})")
             return False
         node.retries += 1
         self._attempts += 1
-        self.say(f"node {node.index}: launcher exited with {rc}; starting a replacement "
-                 f"({node.retries}/{self.node_retries})")
         self.events.emit("node_replaced", node=node.index, attempt=node.retries)
-        self.events.emit("restart", attempt=self._attempts, restart_kind="node")
-        self.start(node)
+        if node.index == 0:
+            self.say(f"{detail}; it hosted the rendezvous store: restarting every node with a fresh rendezvous "
+                     f"({node.retries}/{self.node_retries})")
+            self.restart_job()
+        else:
+            self.say(f"{detail}; starting a replacement ({node.retries}/{self.node_retries})")
+            self.events.emit("restart", attempt=self._attempts, restart_kind="node")
+            self.start(node)
         return True
+
+    def restart_job(self) -> None:
+        """Without node 0's c10d store no launcher can rejoin (nor leave cleanly): kill them all and
+        start every node in a new rendezvous, as the Job does once its other pods fail too."""
+        for node in self.nodes:
+            self.kill_node(node)
+            node.done = False
+        self.new_rendezvous()
+        self.events.emit("restart", attempt=self._attempts, restart_kind="job")
+        for node in self.nodes:
+            self.start(node)
+
+    def give_up(self, node: Node, rc: int) -> None:
+        detail = f"launcher of node {node.index} exited with code {rc}"
+        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        self.say(f"{detail}: ft_launcher gives up once its in-job restart budget ({self.max_restarts}, "
+                 f"fault_tolerance.max_restarts) is spent or its rendezvous failed; the job fails. "
+                 f"{fault_summary(self.run_dir)}")
 
     def stop_all(self) -> None:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -182,17 +244,27 @@ class Cluster:
             with contextlib.suppress(*_GONE):
                 node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         for node in self.nodes:
-            if node.proc is not None:
-                with contextlib.suppress(*_GONE):
-                    os.killpg(node.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(*_GONE):
-                    node.proc.wait(timeout=5)
-            kill_processes(node.descendants)
+            self.kill_node(node)
 
-    def echo_rank0(self, node: Node) -> None:
+    def kill_node(self, node: Node) -> None:
+        node.refresh_descendants()
+        if node.proc is not None:
+            with contextlib.suppress(*_GONE):
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(*_GONE):
+                node.proc.wait(timeout=5)
+        kill_processes(node.descendants)
+
+    def read_output(self, node: Node, detect: bool) -> None:
+        """Echo rank 0's lines; with `detect`, record the faults that NVRx's log lines report."""
         for line in node.new_output_lines():
             if "[rank0]" in line:
                 print(line, flush=True)
+            for pattern, kind, party in _DETECTIONS if detect else ():
+                m = pattern.search(line)
+                if m:
+                    self.events.emit("fault_detected", kind=kind, rank=None, by=f"{party} (node {node.index})",
+                                     detail=f"local rank {m.group('local_rank')}: {m.group('what')}")
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
@@ -227,16 +299,31 @@ def last_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def fault_summary(run_dir: Path) -> str:
+    """The injected faults of the run, by rank and spec, from its event log: what a failed job names."""
+    fired: dict[tuple[int | None, str], list[int]] = {}
+    for e in read_events(run_dir):
+        if e["event"] == "fault_injected":
+            fired.setdefault((e.get("rank"), e.get("spec", e["kind"])), []).append(e["step"])
+    if not fired:
+        return "No injected fault was recorded: see the node logs."
+    return "Injected faults: " + "; ".join(
+        f"rank {rank}: {spec} fired {len(steps)} time(s) (at step {', '.join(map(str, steps))})"
+        for (rank, spec), steps in sorted(fired.items(), key=lambda item: str(item[0])))
+
+
 def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     overrides = list(DEMO_OVERRIDES if args.demo else ()) + list(args.overrides)
     overrides.append(f"run_dir={args.run_dir}")
     if args.steps is not None:
         overrides.append(f"training.steps={args.steps}")
+    if args.max_restarts is not None:
+        overrides.append(f"fault_tolerance.max_restarts={args.max_restarts}")
     if args.faults is not None:
         specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
         overrides.append("faults=[" + ",".join(specs) + "]")
-    cfg = load_train_config(args.config, overrides)
-    parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node)
+    cfg = with_env_faults(load_train_config(args.config, overrides))
+    parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -256,9 +343,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--faults", action="append", default=None, metavar="SPEC[,SPEC…]",
                    help="fault specs, comma-separated or repeated (format: training/faults.py); "
                    "--faults '' runs the demo without faults")
-    p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts "
-                   "(default: fault_tolerance.max_restarts)")
-    p.add_argument("--node-retries", type=int, default=2, help="replacements per node after its launcher died")
+    p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
+                   "sets fault_tolerance.max_restarts (none with restart=inprocess)")
+    p.add_argument("--node-retries", type=int, default=2, help="replacements per node after its launcher was killed")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc_per_node < 1:
@@ -278,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainConfigError, FaultSpecError, OSError) as err:
         print(f"training.local: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
-    max_restarts = cfg.fault_tolerance.max_restarts if args.max_restarts is None else args.max_restarts
-    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, max_restarts, args.node_retries)
+    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries)
     signal.signal(signal.SIGINT, cluster.request_stop)
     signal.signal(signal.SIGTERM, cluster.request_stop)
     cluster.say(f"{args.nodes} node(s) x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, "

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,13 @@ from training.distributed import DistInfo, init_distributed, teardown
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR
 from training.fault_tolerance import RankMonitor
-from training.faults import FaultInjector, FaultSpecError, parse_faults
+from training.faults import FaultInjector, FaultSpecError, parse_faults, with_env_faults
 from training.model import PRESETS, Transformer, build_model
 from training.parallelize import parallelize
 from training.progress import Progress
+
+if TYPE_CHECKING:
+    from training.inprocess import Iteration
 
 log = logging.getLogger("training.train")
 
@@ -140,26 +143,29 @@ def _attempt_number(run_dir: str) -> int:
     return sum(1 for e in read_events(run_dir) if e["event"] == "attempt_start")
 
 
-def run(cfg: TrainConfig) -> None:
+def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
+    """One training run; under the in-process Wrapper, one iteration of it (`restart`)."""
     monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
-    info = init_distributed(cfg.training.device, cfg.training.collective_timeout_s)
+    info = init_distributed(cfg.training.device, cfg.training.collective_timeout_s,
+                            store=restart.store if restart is not None else None)
     events = EventLog(cfg.run_dir, f"rank{info.rank}")
     lead = info.rank == 0
     try:
-        _train(cfg, info, monitor, events, lead)
+        _train(cfg, info, monitor, events, lead, restart)
     finally:
         monitor.shutdown()
         teardown()
         events.close()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: EventLog, lead: bool) -> None:
+def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: EventLog, lead: bool,
+           restart: Iteration | None) -> None:
     t = cfg.training
     if lead:
         attempt = _attempt_number(cfg.run_dir)
         nodes = info.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
         events.emit("run_start", world_size=info.world_size, nodes=nodes, config=cfg.to_dict())
-        kind = "fresh" if attempt == 0 else "injob"
+        kind = "fresh" if attempt == 0 else "inprocess" if restart is not None and restart.number else "injob"
         events.emit("attempt_start", attempt=attempt, restart_kind=kind)
         if attempt:
             events.emit("restart", attempt=attempt, restart_kind=kind)
@@ -171,15 +177,19 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: Event
     train_state = TrainState(stream, monitor)
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train_state,
              f"rng_rank{info.rank}": RngState(info.device)}
+    injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, info.rank, events, cfg.checkpoint_dir)
     ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
-                             when_busy=cfg.checkpoint.when_busy, events=events, device=info.device)
-    resumed = ckpt.load(state)
+                             when_busy=cfg.checkpoint.when_busy, events=events, device=info.device,
+                             write_hook=injector.around_write)
+    # an in-process restart resumes from the host copy of the last step, anything else from disk
+    in_memory = restart.rollback.restore(state) if restart is not None else None
+    resumed = ckpt.load(state) if in_memory is None else (in_memory, "memory")
     if lead:
-        events.emit("resume", step=train_state.step, source_kind="disk" if resumed else "none",
-                    path=str(resumed[1]) if resumed else None)
+        source = "none" if not resumed else "memory" if in_memory is not None else "disk"
+        events.emit("resume", step=train_state.step, source_kind=source,
+                    path=str(resumed[1]) if source == "disk" else None)
         log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
                  f"resumed from {resumed[1]} at step {train_state.step}" if resumed else "starting at step 0")
-    injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, info.rank, events)
     progress = Progress(t.steps, cfg.logging.log_interval, enabled=lead)
     samples = _sample_log(cfg, info.rank)
     tokens_per_step = t.batch_size * t.seq_len * info.world_size
@@ -195,6 +205,8 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: Event
             step_time = time.perf_counter() - t0
         train_state.step = step
         monitor.step_done()
+        if restart is not None:
+            restart.step_done(step, state)
         if lead:
             events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
                         tokens=tokens_per_step)
@@ -236,13 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[%(asctime)s] [rank{rank}] %(message)s", datefmt="%H:%M:%S")
     try:
-        cfg = load_train_config(args.config, args.overrides)
+        cfg = with_env_faults(load_train_config(args.config, args.overrides))
         parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)))
     except (TrainConfigError, FaultSpecError, OSError) as err:
         print(f"training.train: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     try:
-        run(cfg)
+        if cfg.fault_tolerance.restart == "injob":
+            run(cfg)
+        else:
+            from training.inprocess import run_inprocess  # NVRx's Wrapper, only when asked for
+
+            run_inprocess(cfg, run)
     except BaseException:  # noqa: BLE001
         # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
         # thread that may be stuck in a collective with a dead peer.

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from training.events import read_events
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,9 +22,9 @@ class LocalRun:
     output: str
 
 
-def run_local(run_dir: Path, *args: str, timeout: float = 240) -> LocalRun:
-    """`python -m training.local --run-dir RUN_DIR ARGS…`, to completion."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+def run_local(run_dir: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> LocalRun:
+    """`python -m training.local --run-dir RUN_DIR ARGS…`, to completion; `env` adds variables."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return LocalRun(run_dir, proc.returncode, proc.stdout + proc.stderr)
@@ -48,3 +50,8 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert fa.keys() == fb.keys()
     differing = [k for k in fa if not (torch.equal(fa[k], fb[k]) if isinstance(fa[k], torch.Tensor) else fa[k] == fb[k])]
     assert not differing, f"{len(differing)} of {len(fa)} entries differ, e.g. {differing[:5]}"
+
+
+def events_named(run_dir: Path, name: str) -> list[dict]:
+    """The run's events of one kind (training.events), in time order."""
+    return [e for e in read_events(run_dir) if e["event"] == name]

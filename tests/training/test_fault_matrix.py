@@ -1,0 +1,257 @@
+"""The fault matrix (training/faults.py) in the local cluster: one run per fault kind, each checked
+for recovery (run completed, the fault fired once, resumed where promised, the goodput report gives
+a finite recovery time) and for exact resume (final model and optimizer bitwise equal to an
+uninterrupted run); a persistent fault ends the job after its restart budget. First, the spec
+parsing and the injector's bookkeeping, in-process."""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from training.checkpoint import committed_checkpoints
+from training.config import load_train_config
+from training.events import EventLog, read_events
+from training.faults import ENV_VAR, FaultInjected, FaultInjector, FaultSpecError, parse_fault, parse_faults, \
+    with_env_faults
+from training.report import build_report
+from training_helpers import assert_bitwise_equal, events_named, load_final_state, run_local
+
+# ---- specs and the injector, in-process ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, key", [
+    ("hang@12:rank=1", "hang@12_rank=1"),
+    ("node-loss@5:node=0", "node-loss@5_node=0"),
+    ("ckpt-crash@10:rank=1", "ckpt-crash@10_rank=1"),
+    ("corrupt-ckpt@13", "corrupt-ckpt@13_rank=0"),
+    ("disk-full@8:count=2", "disk-full@8_count=2_rank=0"),
+    ("exception@3:rank=1:persistent", "exception@3_persistent_rank=1"),
+])
+def test_new_kinds_parse(text, key):
+    assert parse_fault(text).key == key
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("node-loss@5", "node-loss needs node=N"),
+    ("node-loss@5:rank=1", "unknown option 'rank' for node-loss"),
+    ("disk-full@5:count=0", "count='0' is not a whole number, at least 1"),
+    ("hang@5:persistent=yes", "persistent is a flag and takes no value"),
+    ("corrupt-ckpt@5:persistent", "unknown option 'persistent' for corrupt-ckpt"),
+    ("hang@5:rank=1:rank=2", "option 'rank' given twice"),
+])
+def test_bad_new_specs_are_rejected_clearly(text, problem):
+    with pytest.raises(FaultSpecError) as err:
+        parse_fault(text)
+    assert repr(text) in str(err.value) and problem in str(err.value)
+
+
+def test_fault_node_must_exist():
+    with pytest.raises(FaultSpecError, match=r"node 2 does not exist \(2 node\(s\)\)"):
+        parse_faults(["node-loss@3:node=2"], world_size=2, nodes=2)
+
+
+def test_env_faults_join_the_config_once(monkeypatch):
+    cfg = load_train_config(None, ["faults=[exception@3]"])
+    monkeypatch.setenv(ENV_VAR, " hang@4:rank=1, exception@3 ,")
+    assert with_env_faults(cfg).faults == ("exception@3", "hang@4:rank=1")
+    assert with_env_faults(with_env_faults(cfg)).faults == ("exception@3", "hang@4:rank=1")
+
+
+def _injector(tmp_path, *specs, rank=0):
+    return FaultInjector(parse_faults(list(specs)), tmp_path, rank, EventLog(tmp_path, f"rank{rank}"))
+
+
+def _write():
+    return "written"
+
+
+def test_disk_full_fails_count_saves_once_per_run(tmp_path):
+    injector = _injector(tmp_path, "disk-full@8:count=2")
+    assert injector.around_write(5, _write) == "written"  # before STEP
+    for step in (10, 15):
+        with pytest.raises(OSError, match="No space left on device"):
+            injector.around_write(step, _write)
+    assert injector.around_write(20, _write) == "written"
+    assert _injector(tmp_path, "disk-full@8:count=2").around_write(25, _write) == "written"  # fired: not again
+    assert [e["step"] for e in read_events(tmp_path) if e["event"] == "fault_injected"] == [10]
+
+
+def test_persistent_fault_fires_on_every_attempt(tmp_path):
+    for attempt in range(2):  # a new injector per attempt, as after a restart
+        injector = _injector(tmp_path, "exception@3:rank=1:persistent", "exception@4:rank=1", rank=1)
+        with pytest.raises(FaultInjected):
+            injector.maybe_fire(3)
+        if attempt == 0:
+            with pytest.raises(FaultInjected):
+                injector.maybe_fire(4)
+        else:
+            injector.maybe_fire(4)  # fired on the first attempt: not again
+    assert [e["spec"] for e in read_events(tmp_path) if e["event"] == "fault_injected"] == \
+        ["exception@3:rank=1:persistent", "exception@4:rank=1", "exception@3:rank=1:persistent"]
+
+
+# ---- the matrix in the local cluster -------------------------------------------------------------
+
+STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
+COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
+          "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+          # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
+          "fault_tolerance.timeout_safety_factor=50")
+# Both shapes have world size 2 with the same shards: one uninterrupted run is the reference of all.
+ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
+TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[str, ...]
+    mode: str  # checkpoint.mode
+    spec: str
+    resumed_from: int | None  # the step the restart resumes from; None: no restart
+    overrides: tuple[str, ...] = ()
+    via_env: bool = False  # inject through TRAINING_FAULTS instead of --faults
+
+    def args(self) -> tuple[str, ...]:
+        faults = () if self.via_env else ("--faults", self.spec)
+        return (*self.shape, *COMMON, f"checkpoint.mode={self.mode}", *self.overrides, *faults)
+
+
+CASES = {
+    # Step timeouts calculated as max observed x 20 (about 5 s; NVRx checks every 5 s): detection well
+    # under the 30 s gloo timeout, and still no false alarm on a loaded 2-core box.
+    "hang": Case(ONE_NODE, "sync", "hang@12:rank=1", 10, ("fault_tolerance.timeout_safety_factor=20",)),
+    # sync saves: step 10 is committed before the fault for sure (an async one may still be in flight)
+    "node-loss": Case(TWO_NODES, "sync", "node-loss@12:node=1", 10),
+    "node-loss-host": Case(TWO_NODES, "sync", "node-loss@12:node=0", 10),
+    # rank 1 dies writing the save of step 10: back to step 5
+    "ckpt-crash": Case(ONE_NODE, "async", "ckpt-crash@10:rank=1", 5),
+    # step 10, the newest committed at step 13, is truncated: it fails to load, back to step 5
+    "corrupt-ckpt": Case(ONE_NODE, "sync", "corrupt-ckpt@13", 5),
+    # the saves of steps 10 and 15 fail; training goes on, step 20 commits
+    "disk-full": Case(ONE_NODE, "async", "disk-full@8:count=2", None, via_env=True),
+}
+
+
+def _ok(run):
+    assert run.returncode == 0, run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _ok(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory):
+    """fault_run(name): the run of CASES[name], run once per module."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            case = CASES[name]
+            env = {ENV_VAR: case.spec} if case.via_env else None
+            runs[name] = _ok(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env))
+        return runs[name]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_recovers_and_resumes_exactly(name, fault_run, reference, scratch):
+    case, run = CASES[name], fault_run(name)
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == [case.spec]  # once
+    assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["completed"]
+    resumes = [e["step"] for e in events_named(run.run_dir, "resume")]
+    assert resumes == ([0] if case.resumed_from is None else [0, case.resumed_from])
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert fault.kind == case.spec.split("@")[0]
+    assert fault.recovery_s is not None and math.isfinite(fault.recovery_s) and fault.recovery_s > 0
+    if case.resumed_from is not None:
+        assert fault.resumed_from == case.resumed_from
+        assert fault.detection_s is not None and 0 <= fault.detection_s < fault.recovery_s
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+def _detections(run, by):
+    return [e for e in events_named(run.run_dir, "fault_detected") if e["by"].startswith(by)]
+
+
+@pytest.mark.slow
+def test_hang_is_detected_by_nvrx_before_the_collective_timeout(fault_run):
+    run = fault_run("hang")
+    [injected] = events_named(run.run_dir, "fault_injected")
+    first = _detections(run, "nvrx rank monitor")[0]
+    assert "Section 'step' has been open" in first["detail"]
+    assert first == min(events_named(run.run_dir, "fault_detected"), key=lambda e: e["t"])  # NVRx was first
+    assert 0 < first["t"] - injected["t"] < COLLECTIVE_TIMEOUT_S  # not gloo's timeout
+
+
+@pytest.mark.slow
+def test_node_loss_replaces_that_node(fault_run):
+    run = fault_run("node-loss")
+    assert [(e["node"], e["attempt"]) for e in events_named(run.run_dir, "node_replaced")] == [(1, 1)]
+    assert [e["restart_kind"] for e in events_named(run.run_dir, "restart") if e["source"] == "controller"] == ["node"]
+    assert [e["detail"] for e in _detections(run, "controller")] == ["launcher of node 1 was killed by SIGKILL"]
+
+
+@pytest.mark.slow
+def test_losing_the_rendezvous_host_restarts_the_job_with_a_fresh_rendezvous(fault_run):
+    run = fault_run("node-loss-host")
+    assert [(e["node"], e["attempt"]) for e in events_named(run.run_dir, "node_replaced")] == [(0, 1)]
+    assert [e["restart_kind"] for e in events_named(run.run_dir, "restart") if e["source"] == "controller"] == ["job"]
+    # node 1's launcher was restarted too, in a new rendezvous
+    run_ids = re.findall(r"run_id\s*:\s*(\S+)", (run.run_dir / "logs" / "node1.log").read_text())
+    assert len(run_ids) == 2 and run_ids[0] != run_ids[1]
+
+
+@pytest.mark.slow
+def test_crash_mid_save_never_commits_that_save(fault_run):
+    run = fault_run("ckpt-crash")
+    [injected] = events_named(run.run_dir, "fault_injected")
+    assert (injected["rank"], injected["step"]) == (1, 10)
+    restarted = events_named(run.run_dir, "attempt_start")[1]["t"]
+    committed_before = [e["step"] for e in events_named(run.run_dir, "ckpt_committed") if e["t"] < restarted]
+    assert committed_before == [5]  # the save of step 10 started but never became visible
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_falls_back_and_says_so(fault_run):
+    run = fault_run("corrupt-ckpt")
+    [fallback] = events_named(run.run_dir, "ckpt_fallback")
+    assert fallback["path"].endswith("step_00000010")
+    assert "could not be loaded" in run.output and "falling back to step_00000005" in run.output
+    assert list((run.run_dir / "checkpoints").glob("corrupt-step_00000010-*"))  # set aside, not retried
+
+
+@pytest.mark.slow
+def test_disk_full_fails_saves_clearly_and_training_goes_on(fault_run):
+    run = fault_run("disk-full")
+    failed = events_named(run.run_dir, "ckpt_failed")
+    assert [e["step"] for e in failed] == [10, 15]
+    assert all("OSError: [Errno 28] No space left on device" in e["error"] for e in failed)
+    assert "checkpoint at step 10 failed, nothing made visible, training goes on" in run.output
+    assert [e["step"] for e in events_named(run.run_dir, "ckpt_committed")] == [5, 20]
+    assert len(events_named(run.run_dir, "attempt_start")) == 1  # no restart
+    checkpoints = run.run_dir / "checkpoints"
+    assert [s for s, _ in committed_checkpoints(checkpoints)] == [20, 5] and not list(checkpoints.glob(".tmp-*"))
+    # injected through TRAINING_FAULTS, and recorded in the run's config
+    assert events_named(run.run_dir, "run_start")[0]["config"]["faults"] == [CASES["disk-full"].spec]
+
+
+@pytest.mark.slow
+def test_persistent_fault_ends_the_job_after_the_restart_budget(tmp_path):
+    spec, max_restarts = "exception@3:rank=1:persistent", 1
+    started = time.monotonic()
+    run = run_local(tmp_path / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync",
+                    f"fault_tolerance.max_restarts={max_restarts}", "--faults", spec, timeout=180)
+    assert run.returncode == 1, run.output[-4000:]
+    assert time.monotonic() - started < 120
+    assert len(events_named(run.run_dir, "fault_injected")) == max_restarts + 1  # every attempt
+    assert "in-job restart budget (1, fault_tolerance.max_restarts) is spent" in run.output
+    assert f"rank 1: {spec} fired 2 time(s)" in run.output
+    assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["failed"]

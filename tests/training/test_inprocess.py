@@ -1,0 +1,244 @@
+"""In-process restart (training/inprocess.py): unit checks of the Wrapper adapter, the config rules and
+the in-memory rollback; then runs in the local cluster (under ft_launcher, as the pods): an exception
+and a hang restart every rank in-process from the last step in memory, bitwise equal to an
+uninterrupted run; with restart=both a killed process falls back to an in-job restart from disk; a
+persistent fault ends the job after the in-process budget, naming the rank and the fault."""
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from nvidia_resiliency_ext import inprocess
+
+from training.config import FaultToleranceConfig, TrainConfigError, load_train_config
+from training.data import TokenStream
+from training.distributed import DistInfo
+from training.events import read_events
+from training.fault_tolerance import RankMonitor, launcher_ft_args
+from training.inprocess import FaultLog, RestartBudget, make_wrapper, wrapper_kwargs
+from training.model import PRESETS
+from training.report import build_report
+from training.rollback import KEEP, MemoryRollback, host_copy
+from training.train import ModelState, OptimizerState, RngState, TrainState, build, train_step
+from training_helpers import assert_bitwise_equal, events_named, load_final_state, run_local
+
+# ---- the Wrapper adapter and the config ---------------------------------------------------------
+
+
+def _cfg(*overrides):
+    return load_train_config(None, ["run_dir=/tmp/x", "fault_tolerance.restart=inprocess", *overrides])
+
+
+def _budget():
+    return RestartBudget(3, 2, FaultLog(dist.HashStore()))
+
+
+def test_wrapper_kwargs_fit_the_installed_signature():
+    accepted = set(inspect.signature(inprocess.Wrapper.__init__).parameters)
+    kwargs = wrapper_kwargs(_cfg(), master_port=29500, on_cuda=False, initialize=_budget(), accepted=accepted)
+    assert set(kwargs) <= accepted and "rank_filter" not in kwargs  # removed in 0.7.0
+    assert ("monitor_process_pidfile" in kwargs) == ("monitor_process_pidfile" in accepted)  # 0.5+ only
+    assert kwargs["store_kwargs"] == {"port": 29501}
+    assert kwargs["abort"].keep_ports == {29500, 29501, 29502}  # launcher, Wrapper and app stores survive
+    assert kwargs["health_check"] is None  # no CUDA/NVML check on a CPU machine
+    # the monitor process must poll faster than progress is reported (else it skips its timeout checks)
+    assert kwargs["monitor_process_interval"] < kwargs["progress_watchdog_interval"] < kwargs["soft_timeout"]
+    assert kwargs["soft_timeout"] == timedelta(seconds=60) and kwargs["hard_timeout"] == timedelta(seconds=90)
+    inprocess.Wrapper(**kwargs)  # the installed NVRx accepts them
+
+
+def test_make_wrapper_hides_local_rank_on_cpu_and_passes_new_kwargs(monkeypatch, tmp_path):
+    seen = {}
+
+    class Wrapper070:  # 0.7.0's signature: no rank_filter, a pidfile
+        def __init__(self, *, store_kwargs=None, initialize=None, abort=None, health_check=None,
+                     soft_timeout=None, hard_timeout=None, monitor_process_pidfile=None, **rest):
+            seen.update(local_rank=os.environ.get("LOCAL_RANK"), pidfile=monitor_process_pidfile)
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    make_wrapper(_cfg(f"run_dir={tmp_path}"), _budget(), wrapper_cls=Wrapper070)
+    assert seen["local_rank"] is None  # 0.7.0 would add NVML GPU checks to every restart
+    assert seen["pidfile"].endswith("logs/inprocess_monitor_rank{rank}.pid")
+    assert os.environ["LOCAL_RANK"] == "1"  # restored
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["fault_tolerance.restart=sometimes"], "fault_tolerance.restart='sometimes' is not allowed: one of "
+                                            "['injob', 'inprocess', 'both']"),
+    (["fault_tolerance.inprocess_soft_timeout=90"], "inprocess_soft_timeout (90.0) must be greater than 0 and less "
+                                                    "than inprocess_hard_timeout (90.0)"),
+    (["fault_tolerance.inprocess_hard_timeout=200"], "inprocess_hard_timeout (200.0) must be less than "
+                                                     "step_section_timeout (180.0) with restart=inprocess"),
+    (["fault_tolerance.restart=both", "fault_tolerance.rank_heartbeat_timeout=60"],
+     "less than rank_heartbeat_timeout (60.0) with restart=both: otherwise the launcher's rank monitor kills"),
+    (["fault_tolerance.inprocess_max_restarts=-1"], "inprocess_max_restarts=-1 is not allowed: 0 or more"),
+])
+def test_contradictory_inprocess_config_is_named(overrides, message):
+    with pytest.raises(TrainConfigError) as err:
+        _cfg(*overrides)
+    assert message in str(err.value)
+
+
+def test_launcher_restarts_per_mode():
+    assert load_train_config(None, ["fault_tolerance.inprocess_hard_timeout=200"])  # injob: no constraint
+    ft = {mode: FaultToleranceConfig(restart=mode, max_restarts=4) for mode in ("injob", "inprocess", "both")}
+    assert {m: f.launcher_max_restarts for m, f in ft.items()} == {"injob": 4, "inprocess": 0, "both": 4}
+    assert "--max-restarts=0" in launcher_ft_args(ft["inprocess"])
+
+
+# ---- the in-memory rollback ---------------------------------------------------------------------
+
+
+@pytest.fixture()
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    dist.destroy_process_group()
+
+
+def _training_state(info, seed=0):
+    """A fresh FSDP2 model, optimizer, data stream and RNG, as each restart iteration builds them."""
+    cfg = load_train_config(None, ["training.seq_len=16", "training.batch_size=2"])
+    torch.manual_seed(seed)
+    model, optimizer = build(cfg, info)
+    stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+    train = TrainState(stream, RankMonitor(cfg.fault_tolerance))
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train,
+             "rng_rank0": RngState(info.device)}
+
+    def step():
+        train.step += 1
+        train_step(model, optimizer, stream.next_batch(), 1e-3, 1.0, info)
+        torch.rand(1)  # advance the RNG, as dropout would
+    return state, step
+
+
+def _host(state):
+    return {k: host_copy(v.state_dict()) for k, v in state.items()}
+
+
+def test_rollback_restores_the_newest_step_into_a_fresh_build(one_rank_group):
+    rollback = MemoryRollback()
+    state, step = _training_state(one_rank_group)
+    assert rollback.restore(state) is None  # nothing held: the caller loads from disk
+    for n in (1, 2, 3):
+        step()
+        rollback.save(n, state)
+    expected = _host(state)
+    assert rollback.steps == [2, 3] and KEEP == 2
+    step()  # training goes on, then the fault: the restart builds everything anew
+    fresh, _ = _training_state(one_rank_group, seed=1)
+    assert rollback.restore(fresh) == 3
+    assert fresh["train"].step == 3 and fresh["train"].stream.consumed_samples == 6
+    assert_bitwise_equal(_host(fresh), expected)  # model and optimizer shards, data position, RNG
+
+
+# ---- runs in the local cluster ------------------------------------------------------------------
+
+STEPS, FAULT_STEP, INTERVAL, GLOO_TIMEOUT_S = 20, 8, 5, 30
+COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.mode=sync",
+          "checkpoint.save_final=true", "logging.log_interval=10", f"training.collective_timeout_s={GLOO_TIMEOUT_S}",
+          "fault_tolerance.timeout_safety_factor=50",  # calculated hang timeouts stay loose on 2 busy cores
+          "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15")
+ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
+TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")  # two launchers, one host: the stores must not collide
+RUNS = {
+    "exception": (ONE_NODE, "inprocess", f"exception@{FAULT_STEP}:rank=1"),
+    "hang": (TWO_NODES, "inprocess", f"hang@{FAULT_STEP}:rank=1"),
+    "sigkill": (TWO_NODES, "both", f"sigkill@{FAULT_STEP}:rank=1"),
+}
+
+
+def _ok(run):
+    assert run.returncode == 0, run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _ok(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON))
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory):
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            shape, mode, spec = RUNS[name]
+            runs[name] = _ok(run_local(tmp_path_factory.mktemp(name) / "run", *shape, *COMMON,
+                                       f"fault_tolerance.restart={mode}", "--faults", spec))
+        return runs[name]
+    return get
+
+
+def _attempt_kinds(run):
+    return [e["restart_kind"] for e in events_named(run.run_dir, "attempt_start")]
+
+
+def _resumes(run):
+    return [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
+
+
+def _launcher_logs(run):
+    return "".join(p.read_text() for p in sorted((run.run_dir / "logs").glob("node*.log")))
+
+
+@pytest.mark.slow
+# An exception is attributed to its rank; a hang to whichever ranks stopped making progress first: the
+# hung rank and the peers stuck in a collective with it stop together, and the Wrapper cannot tell them apart.
+@pytest.mark.parametrize("name, kind, records", [("exception", "exception", "rank 1: EXCEPTION"),
+                                                 ("hang", "hang", ": SOFT_TIMEOUT")])
+def test_fault_restarts_every_rank_in_process_from_memory(name, kind, records, fault_run, reference, scratch):
+    run = fault_run(name)
+    assert _attempt_kinds(run) == ["fresh", "inprocess"]
+    assert "will restart worker group" not in _launcher_logs(run)  # same processes: no launcher restart
+    assert _resumes(run) == [(0, "none"), (FAULT_STEP - 1, "memory")]  # the last completed step
+    detected = [e for e in events_named(run.run_dir, "fault_detected") if e["by"].startswith("inprocess wrapper")]
+    assert any(records in e["detail"] for e in detected)  # the Wrapper's interruption records
+    if kind == "exception":
+        assert {e["rank"] for e in detected} == {1}
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert (fault.kind, fault.rank, fault.restart_kind, fault.resumed_from) == (kind, 1, "inprocess", FAULT_STEP - 1)
+    assert fault.steps_lost is not None and fault.steps_lost <= 1
+    assert fault.detection_s is not None and fault.detection_s < GLOO_TIMEOUT_S  # the Wrapper, not gloo's timeout
+    assert math.isfinite(fault.recovery_s) and 0 < fault.recovery_s < GLOO_TIMEOUT_S
+    # model, optimizer, data position and RNG rolled back exactly
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+@pytest.mark.slow
+def test_killed_process_falls_back_to_an_injob_restart_from_disk(fault_run, reference, scratch):
+    run = fault_run("sigkill")
+    assert _attempt_kinds(run) == ["fresh", "injob"]  # a new process has nothing in memory
+    assert "will restart worker group" in _launcher_logs(run)
+    # the survivor's Wrapper saw its collective fail: it must not blame itself
+    assert all(e["rank"] in (None, 1) for e in events_named(run.run_dir, "fault_detected"))
+    last_checkpoint = (FAULT_STEP - 1) // INTERVAL * INTERVAL
+    assert _resumes(run) == [(0, "none"), (last_checkpoint, "disk")]
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert fault.restart_kind == "injob" and fault.recovery_s is not None
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+@pytest.mark.slow
+def test_persistent_fault_ends_the_job_after_the_inprocess_budget_naming_rank_and_fault(tmp_path):
+    spec, budget = "exception@3:rank=1:persistent", 2
+    started = time.monotonic()
+    run = run_local(tmp_path / "run", *ONE_NODE, *COMMON, "fault_tolerance.restart=inprocess",
+                    f"fault_tolerance.inprocess_max_restarts={budget}", "--faults", spec, timeout=180)
+    assert run.returncode == 1, run.output[-4000:]
+    assert time.monotonic() - started < 150
+    assert len(events_named(run.run_dir, "fault_injected")) == budget + 1  # once per iteration, same process
+    assert _attempt_kinds(run) == ["fresh"] + ["inprocess"] * budget
+    message = (f"in-process restart budget ({budget}, fault_tolerance.inprocess_max_restarts) spent; "
+               f"restart {budget} failed again: rank 1: FaultInjected: injected fault {spec}")
+    assert message in run.output  # rank 0's log line, echoed by the controller
+    assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["failed"]

@@ -1,0 +1,238 @@
+"""In-process restart (fault_tolerance.restart = inprocess | both): training.train.run under
+nvidia_resiliency_ext.inprocess.Wrapper.
+
+A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes every rank abort its
+process groups (training/gloo_abort.py), call `run` again with a fresh store prefix and resume
+from the in-memory copy of the last completed step (training/rollback.py), without a new process.
+What the Wrapper cannot handle ends it and falls back to ft_launcher: a lost process or node (the
+world would shrink, and FSDP shards no longer fit), or a spent restart budget (a persistent fault).
+
+Stores, all on MASTER_ADDR and hosted by global rank 0's process only (so emulated nodes on one
+host never collide): MASTER_PORT is the launcher's (c10d rendezvous), MASTER_PORT+1 the Wrapper's,
+MASTER_PORT+2 the application's (process groups under `iteration<N>/`, the fault log).
+
+Version adapter: kwargs are passed only where the installed Wrapper's signature has them
+(rank_filter never: deprecated in 0.4.1, removed in 0.7.0; monitor_process_pidfile only from 0.5).
+On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: 0.7.0 then adds NVML GPU/NIC
+health checks to every restart, which fail without a GPU.
+
+The launcher's rank monitor: `run` connects a new RankMonitorClient per iteration and disconnects
+on the way out; while disconnected the rank is not watched, so a restart in progress is never a
+timeout. Config validation keeps inprocess_hard_timeout below the rank monitor's timeouts. Timeouts
+calculated from observed steps (fault_tolerance.calculate_timeouts_after) can fall below it: then a
+hang is caught by the rank monitor and becomes an in-job restart.
+
+No `from __future__ import annotations` here: the Wrapper finds the parameter to inject its
+CallWrapper into by the annotation *object*.
+"""
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.inprocess.attribution import Interruption, InterruptionRecord
+from nvidia_resiliency_ext.inprocess.monitor_thread import RankShouldRestart
+from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperIterationStore
+from torch.distributed.checkpoint.stateful import Stateful
+
+from training.config import TrainConfig
+from training.distributed import choose_device, default_launcher_env
+from training.events import EventLog
+from training.gloo_abort import ProcessGroupAbort
+from training.rollback import MemoryRollback
+
+log = logging.getLogger(__name__)
+
+WRAPPER_PORT_OFFSET, APP_PORT_OFFSET = 1, 2
+# Fixed intervals (s). The monitor process must poll faster than the progress watchdog reports:
+# its loop skips the timeout checks while timestamps keep arriving (NVRx 0.4.1 to 0.7.0).
+MONITOR_PROCESS_INTERVAL = 0.5
+PROGRESS_WATCHDOG_INTERVAL = 1.0
+MONITOR_THREAD_INTERVAL = 0.5  # how often a rank polls the store for a peer's fault
+LAST_CALL_WAIT = 0.5  # after the first fault, for other ranks' reports before attributing it
+TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeout
+# Wrapper barriers wait for a rank killed at the hard timeout, with room for slow ranks.
+BARRIER_MARGIN = 30.0
+_KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
+# gloo's errors when a peer process died: the fault is the peer's (ft_launcher restarts the group)
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One restart iteration, as `training.train.run` sees it."""
+    number: int  # 0: first run of this process
+    store: dist.Store  # rendezvous of this iteration's process group
+    rollback: MemoryRollback
+    call_wrapper: inprocess.CallWrapper
+
+    def step_done(self, step: int, state: dict[str, Stateful]) -> None:
+        self.call_wrapper.ping()  # manual progress: a rank hung in Python is detected too
+        self.rollback.save(step, state)
+
+
+class FaultLog:
+    """What each iteration died of, in the application store, for the message that ends the job."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    def add(self, iteration: int, text: str) -> None:
+        self._store.append(f"faults/{iteration}", text.replace("\n", " ") + "\n")
+
+    def describe(self, iteration: int) -> str:
+        key = f"faults/{iteration}"
+        self._store.append(key, "")  # get() would wait for a missing key
+        return "; ".join(self._store.get(key).decode().splitlines()) or "no fault recorded"
+
+
+class RestartBudget(inprocess.initialize.Initialize):
+    """At the start of every iteration: end the Wrapper (RestartAbort, a BaseException) once the
+    budget is spent or a rank is gone, naming what the last iteration died of."""
+
+    def __init__(self, max_restarts: int, world_size: int, faults: FaultLog) -> None:
+        self.max_restarts, self.world_size, self.faults = max_restarts, world_size, faults
+
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if state.iteration == 0:
+            return state
+        last = self.faults.describe(state.iteration - 1)
+        if state.world_size < self.world_size:
+            raise inprocess.exception.RestartAbort(
+                f"{self.world_size - state.world_size} rank(s) lost ({last}): FSDP shards cannot shrink "
+                "in-process; leaving the restart to the launcher")
+        if state.iteration > self.max_restarts:
+            raise inprocess.exception.RestartAbort(
+                f"in-process restart budget ({self.max_restarts}, fault_tolerance.inprocess_max_restarts) "
+                f"spent; restart {self.max_restarts} failed again: {last}")
+        return state
+
+
+def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool, initialize: inprocess.initialize.Initialize,
+                   accepted: set[str]) -> dict[str, Any]:
+    """The Wrapper's kwargs for this config, limited to the names in `accepted` (its signature)."""
+    ft = cfg.fault_tolerance
+    hard = timedelta(seconds=ft.inprocess_hard_timeout)
+    barrier = hard + timedelta(seconds=BARRIER_MARGIN)
+    logs = Path(cfg.run_dir).resolve() / "logs"
+    kwargs: dict[str, Any] = dict(
+        store_kwargs={"port": master_port + WRAPPER_PORT_OFFSET},
+        initialize=initialize,
+        abort=ProcessGroupAbort({master_port, master_port + WRAPPER_PORT_OFFSET, master_port + APP_PORT_OFFSET},
+                                on_cuda),
+        health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,  # no NVML/CUDA on CPU
+        soft_timeout=timedelta(seconds=ft.inprocess_soft_timeout),
+        hard_timeout=hard,
+        heartbeat_timeout=hard,  # a rank whose monitor process is silent this long is gone
+        barrier_timeout=barrier,
+        completion_timeout=barrier,
+        monitor_thread_interval=timedelta(seconds=MONITOR_THREAD_INTERVAL),
+        monitor_process_interval=timedelta(seconds=MONITOR_PROCESS_INTERVAL),
+        progress_watchdog_interval=timedelta(seconds=PROGRESS_WATCHDOG_INTERVAL),
+        last_call_wait=timedelta(seconds=LAST_CALL_WAIT),
+        termination_grace_time=timedelta(seconds=TERMINATION_GRACE),
+        monitor_process_logfile=str(logs / "inprocess_monitor_rank{rank}.log"),
+        monitor_process_pidfile=str(logs / "inprocess_monitor_rank{rank}.pid"),  # 0.5+
+    )
+    dropped = sorted(set(kwargs) - accepted)
+    if dropped:
+        log.debug("this NVRx Wrapper does not take %s", dropped)
+    return {k: v for k, v in kwargs.items() if k in accepted}
+
+
+@contextlib.contextmanager
+def _hidden_env(name: str, hide: bool) -> Iterator[None]:
+    saved = os.environ.pop(name, None) if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def make_wrapper(cfg: TrainConfig, initialize: inprocess.initialize.Initialize,
+                 wrapper_cls: type = inprocess.Wrapper) -> Any:
+    on_cuda = choose_device(cfg.training.device).type == "cuda"
+    accepted = set(inspect.signature(wrapper_cls.__init__).parameters)
+    kwargs = wrapper_kwargs(cfg, master_port=int(os.environ["MASTER_PORT"]), on_cuda=on_cuda,
+                            initialize=initialize, accepted=accepted)
+    Path(cfg.run_dir, "logs").mkdir(parents=True, exist_ok=True)
+    with _hidden_env("LOCAL_RANK", hide=not on_cuda):
+        return wrapper_cls(**kwargs)
+
+
+def _interruption_records(call_wrapper: inprocess.CallWrapper) -> list[InterruptionRecord]:
+    """The Wrapper's records of this iteration (who was interrupted first, and how); [] if the
+    store cannot say (NVRx internals: best effort)."""
+    try:
+        return WrapperIterationStore(call_wrapper.iteration, call_wrapper.base_store).get_interruption_records()
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _describe(records: list[InterruptionRecord]) -> str:
+    return ", ".join(f"rank {r.rank}: {r.interruption.name}" for r in records)
+
+
+class _FaultReporter:
+    """Called on each rank as an iteration dies: records what it saw (fault_detected, fault log).
+    A rank's own exception counts only if no rank was interrupted before it: otherwise it is a
+    consequence (a collective failing because the abort shut its sockets)."""
+
+    def __init__(self, cfg: TrainConfig, faults: FaultLog) -> None:
+        self.rank = int(os.environ["RANK"])
+        self.events = EventLog(cfg.run_dir, f"rank{self.rank}")
+        self.faults = faults
+
+    def __call__(self, call_wrapper: inprocess.CallWrapper, err: BaseException) -> None:
+        records = _interruption_records(call_wrapper)
+        by = f"inprocess wrapper (rank {self.rank})"
+        if not isinstance(err, RankShouldRestart) and not records:
+            detail = f"{type(err).__name__}: {err}"[:300]
+            peer_lost = any(text in detail for text in _PEER_LOST)
+            self.faults.add(call_wrapper.iteration, f"rank {self.rank}{' lost a peer' if peer_lost else ''}: {detail}")
+            self.events.emit("fault_detected", kind="rank" if peer_lost else "exception",
+                             rank=None if peer_lost else self.rank, by=by, detail=detail)
+        elif self.rank == 0:  # one report of the Wrapper's view per fault, not one per rank
+            seen = _describe(records) or str(err) or type(err).__name__  # the message holds the records too
+            self.faults.add(call_wrapper.iteration, f"Wrapper records: {seen}")
+            first = records[0] if records else None
+            self.events.emit("fault_detected", kind=_KIND.get(first.interruption, "rank") if first else "unknown",
+                             rank=first.rank if first else None, by=by, detail=f"Wrapper interruption records: {seen}")
+
+
+def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], None]) -> None:
+    """`train(cfg, iteration)` under the Wrapper until it returns; raises RestartAbort when the
+    Wrapper gives up. Called with torch.distributed uninitialised (the Wrapper requires it)."""
+    default_launcher_env()
+    master_port, world_size = int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    # Created once, outside the Wrapper: it outlives every iteration's process group.
+    app_store = dist.TCPStore(os.environ["MASTER_ADDR"], master_port + APP_PORT_OFFSET, world_size,
+                              is_master=int(os.environ["RANK"]) == 0, timeout=timedelta(minutes=5),
+                              wait_for_workers=False)
+    faults = FaultLog(app_store)
+    report = _FaultReporter(cfg, faults)
+    rollback = MemoryRollback()
+    wrapper = make_wrapper(cfg, RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults))
+
+    @wrapper
+    def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
+        n = call_wrapper.iteration
+        try:
+            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper))
+        except BaseException as err:
+            report(call_wrapper, err)
+            raise
+
+    try:
+        wrapped()
+    except inprocess.exception.RestartAbort as err:
+        log.error("in-process restart gave up: %s", err)
+        raise
