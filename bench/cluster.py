@@ -1,0 +1,28 @@
+"""One run of the local emulated cluster (training.local's controller), driven from this process."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.local import Cluster, build_config, parse_args
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    run_dir: Path
+    nodes: int
+    nproc_per_node: int
+    steps: int
+    overrides: tuple[str, ...]  # section.key=value; fault_tolerance.max_restarts sets ft_launcher's budget
+    faults: tuple[str, ...] = ()  # training/faults.py specs
+    node_retries: int = 0  # replacements per node after its launcher was killed
+
+
+def run_cluster(spec: ClusterSpec) -> int:
+    """Run to completion; returns the controller's status (0: every node finished)."""
+    args = parse_args(["--nodes", str(spec.nodes), "--nproc-per-node", str(spec.nproc_per_node),
+                       "--steps", str(spec.steps), "--run-dir", str(spec.run_dir), "--faults", ",".join(spec.faults),
+                       "--node-retries", str(spec.node_retries), *spec.overrides])
+    cfg, config_path = build_config(args)
+    cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries)
+    return cluster.run()

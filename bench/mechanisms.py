@@ -1,0 +1,148 @@
+"""The recovery mechanisms compared, and one fault run of each on the local cluster.
+
+Each mechanism gets one run with the profile's deterministic faults at spread steps; the run's
+goodput report (training.report) gives each fault's detection time, recovery time (fault -> next
+completed step) and steps lost, and the run's training and infra goodput.
+
+  inprocess         an exception in one rank; NVRx in-process restart (fault_tolerance.restart=
+                    inprocess), rollback in memory. Needs training/inprocess.py.
+  injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
+                    from the last checkpoint on disk.
+  node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
+                    starts a replacement, the surviving nodes restart their workers in-job.
+  k8s_restart       node-loss of node 0, the rendezvous host: the controller stops every launcher and
+                    starts them all again with a fresh rendezvous, as a plain Kubernetes Job restart
+                    does; ft_launcher has no in-job restarts; resume from the last checkpoint on disk.
+The faults are training/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`), on the last
+rank / node unless the mechanism needs node 0.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.cluster import ClusterSpec, run_cluster
+from bench.profile import Profile
+from training.faults import KINDS
+from training.report import GoodputReport, ReportError, report_run
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str  # the key in the results' "recovery" object (training/plan.py reads it)
+    label: str
+    restart: str  # fault_tolerance.restart
+    fault: str  # a training/faults.py kind: "exception" (on a rank) or "node-loss" (of a node)
+    in_job_restarts: bool  # ft_launcher may restart workers
+    expected_restart_kind: str  # the restart_kind (training/events.py) that must have handled every fault
+    fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
+    needs_module: str | None = None
+
+
+MECHANISMS = (
+    Mechanism("inprocess", "in-process restart", "inprocess", "exception", True, "inprocess",
+              needs_module="training.inprocess"),
+    Mechanism("injob", "in-job restart (ft_launcher)", "injob", "exception", True, "injob"),
+    Mechanism("node_replacement", "node replacement", "injob", "node-loss", True, "node"),
+    Mechanism("k8s_restart", "plain Kubernetes restart", "injob", "node-loss", False, "job", fault_on_host=True),
+)
+
+# Async checkpoints, a short gloo timeout (a CPU collective cannot be aborted; it bounds
+# how long survivors of a fault can hang), generous NVRx timeouts for a busy machine.
+BASE_OVERRIDES = ("checkpoint.mode=async", "checkpoint.keep=1",
+                  "training.collective_timeout_s=30", "logging.log_interval=50",
+                  "fault_tolerance.timeout_safety_factor=10")
+
+
+@dataclass(frozen=True)
+class MechanismResult:
+    median_recovery_s: float
+    median_detection_s: float | None
+    median_steps_lost: float
+    max_steps_lost: int
+    median_time_lost_s: float | None
+    recovered: int  # faults followed by a completed step
+    faults: int
+    training_goodput: float
+    infra_goodput: float
+    wall_s: float
+    status: str
+    restart_kinds: tuple[str, ...]
+    run_dir: str
+    per_fault: tuple[dict[str, Any], ...]
+
+
+class Unavailable(Exception):
+    """The mechanism cannot be measured here; the message says why."""
+
+
+def unavailable_reason(m: Mechanism) -> str | None:
+    if m.needs_module and importlib.util.find_spec(m.needs_module) is None:
+        return f"{m.needs_module.replace('.', '/')}.py does not exist in this checkout yet"
+    if m.fault not in KINDS:
+        return f"training/faults.py has no {m.fault!r} fault kind"
+    return None
+
+
+def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
+    if m.fault == "node-loss":
+        target = f"node={0 if m.fault_on_host else profile.nodes - 1}"
+    else:
+        target = f"rank={0 if m.fault_on_host else profile.world - 1}"
+    return tuple(f"{m.fault}@{step}:{target}" for step in profile.fault_steps())
+
+
+def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
+    retries = profile.faults + 1  # a budget every mechanism's restarts fit in
+    budgets = (f"fault_tolerance.max_restarts={retries if m.in_job_restarts else 0}",
+               *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "inprocess" else ()))
+    return ClusterSpec(
+        run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node, steps=profile.steps,
+        overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",
+                   f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
+                   *budgets),
+        faults=fault_specs(m, profile), node_retries=retries)
+
+
+def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:
+    reason = unavailable_reason(m)
+    if reason:
+        raise Unavailable(reason)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_cluster(cluster_spec(m, profile, run_dir))
+    try:
+        _, report = report_run(run_dir)
+    except ReportError as err:
+        raise Unavailable(f"the run left no report: {err}") from None
+    return summarize(m, report, str(run_dir))
+
+
+def summarize(m: Mechanism, report: GoodputReport, run_dir: str) -> MechanismResult:
+    faults = report.faults
+    recovered = [f for f in faults if f.recovery_s is not None]
+    if not recovered:
+        raise Unavailable(f"no fault recovered in {run_dir} ({len(faults)} faults, run {report.status})")
+    kinds = tuple(sorted({f.restart_kind or "none" for f in faults}))
+    if kinds != (m.expected_restart_kind,):
+        raise Unavailable(f"faults were handled by {', '.join(kinds)} restarts, not {m.expected_restart_kind} "
+                          f"(run {run_dir})")
+    lost = [f.steps_lost for f in recovered if f.steps_lost is not None]
+    return MechanismResult(
+        median_recovery_s=statistics.median(f.recovery_s for f in recovered),
+        median_detection_s=_median(f.detection_s for f in faults),
+        median_steps_lost=statistics.median(lost) if lost else 0.0,
+        max_steps_lost=max(lost, default=0),
+        median_time_lost_s=_median(f.time_lost_s for f in faults),
+        recovered=len(recovered), faults=len(faults),
+        training_goodput=report.training_goodput, infra_goodput=report.infra_goodput, wall_s=report.wall_s,
+        status=report.status, restart_kinds=kinds, run_dir=run_dir,
+        per_fault=tuple(asdict(f) for f in faults))
+
+
+def _median(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

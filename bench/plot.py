@@ -1,0 +1,102 @@
+"""One PNG comparing the mechanisms: recovery per fault, goodput, and the checkpoint stall."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from bench.checks import REFERENCE_RECOVERY_S
+from bench.mechanisms import MECHANISMS
+from bench.results import BenchResult
+
+
+def plot_result(r: BenchResult, path: Path) -> Path:
+    fig = Figure(figsize=(15, 5), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)  # a bare Figure on Agg: no pyplot state, no display
+    recovery, goodput, stall = fig.subplots(1, 3, width_ratios=(1.3, 1.3, 1))
+    _recovery(recovery, r)
+    _goodput(goodput, r)
+    _stall(stall, r)
+    fig.suptitle(f"Bench {r.date} ({r.profile.name}, {r.machine.device}): every figure measured in this run")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def _mechanisms(r: BenchResult, with_reference: bool = False) -> list[tuple[str, str]]:
+    out = []
+    for m in MECHANISMS:
+        if m.name not in r.profile.mechanisms:
+            continue
+        label = textwrap.fill(m.label, 16)
+        if with_reference and m.name in REFERENCE_RECOVERY_S:
+            label += f"\nreference ~{REFERENCE_RECOVERY_S[m.name]:g} s"
+        out.append((m.name, label))
+    return out
+
+
+def _recovery(ax, r: BenchResult) -> None:
+    names = _mechanisms(r, with_reference=True)
+    middle = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    for x, (name, _) in enumerate(names):
+        res = r.recovery.get(name)
+        if res is None:
+            ax.text(x, 0.5, "not available\n(see table)", transform=middle, ha="center", color="tab:gray",
+                    fontsize="small")
+            continue
+        ax.bar(x, res.median_recovery_s, color="tab:blue", alpha=0.7, label="median recovery (measured)")
+        per_fault = [f["recovery_s"] for f in res.per_fault if f["recovery_s"] is not None]
+        ax.plot([x] * len(per_fault), per_fault, "o", color="black", ms=4, label="each fault")
+        ax.text(x, max(res.median_recovery_s, *per_fault), f"{res.median_recovery_s:.1f} s", ha="center",
+                va="bottom", weight="bold")
+    if r.floor is not None:
+        ax.axhline(r.floor.median_s, color="tab:green", ls="--",
+                   label=f"floor: fresh Python + torch + group, {r.floor.median_s:.1f} s")
+    ax.set_xticks(range(len(names)), [label for _, label in names], fontsize="small")
+    ax.set_ylabel("fault -> next completed step (s)")
+    ax.margins(y=0.3)  # room for the legend above the bars
+    ax.set_title(f"Recovery per fault ({r.profile.faults} faults each)")
+    _legend(ax)
+
+
+def _goodput(ax, r: BenchResult) -> None:
+    names = _mechanisms(r)
+    width = 0.38
+    for x, (name, _) in enumerate(names):
+        res = r.recovery.get(name)
+        if res is None:
+            continue
+        for dx, value, colour, label in ((-width / 2, res.training_goodput, "tab:blue", "training goodput"),
+                                         (width / 2, res.infra_goodput, "tab:orange", "infra goodput")):
+            ax.bar(x + dx, value, width, color=colour, label=label)
+            ax.text(x + dx, value, f"{value:.0%}", ha="center", va="bottom", fontsize="small")
+    ax.set_xticks(range(len(names)), [label for _, label in names], fontsize="small")
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+    ax.set_title(f"Goodput over a run with {r.profile.faults} faults")
+    _legend(ax)
+
+
+def _stall(ax, r: BenchResult) -> None:
+    s = r.checkpoint
+    if s is None:
+        ax.text(0.5, 0.5, "checkpoint stall\nnot measured", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    ax.bar([0, 1], [s.sync_blocking_s, s.async_blocking_s], color=["tab:red", "tab:green"])
+    for x, (blocking, eff) in enumerate(((s.sync_blocking_s, s.efficiency_sync),
+                                         (s.async_blocking_s, s.efficiency_async))):
+        ax.text(x, blocking, f"{blocking:.2f} s\nefficiency {eff:.0%}", ha="center", va="bottom", fontsize="small")
+    ax.set_xticks([0, 1], ["sync", "async"])
+    ax.set_ylabel("training blocked per save (s)")
+    ax.set_title(f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB, async/sync = {s.blocking_ratio:.2f}")
+    ax.margins(y=0.25)
+
+
+def _legend(ax) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    by_label = dict(zip(labels, handles))
+    if by_label:
+        ax.legend(by_label.values(), by_label.keys(), fontsize="small", loc="upper left")

@@ -1,0 +1,61 @@
+"""How big each part of a bench run is: `FULL` for `make bench`, `QUICK` for `--quick`, `GPU` for bench/gpu.sh."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    device: str  # training.device of every run
+    # Checkpoint stall: the same state saved sync and async. With stall_preset None, a synthetic
+    # sharded state of state_bytes between synthetic compute steps; else a real training run of
+    # that model preset on the local cluster (one node, stall_world ranks).
+    state_bytes: int  # over all ranks (synthetic state only)
+    stall_preset: str | None
+    stall_world: int
+    stall_interval: int | None  # steps between saves; None: calibrated (bench/stall.py)
+    stall_saves: int  # saves per checkpoint mode (CPU: rounds of the interleaved modes)
+    matmuls_per_step: int  # the synthetic step: this many 512x512 matmuls, then an all-reduce
+    # Recovery: one local-cluster run per mechanism with `faults` deterministic faults.
+    mechanisms: tuple[str, ...]
+    preset: str
+    nodes: int
+    nproc_per_node: int
+    faults: int
+    first_fault: int  # step of the first fault
+    fault_spacing: int  # steps between faults
+    tail_steps: int  # steps after the last fault
+    checkpoint_interval: int
+    floor_repeats: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def fault_steps(self) -> list[int]:
+        return [self.first_fault + i * self.fault_spacing for i in range(self.faults)]
+
+    @property
+    def steps(self) -> int:
+        return self.fault_steps()[-1] + self.tail_steps
+
+
+ALL = ("inprocess", "injob", "node_replacement", "k8s_restart")
+FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
+               stall_saves=4, matmuls_per_step=10, mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
+               faults=5, first_fault=15, fault_spacing=25, tail_steps=10, checkpoint_interval=10, floor_repeats=3)
+# Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: under 3 minutes
+# on 2 cores (each fault costs a restart of 7-20 s here).
+QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
+                stall_saves=3, matmuls_per_step=10, mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
+                faults=2, first_fault=15, fault_spacing=15, tail_steps=3, checkpoint_interval=10, floor_repeats=1)
+# One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
+# refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node
+# loss and full restarts need several nodes). Few saves: each writes about 15 GB; the first fault
+# comes well after the first save, so that in-job restarts load a committed checkpoint.
+GPU = Profile("gpu", "cuda", state_bytes=0, stall_preset="1b", stall_world=1, stall_interval=5, stall_saves=1,
+              matmuls_per_step=0, mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
+              faults=3, first_fault=25, fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1)

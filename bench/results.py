@@ -1,0 +1,68 @@
+"""The bench result: one JSON document per run, bench/results/<date>.json.
+
+training/plan.py --from-bench reads `checkpoint.async_blocking_s`, `checkpoint.sync_blocking_s` and
+`recovery.<mechanism>.median_recovery_s`: only measured mechanisms appear under "recovery"; those
+that could not be measured are under "unavailable" with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.checks import Check
+from bench.floor import FloorResult
+from bench.mechanisms import MechanismResult
+from bench.profile import Profile
+from bench.stall import StallResult
+
+SCHEMA = "bench-result/1"
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpus: int
+    load_avg_1m: float  # at the end of the run: other work on the machine makes timings noisy
+    python: str
+    torch: str
+    nvrx: str
+    device: str
+
+    @staticmethod
+    def here(device: str) -> "Machine":
+        import torch
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            nvrx = version("nvidia-resiliency-ext")
+        except PackageNotFoundError:
+            nvrx = "not installed"
+        name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+        return Machine(os.cpu_count() or 0, os.getloadavg()[0], platform.python_version(), torch.__version__,
+                       nvrx, name)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    date: str
+    profile: Profile
+    machine: Machine
+    elapsed_s: float
+    checkpoint: StallResult | None
+    floor: FloorResult | None
+    recovery: dict[str, MechanismResult]
+    unavailable: dict[str, str]  # mechanism or part -> why it was not measured
+    checks: tuple[Check, ...]
+    schema: str = field(default=SCHEMA)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_json(result: BenchResult, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return path

@@ -1,0 +1,120 @@
+"""`make bench`: checkpoint stall, recovery per mechanism and goodput under faults, in one run.
+
+    python -m bench.run [--quick] [--gpu] [--results-dir bench/results] [--runs-dir DIR]
+
+Runs, in this order, on the local emulated cluster (training.local): the floor of this machine,
+the checkpoint stall (sync vs async), and one fault run per recovery mechanism. Writes
+<results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
+and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
+still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (under 3 minutes on 2 cores).
+--gpu: the one-GPU profile that bench/gpu.sh runs (needs CUDA).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench.checks import recovery_checks, stall_checks
+from bench.floor import FloorResult, measure_floor
+from bench.mechanisms import MECHANISMS, MechanismResult, Unavailable, measure_mechanism
+from bench.plot import plot_result
+from bench.profile import FULL, GPU, QUICK, Profile
+from bench.results import BenchResult, Machine, write_json
+from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster
+from bench.table import format_markdown
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NO_CUDA = 2  # --gpu without a CUDA device: nothing was measured
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] [bench] {message}", flush=True)
+
+
+def _failure(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def run_stall(p: Profile, runs: Path) -> StallResult:
+    if p.stall_preset is None:
+        return measure_stall(StallSpec(p.state_bytes, p.stall_world, p.stall_saves, p.matmuls_per_step, p.device), runs)
+    assert p.stall_interval is not None, "a real training run needs a fixed checkpoint interval"
+    return measure_stall_on_cluster(p.stall_preset, p.device, p.stall_world, p.stall_interval, p.stall_saves, runs)
+
+
+def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
+    started = time.monotonic()
+    unavailable: dict[str, str] = {}
+    say(f"profile {p.name}: floor ({p.floor_repeats}x, world {p.world})")
+    floor: FloorResult | None = None
+    try:
+        floor = measure_floor(p.world, p.floor_repeats)
+        say(f"floor {floor.median_s:.2f} s")
+    except Exception as err:  # noqa: BLE001 - a part that fails is reported, the others still run
+        unavailable["floor"] = _failure(err)
+    say("checkpoint stall: checkpoints off, sync, async")
+    stall: StallResult | None = None
+    try:
+        stall = run_stall(p, runs)
+        say(f"blocking per save: sync {stall.sync_blocking_s:.2f} s, async {stall.async_blocking_s:.2f} s")
+    except Exception as err:  # noqa: BLE001
+        traceback.print_exc()
+        unavailable["checkpoint"] = _failure(err)
+    recovery: dict[str, MechanismResult] = {}
+    for m in (m for m in MECHANISMS if m.name in p.mechanisms):
+        say(f"{m.label}: {p.faults} faults at steps {p.fault_steps()}, {p.nodes} node(s) x {p.nproc_per_node} rank(s)")
+        try:
+            recovery[m.name] = measure_mechanism(m, p, runs / m.name)
+            say(f"{m.label}: median recovery {recovery[m.name].median_recovery_s:.2f} s")
+        except Unavailable as err:
+            unavailable[m.name] = str(err)
+            say(f"{m.label}: not available: {err}")
+        except Exception as err:  # noqa: BLE001
+            traceback.print_exc()
+            unavailable[m.name] = _failure(err)
+    checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured")),
+              *recovery_checks(recovery, unavailable, floor, p.mechanisms))
+    return BenchResult(date=date, profile=p, machine=Machine.here(p.device), elapsed_s=time.monotonic() - started,
+                       checkpoint=stall, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="2 faults per mechanism, 256 MiB state, 1 rank per node (< 3 min)")
+    size.add_argument("--gpu", action="store_true", help="the one-GPU profile of bench/gpu.sh (needs CUDA)")
+    parser.add_argument("--results-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--runs-dir", type=Path, default=None, help="run directories (default runs/bench-<date>)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    profile = GPU if args.gpu else QUICK if args.quick else FULL
+    if profile.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench: no CUDA device visible (torch.cuda.is_available() is False): the GPU profile measures "
+                  "nothing without one; run `make bench` for the CPU benchmark", file=sys.stderr)
+            return NO_CUDA
+    date = time.strftime("%Y-%m-%d_%H%M%S") + ("" if profile is FULL else f"_{profile.name}")
+    runs = args.runs_dir or REPO_ROOT / "runs" / f"bench-{date}"
+    result = run_bench(profile, runs, date)
+    markdown = format_markdown(result)
+    print(markdown)
+    stem = args.results_dir / date
+    write_json(result, stem.with_suffix(".json"))
+    stem.with_suffix(".md").write_text(markdown)
+    plot_result(result, stem.with_suffix(".png"))
+    say(f"wrote {stem}.json, .md, .png; run directories in {runs}")
+    say(f"plan from it: python -m training.plan --nodes 32 --gpus-per-node 8 --node-mtbf-hours 2000 "
+        f"--from-bench {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Checkpoint stall: how long a save blocks training, sync vs async, and what that costs in step rate.
+
+The same state is trained on with checkpoints off, sync and async, each mode through its own
+training.checkpoint.CheckpointManager, run directory and event log.
+  measure_stall             CPU: one set of processes (torch.multiprocessing, gloo) holds a synthetic
+                            state, a rank-unique shard of state_bytes / world bytes per rank (a real
+                            model of 256 MB+ trains far too slowly on 2 cores); a step is a fixed
+                            amount of matmul work and an all-reduce. The interval is calibrated first
+                            (a few timed steps, one timed sync save) so that sync saves take about
+                            CALIBRATED_SYNC_COST of the time, as in the reference (~60% efficiency).
+                            The modes are interleaved, one interval each per round, so that a change
+                            in the machine's load hits all three alike. A round of a mode: save (not
+                            for off), `interval` steps, then wait for an async save to be durable, so
+                            a background write is charged to its own mode.
+  measure_stall_on_cluster  GPU: three real training runs of a model preset on one local-cluster node.
+
+Figures (blocking from the event logs through training.report):
+  blocking per save   ckpt_blocked.seconds, mean over the saves (async: staging and planning)
+  step wall time      wall time of a mode's rounds / its steps (CPU), or (end of the last step - end
+                      of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
+                      from a background write together
+  efficiency          step wall time without checkpoints / with them
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.cluster import ClusterSpec, run_cluster
+from training.checkpoint import CheckpointManager
+from training.distributed import free_port, init_distributed, teardown
+from training.events import EventLog
+from training.report import report_run
+
+MODES = ("off", "sync", "async")
+CHUNK_BYTES = 64 << 20  # state tensors of at most 64 MiB, like a model's parameters
+CALIBRATED_SYNC_COST = 0.4  # share of the run a sync save should take at the calibrated interval
+MIN_INTERVAL, MAX_INTERVAL = 5, 100  # at least a few steps between saves, at most a few minutes a pass
+CALIBRATION_STEPS = 5
+
+
+@dataclass(frozen=True)
+class StallSpec:
+    state_bytes: int
+    world: int
+    saves: int  # saves inside the measured window
+    matmuls_per_step: int
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class StallResult:
+    state_bytes: int  # measured: the size of the committed sync checkpoint
+    world_size: int
+    interval_steps: int
+    steps: int
+    sync_blocking_s: float
+    async_blocking_s: float
+    sync_blocking_per_save_s: tuple[float, ...]
+    async_blocking_per_save_s: tuple[float, ...]
+    blocking_ratio: float  # async / sync
+    step_wall_off_s: float
+    step_wall_sync_s: float
+    step_wall_async_s: float
+    efficiency_sync: float
+    efficiency_async: float
+    run_dirs: dict[str, str]
+
+
+def step_wall_s(run_dir: Path) -> float:
+    """Wall time per step over the run's steps, blocking and slowdown included."""
+    timeline, _ = report_run(run_dir)
+    ends = sorted(r.end_s for r in timeline.runs)
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def blocking_per_save(run_dir: Path) -> tuple[float, ...]:
+    timeline, _ = report_run(run_dir)
+    return tuple(s.end_s - s.start_s for s in timeline.saves)
+
+
+def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int, world: int, interval: int,
+            steps: int) -> StallResult:
+    """`walls`: wall time per step of each mode."""
+    sync, async_ = blocking_per_save(run_dirs["sync"]), blocking_per_save(run_dirs["async"])
+    sync_mean, async_mean = sum(sync) / len(sync), sum(async_) / len(async_)
+    return StallResult(
+        state_bytes=state_bytes, world_size=world, interval_steps=interval, steps=steps,
+        sync_blocking_s=sync_mean, async_blocking_s=async_mean,
+        sync_blocking_per_save_s=sync, async_blocking_per_save_s=async_,
+        blocking_ratio=async_mean / sync_mean,
+        step_wall_off_s=walls["off"], step_wall_sync_s=walls["sync"], step_wall_async_s=walls["async"],
+        efficiency_sync=walls["off"] / walls["sync"], efficiency_async=walls["off"] / walls["async"],
+        run_dirs={mode: str(path) for mode, path in run_dirs.items()})
+
+
+def calibrated_interval(step_s: float, save_s: float) -> int:
+    """Steps between saves at which sync saves take CALIBRATED_SYNC_COST of the time."""
+    steps = save_s * (1 - CALIBRATED_SYNC_COST) / (CALIBRATED_SYNC_COST * step_s)
+    return min(max(math.ceil(steps), MIN_INTERVAL), MAX_INTERVAL)
+
+
+def checkpoint_bytes(checkpoint_dir: Path) -> int:
+    """Bytes of the newest committed checkpoint under `checkpoint_dir`."""
+    newest = max(checkpoint_dir.glob("step_*"))
+    return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+
+
+def _fresh_run_dirs(root: Path) -> dict[str, Path]:
+    run_dirs = {mode: root / f"stall-{mode}" for mode in MODES}
+    for path in run_dirs.values():
+        shutil.rmtree(path, ignore_errors=True)
+    return run_dirs
+
+
+def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int, saves: int,
+                             root: Path) -> StallResult:
+    run_dirs = _fresh_run_dirs(root)
+    steps = (saves + 1) * interval  # the last counted save is followed by a whole interval
+    state_bytes = 0
+    for mode, run_dir in run_dirs.items():
+        status = run_cluster(ClusterSpec(
+            run_dir=run_dir, nodes=1, nproc_per_node=world, steps=steps,
+            overrides=(f"model.preset={preset}", f"training.device={device}", f"checkpoint.mode='{mode}'",  # quoted: YAML reads a bare off as false
+                       f"checkpoint.interval={interval}", "checkpoint.keep=1", "logging.log_interval=1")))
+        if status != 0:
+            raise RuntimeError(f"checkpoint stall run ({mode}) failed: see {run_dir}/logs/")
+        if mode == "sync":
+            state_bytes = checkpoint_bytes(run_dir / "checkpoints")
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    walls = {mode: step_wall_s(path) for mode, path in run_dirs.items()}
+    return analyse(run_dirs, walls, state_bytes, world, interval, steps)
+
+
+def measure_stall(spec: StallSpec, root: Path) -> StallResult:
+    run_dirs = _fresh_run_dirs(root)
+    found = mp.get_context("spawn").SimpleQueue()  # rank 0 -> here: (interval, wall per mode, checkpoint bytes)
+    mp.start_processes(_worker, args=(spec, free_port(), root, run_dirs, found), nprocs=spec.world,
+                       start_method="spawn")
+    interval, walls, state_bytes = found.get()
+    steps = spec.saves * interval
+    return analyse(run_dirs, {mode: wall / steps for mode, wall in walls.items()}, state_bytes, spec.world,
+                   interval, steps)
+
+
+def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[str, Path], found) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec.world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # one core per rank, as the local cluster's OMP_NUM_THREADS=1
+    info = init_distributed(spec.device, timeout_s=600)
+    try:
+        state = _synthetic_state(spec.state_bytes // spec.world, rank, info.device)
+        a = torch.randn(512, 512, device=info.device)
+        interval = _calibrate(spec, root / "stall-calibration", state, a, info.device)
+        walls = _interleaved(spec, interval, run_dirs, state, a, info.device)
+        if rank == 0:
+            found.put((interval, walls, checkpoint_bytes(run_dirs["sync"] / "checkpoints")))
+            for path in run_dirs.values():  # do not leave GBs behind
+                shutil.rmtree(path / "checkpoints", ignore_errors=True)
+    finally:
+        teardown()
+
+
+def _synthetic_state(nbytes: int, rank: int, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+    # Rank-unique keys: DCP writes each rank's shard (identical keys would be deduplicated as replicas).
+    chunks, rest = divmod(nbytes, CHUNK_BYTES)
+    sizes = [CHUNK_BYTES] * chunks + ([rest] if rest else [])
+    return {f"shard_rank{rank}": {f"t{i}": torch.rand(n // 4, device=device) for i, n in enumerate(sizes)}}
+
+
+def _step(a: torch.Tensor, matmuls: int) -> None:
+    x = a
+    for _ in range(matmuls):
+        x = torch.tanh(x @ a)
+    dist.all_reduce(x[:1, :1].contiguous())  # ranks move in lockstep, as in data-parallel training
+
+
+def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, device: torch.device) -> int:
+    """Time a few steps and one sync save (which also warms up allocator, threads and page cache)."""
+    _step(a, spec.matmuls_per_step)
+    t0 = time.perf_counter()
+    for _ in range(CALIBRATION_STEPS):
+        _step(a, spec.matmuls_per_step)
+    step_s = (time.perf_counter() - t0) / CALIBRATION_STEPS
+    ckpt = CheckpointManager(scratch, mode="sync", keep=1, device=device)
+    t0 = time.perf_counter()
+    ckpt.save(0, state)
+    timings = torch.tensor([step_s, time.perf_counter() - t0])
+    dist.all_reduce(timings, op=dist.ReduceOp.MAX)  # every rank must pick the same interval
+    if dist.get_rank() == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return calibrated_interval(*timings.tolist())
+
+
+def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], state: dict, a: torch.Tensor,
+                 device: torch.device) -> dict[str, float]:
+    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock)."""
+    lead = dist.get_rank() == 0
+    logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
+    managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
+                for mode, path in run_dirs.items()}
+    walls = dict.fromkeys(MODES, 0.0)
+    for round_ in range(spec.saves):
+        for mode in MODES:
+            t0 = time.perf_counter()
+            managers[mode].save(round_ * interval, state)  # a no-op with checkpoints off
+            for step in range(round_ * interval + 1, (round_ + 1) * interval + 1):
+                started = time.perf_counter()
+                _step(a, spec.matmuls_per_step)
+                if lead:
+                    logs[mode].emit("step", step=step, loss=0.0, step_time_s=round(time.perf_counter() - started, 5),
+                                    tokens=0)
+                managers[mode].poll()
+            managers[mode].wait()
+            walls[mode] += time.perf_counter() - t0
+    for mode, log in logs.items():
+        if log is not None:
+            log.emit("run_end", step=spec.saves * interval, status="completed")
+            log.close()
+    return walls

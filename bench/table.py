@@ -1,0 +1,90 @@
+"""The bench result as Markdown: checkpoint stall, recovery and goodput per mechanism, checks."""
+from __future__ import annotations
+
+from bench.checks import REFERENCE_RECOVERY_S, Check
+from bench.mechanisms import MECHANISMS
+from bench.profile import FULL, QUICK
+from bench.stall import CALIBRATED_SYNC_COST
+from bench.results import BenchResult
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "%":
+        return f"{value:.1%}"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "s":
+        return f"{value:.2f} s"
+    return f"{value:g} {unit}"
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(*cells: str) -> list[str]:
+    return [_row(*cells), _row(*("---" for _ in cells))]
+
+
+def stall_table(r: BenchResult) -> list[str]:
+    s = r.checkpoint
+    if s is None:
+        return [f"Checkpoint stall: not measured ({r.unavailable.get('checkpoint', 'unknown reason')})"]
+    return [
+        f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB of state over {s.world_size} ranks, a save every "
+        f"{s.interval_steps} steps"
+        + (f" (calibrated: sync saves about {CALIBRATED_SYNC_COST:.0%} of the time, as in the reference)"
+           if r.profile.stall_interval is None else "") + f", {s.steps} steps per pass",
+        "",
+        *_header("mode", "blocking per save (mean)", "per save", "step wall time", "training efficiency"),
+        _row("off", "-", "-", _fmt(s.step_wall_off_s, "s"), "100% (baseline)"),
+        _row("sync", _fmt(s.sync_blocking_s, "s"), ", ".join(f"{v:.2f}" for v in s.sync_blocking_per_save_s),
+             _fmt(s.step_wall_sync_s, "s"), _fmt(s.efficiency_sync, "%")),
+        _row("async", _fmt(s.async_blocking_s, "s"), ", ".join(f"{v:.2f}" for v in s.async_blocking_per_save_s),
+             _fmt(s.step_wall_async_s, "s"), _fmt(s.efficiency_async, "%")),
+    ]
+
+
+def recovery_table(r: BenchResult) -> list[str]:
+    floor = f"{r.floor.median_s:.2f} s (world {r.floor.world_size})" if r.floor else "not measured"
+    lines = [f"Recovery and goodput per mechanism: one run each, {r.profile.faults} deterministic faults, medians "
+             f"over the faults; floor of this machine (fresh Python + import torch + join group): {floor}", "",
+             *_header("mechanism", "faults recovered", "detection", "recovery", "reference recovery",
+                      "steps lost (median/max)", "time lost", "training goodput", "infra goodput", "wall")]
+    for m in MECHANISMS:
+        if m.name not in r.profile.mechanisms:
+            continue
+        ref = REFERENCE_RECOVERY_S.get(m.name)
+        ref_text = f"~{ref:g} s" if ref is not None else "-"
+        res = r.recovery.get(m.name)
+        if res is None:
+            lines.append(_row(m.label, f"not available: {r.unavailable.get(m.name, 'not run')}", "", "", ref_text,
+                              "", "", "", "", ""))
+            continue
+        lines.append(_row(m.label, f"{res.recovered}/{res.faults}", _fmt(res.median_detection_s, "s"),
+                          _fmt(res.median_recovery_s, "s"), ref_text,
+                          f"{res.median_steps_lost:g}/{res.max_steps_lost}", _fmt(res.median_time_lost_s, "s"),
+                          _fmt(res.training_goodput, "%"), _fmt(res.infra_goodput, "%"), _fmt(res.wall_s, "s")))
+    return lines
+
+
+def checks_table(checks: tuple[Check, ...]) -> list[str]:
+    lines = ["Measured vs reference and targets", "", *_header("figure", "measured", "reference / target",
+                                                               "source", "status")]
+    for c in checks:
+        status = c.status if not c.note else f"{c.status} ({c.note})"
+        lines.append(_row(c.figure, _fmt(c.measured, c.unit), c.target, c.source, status))
+    return lines
+
+
+def format_markdown(r: BenchResult) -> str:
+    title = (f"# Bench {r.date} ({r.profile.name}; {r.machine.device}, {r.machine.cpus} CPUs, load "
+             f"{r.machine.load_avg_1m:.1f}; torch {r.machine.torch}, NVRx {r.machine.nvrx}; {r.elapsed_s:.0f} s)")
+    p = r.profile
+    notes = [f"Quick mode: {p.faults} faults per mechanism (make bench: {FULL.faults}), {p.state_bytes >> 20} MiB of "
+             f"state (make bench: {FULL.state_bytes >> 20} MiB), {p.world} ranks (make bench: {FULL.world}); "
+             "figures are noisier."] if p.name == QUICK.name else []
+    sections = [[title, *notes], stall_table(r), recovery_table(r), checks_table(r.checks)]
+    return "\n\n".join("\n".join(s) for s in sections) + "\n"

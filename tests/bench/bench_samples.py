@@ -1,0 +1,59 @@
+"""Synthetic bench inputs: event logs written as JSON lines with chosen times, and a whole BenchResult."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.checks import recovery_checks, stall_checks
+from bench.floor import FloorResult
+from bench.mechanisms import MechanismResult
+from bench.profile import QUICK
+from bench.results import BenchResult, Machine
+from bench.stall import StallResult
+
+T0 = 1_767_000_000.0
+
+
+def write_events(run_dir: Path, records: list[dict]) -> Path:
+    """rank0.jsonl with `t` relative to T0, as training.events writes it."""
+    directory = run_dir / "events"
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({**r, "t": T0 + r["t"], "source": "rank0"}) for r in records]
+    (directory / "rank0.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def stall_pass(run_dir: Path, steps: int, step_s: float, saves: dict[int, float]) -> Path:
+    """A pass of `steps` steps of `step_s` each; after step k in `saves`, a save blocking saves[k] s."""
+    t, records = 0.0, []
+    for step in range(1, steps + 1):
+        t += step_s
+        records.append({"t": t, "event": "step", "step": step, "loss": 0.0, "step_time_s": step_s, "tokens": 0})
+        if step in saves:
+            records.append({"t": t, "event": "ckpt_start", "step": step})
+            t += saves[step]
+            records.append({"t": t, "event": "ckpt_blocked", "step": step, "seconds": saves[step]})
+    records.append({"t": t, "event": "run_end", "step": steps, "status": "completed"})
+    return write_events(run_dir, records)
+
+
+def mechanism(recovery_s: float, steps_lost: int = 4) -> MechanismResult:
+    return MechanismResult(median_recovery_s=recovery_s, median_detection_s=1.0, median_steps_lost=steps_lost,
+                           max_steps_lost=steps_lost, median_time_lost_s=recovery_s, recovered=2, faults=2,
+                           training_goodput=0.5, infra_goodput=0.6, wall_s=60.0, status="completed",
+                           restart_kinds=("injob",), run_dir="runs/x", per_fault=(
+                               {"recovery_s": recovery_s - 0.5}, {"recovery_s": recovery_s + 0.5}))
+
+
+def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
+    unavailable = {"inprocess": "training/inprocess.py does not exist"} if unavailable is None else unavailable
+    stall = StallResult(state_bytes=256 << 20, world_size=2, interval_steps=10, steps=30, sync_blocking_s=2.0,
+                        async_blocking_s=0.1, sync_blocking_per_save_s=(2.0, 2.0), async_blocking_per_save_s=(0.1, 0.1),
+                        blocking_ratio=0.05, step_wall_off_s=0.1, step_wall_sync_s=0.2, step_wall_async_s=0.101,
+                        efficiency_sync=0.5, efficiency_async=0.99, run_dirs={})
+    recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "k8s_restart": mechanism(13.0)}
+    floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
+    checks = (*stall_checks(stall, ""), *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms))
+    machine = Machine(cpus=2, load_avg_1m=1.0, python="3.11", torch="2.13.0", nvrx="0.4.1", device="x86_64")
+    return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
+                       checkpoint=stall, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)

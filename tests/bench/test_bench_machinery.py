@@ -1,0 +1,49 @@
+"""The quick mode's machinery on tiny sizes: a real two-rank stall pass, each mechanism's faults, and
+one fault run on the local cluster (plain Kubernetes restart: node 0 lost, every node restarted)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.mechanisms import MECHANISMS, Mechanism, Unavailable, fault_specs, measure_mechanism
+from bench.profile import QUICK
+from bench.stall import StallSpec, measure_stall
+
+TINY = replace(QUICK, faults=1, first_fault=6, tail_steps=2, checkpoint_interval=4)
+
+
+def test_a_mechanism_without_its_module_is_not_available(tmp_path: Path) -> None:
+    missing = Mechanism("inprocess", "in-process", "inprocess", "exception", True, "inprocess",
+                        needs_module="training.no_such_module")
+    with pytest.raises(Unavailable, match="training/no_such_module.py does not exist"):
+        measure_mechanism(missing, TINY, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_stall_saves_the_same_state_sync_and_async_in_two_ranks(tmp_path: Path) -> None:
+    s = measure_stall(StallSpec(state_bytes=8 << 20, world=2, saves=2, matmuls_per_step=1), tmp_path)
+    assert s.state_bytes >= 8 << 20  # measured on disk: both ranks' shards
+    assert 5 <= s.interval_steps <= 100 and s.steps == 2 * s.interval_steps  # calibrated
+    assert len(s.sync_blocking_per_save_s) == len(s.async_blocking_per_save_s) == 2
+    assert s.sync_blocking_s > 0 and s.async_blocking_s > 0
+    assert s.efficiency_sync > 0 and s.efficiency_async > 0
+
+
+def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
+    specs = {m.name: fault_specs(m, replace(QUICK, nodes=2, nproc_per_node=2, faults=2)) for m in MECHANISMS}
+    assert specs == {"inprocess": ("exception@15:rank=3", "exception@30:rank=3"),
+                     "injob": ("exception@15:rank=3", "exception@30:rank=3"),
+                     "node_replacement": ("node-loss@15:node=1", "node-loss@30:node=1"),
+                     "k8s_restart": ("node-loss@15:node=0", "node-loss@30:node=0")}
+
+
+@pytest.mark.slow
+def test_a_plain_restart_run_gives_its_recovery_figures(tmp_path: Path) -> None:
+    m = next(m for m in MECHANISMS if m.name == "k8s_restart")
+    r = measure_mechanism(m, TINY, tmp_path / m.name)
+    assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("job",))
+    assert r.median_recovery_s > 0 and r.median_detection_s is not None
+    assert r.training_goodput <= r.infra_goodput <= 1

@@ -1,0 +1,91 @@
+"""The bench's figures from synthetic inputs: stall analysis, checks, JSON (with plan --from-bench), table, plot."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bench_samples import mechanism, sample_result, stall_pass
+
+from bench.checks import recovery_checks, stall_checks
+from bench.floor import FloorResult
+from bench.plot import plot_result
+from bench.profile import ALL
+from bench.results import SCHEMA, write_json
+from bench.stall import CALIBRATED_SYNC_COST, analyse, calibrated_interval, step_wall_s
+from bench.table import format_markdown
+from training import plan
+
+
+def test_stall_figures_come_from_the_event_logs(tmp_path: Path) -> None:
+    # 21 steps of 0.1 s; saves after steps 10 and 20 block 1.0 s (sync) or 0.05 s (async).
+    dirs = {"off": stall_pass(tmp_path / "off", 21, 0.1, {}),
+            "sync": stall_pass(tmp_path / "sync", 21, 0.1, {10: 1.0, 20: 1.0}),
+            "async": stall_pass(tmp_path / "async", 21, 0.1, {10: 0.05, 20: 0.05})}
+    walls = {mode: step_wall_s(path) for mode, path in dirs.items()}
+    s = analyse(dirs, walls, state_bytes=1 << 28, world=2, interval=10, steps=21)
+    assert s.sync_blocking_s == pytest.approx(1.0) and s.async_blocking_s == pytest.approx(0.05)
+    assert s.blocking_ratio == pytest.approx(0.05)
+    assert s.step_wall_off_s == pytest.approx(0.1)
+    assert s.step_wall_sync_s == pytest.approx((20 * 0.1 + 2.0) / 20)
+    assert s.efficiency_sync == pytest.approx(2.0 / 4.0)
+    assert s.efficiency_async == pytest.approx(2.0 / 2.1)
+
+
+def test_calibrated_interval_makes_sync_saves_cost_the_target_share() -> None:
+    interval = calibrated_interval(step_s=0.1, save_s=2.0)
+    assert 2.0 / (interval * 0.1 + 2.0) == pytest.approx(CALIBRATED_SYNC_COST, abs=0.01)
+    assert calibrated_interval(step_s=1.0, save_s=0.01) == 5 and calibrated_interval(1e-3, 100.0) == 100
+
+
+def _by_figure(checks) -> dict[str, str]:
+    return {c.figure: c.status for c in checks}
+
+
+def test_checks_pass_and_miss_against_targets() -> None:
+    floor = FloorResult(4.0, (4.0,), 2)
+    good = _by_figure(recovery_checks({"inprocess": mechanism(3.0, steps_lost=1), "injob": mechanism(7.0)}, {}, floor,
+                                      ALL))
+    assert good["in-process recovery / in-job recovery"] == "PASS"
+    assert good["in-process steps lost per fault (max)"] == "PASS"
+    assert good["in-job recovery / floor (fresh Python + import torch + join group)"] == "PASS"
+    assert good["injob median recovery"] == "PASS"
+    bad = _by_figure(recovery_checks({"inprocess": mechanism(5.0, steps_lost=3), "injob": mechanism(9.0),
+                                      "k8s_restart": mechanism(13.0)}, {}, floor, ALL))
+    assert bad["in-process recovery / in-job recovery"] == "MISS"
+    assert bad["in-process steps lost per fault (max)"] == "MISS"
+    assert bad["in-job recovery / floor (fresh Python + import torch + join group)"] == "MISS"
+    assert bad["k8s_restart median recovery"] == "BASELINE"
+
+
+def test_missing_parts_are_not_available_with_the_reason() -> None:
+    checks = recovery_checks({"injob": mechanism(7.0)}, {"inprocess": "no module"}, None, ("inprocess", "injob"))
+    ratio = next(c for c in checks if c.figure == "in-process recovery / in-job recovery")
+    assert (ratio.status, ratio.note) == ("N/A", "inprocess: no module")
+    assert not any("k8s_restart" in c.figure for c in checks)  # not in this profile: no check
+    assert {c.status for c in stall_checks(None, "disk full")} == {"N/A"}
+
+
+def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, capsys) -> None:
+    path = write_json(sample_result(), tmp_path / "r.json")
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA
+    assert set(data["recovery"]) == {"injob", "node_replacement", "k8s_restart"}  # unavailable ones stay out
+    assert data["unavailable"] == {"inprocess": "training/inprocess.py does not exist"}
+    assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
+    save, mechanisms = plan.from_bench(path, "async")
+    assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {
+        "injob": 7.0, "node_replacement": 20.0, "k8s_restart": 13.0}
+    assert plan.main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
+    assert "k8s_restart" in capsys.readouterr().out
+
+
+def test_markdown_and_png(tmp_path: Path) -> None:
+    result = sample_result()
+    text = format_markdown(result)
+    assert "| in-process restart | not available: training/inprocess.py does not exist |" in text
+    assert "| plain Kubernetes restart | 2/2 |" in text
+    assert "Quick mode: 2 faults per mechanism" in text
+    assert "PASS" in text and "BASELINE" in text and "~270 s" in text
+    png = plot_result(result, tmp_path / "r.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
