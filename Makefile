@@ -41,8 +41,9 @@ manifests: setup
 demo: $(VENV)/.installed
 	$(PY) -m training.local --demo
 
+# make bench BENCH_ARGS=--quick: the short profile (< 3 min)
 bench: $(VENV)/.installed
-	$(PY) -m bench.run
+	$(PY) -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf cdk.out dist runs .pytest_cache

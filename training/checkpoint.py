@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from training.events import EventLog
@@ -124,16 +125,23 @@ class _AsyncWriter(Protocol):
 
 
 class _TorchAsyncWriter:
-    """dcp.async_save: synchronous staging into CPU copies, background write in a thread."""
+    """dcp.async_save: synchronous staging into CPU copies, background write in a thread.
+
+    The stager is kept for the writer's life: it reuses its staging buffers from one save to the
+    next (a stager per save, dcp's default, allocates and page-faults the whole state every time,
+    which is most of the blocking on CPU). Reuse is safe because at most one save is in flight.
+    Pinned and shared memory are for CUDA copies and a process executor; neither is used here."""
 
     def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
         self._pg = process_group
         self._hook = write_hook
         self._future = None
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         self._future = dcp.async_save(_plain(state), storage_writer=_file_writer(path, step, self._hook),
-                                      process_group=self._pg)
+                                      process_group=self._pg, async_stager=self._stager)
 
     def done(self, blocking: bool) -> bool:
         assert self._future is not None

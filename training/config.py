@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -152,7 +153,7 @@ def load_train_config(path: str | Path | None = None, overrides: Sequence[str] =
     if path is not None:
         text = Path(path).read_text()
         try:
-            loaded = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+            loaded = json.loads(text) if str(path).endswith(".json") else _load_yaml(text)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise TrainConfigError(f"{path}: not valid YAML/JSON: {err}") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -168,8 +169,25 @@ def load_train_config(path: str | Path | None = None, overrides: Sequence[str] =
             target = target.setdefault(section, {})
             if not isinstance(target, dict):
                 raise TrainConfigError(f"override {item!r}: {section} is not a section")
-        target[leaf] = yaml.safe_load(value) if value else None
+        target[leaf] = _load_yaml(value) if value else None
     return _build(TrainConfig, data, "")
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.1 reads on/off/yes/no as booleans, so `checkpoint.mode=off` would arrive as False;
+    here, as in YAML 1.2, only true/false are booleans."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12Loader)
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -214,6 +232,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise TrainConfigError(f"{key}={value!r}: expected a whole number")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TrainConfigError(f"{key}={value!r}: expected a number")
         return float(value)

@@ -31,6 +31,17 @@ def test_new_config_keys_load(tmp_path):
         ("skip", True, "uint32", True)
 
 
+def test_values_read_as_written_in_overrides_and_files(tmp_path):
+    # YAML 1.1 would turn `off` into False and leave 1e-3 a string; a user means the mode and the number.
+    cfg = load_train_config(None, ["checkpoint.mode=off", "training.lr=1e-3", "checkpoint.save_final=true"])
+    assert (cfg.checkpoint.mode, cfg.training.lr, cfg.checkpoint.save_final) == ("off", 1e-3, True)
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  mode: off\n")
+    assert load_train_config(path).checkpoint.mode == "off"
+    with pytest.raises(TrainConfigError, match="checkpoint.save_final='yes': expected true or false"):
+        load_train_config(None, ["checkpoint.save_final=yes"])
+
+
 def test_fault_spec_parses():
     spec = parse_fault("sigkill@60:rank=3")
     assert (spec.kind, spec.step, spec.rank, spec.key) == ("sigkill", 60, 3, "sigkill@60_rank=3")
