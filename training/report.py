@@ -272,7 +272,10 @@ def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Faul
         if name == "fault_injected" or (name == "fault_detected" and fault is None):
             if fault is not None:
                 closed.append(fault)
-            fault = _OpenFault(r, position, detected=r if name == "fault_detected" else None)
+            # An injected fault fires before its step: the faulty rank had finished step - 1, even
+            # when rank 0's event for that step reaches the log after the fault's.
+            reached = max(position, int(r["step"]) - 1) if isinstance(r.get("step"), int) else position
+            fault = _OpenFault(r, reached, detected=r if name == "fault_detected" else None)
         elif fault is not None:
             if name == "fault_detected" or name in RESTARTS:
                 fault.detected = fault.detected or r

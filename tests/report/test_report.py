@@ -84,6 +84,21 @@ def test_rollback_without_resume_event_counts_the_last_execution(fake_run: FakeR
     assert fault.recovery_s == pytest.approx(6.0)
 
 
+def test_steps_lost_count_from_the_faulty_rank_even_when_rank_0_logs_later(fake_run: FakeRun) -> None:
+    """Rank 1 fires before step 20, after finishing step 19; rank 0's step-19 event lands after it."""
+    fake_run.attempt(0, "fresh", resume=0, source_kind="none")
+    fake_run.steps(1, 18, save_every=10)
+    fake_run.fault("exception", rank=1, step=20)
+    fake_run.wait(0.2)  # rank 0's step 19 was in flight when the fault fired
+    fake_run.emit("step", step=19, loss=0.5, step_time_s=1.0, tokens=4096)
+    fake_run.wait(3.0)
+    fake_run.attempt(1, "injob", resume=10, source_kind="disk")
+    fake_run.steps(11, 25, save_every=100)
+    fake_run.end(25)
+    (fault,) = build_report(read_events(fake_run.run_dir)).faults
+    assert (fault.resumed_from, fault.steps_lost) == (10, 9)
+
+
 def test_fault_seen_only_by_its_detectors_is_one_fault(fake_run: FakeRun) -> None:
     """A real fault on EKS: nobody injected it, two detectors report it."""
     fake_run.attempt(0, "fresh", resume=0, source_kind="none")
