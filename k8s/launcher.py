@@ -12,7 +12,7 @@ from typing import Any
 from k8s.job_config import JobConfig
 from training.config import FaultToleranceConfig
 from training.exit_codes import CONFIG_ERROR
-from training.fault_tolerance import SECTIONS, launcher_ft_args
+from training.fault_tolerance import launcher_ft_args, section_timeouts
 
 TRAIN_CONFIG_PATH = "/etc/training/config.yaml"
 FT_CONFIG_PATH = "/etc/nvrx/ft.yaml"
@@ -27,7 +27,7 @@ def nvrx_ft_config(ft: FaultToleranceConfig) -> dict[str, Any]:
     return {"fault_tolerance": {
         "initial_rank_heartbeat_timeout": ft.initial_rank_heartbeat_timeout,
         "rank_heartbeat_timeout": ft.rank_heartbeat_timeout,
-        "rank_section_timeouts": {name: getattr(ft, f"{name}_section_timeout") for name in SECTIONS},
+        "rank_section_timeouts": section_timeouts(ft),
         "rank_out_of_section_timeout": ft.out_of_section_timeout,
         "safety_factor": ft.timeout_safety_factor,
         "rank_termination_signal": "SIGKILL",  # a hung rank may ignore SIGTERM

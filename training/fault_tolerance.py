@@ -28,10 +28,15 @@ SECTIONS = ("setup", "step", "checkpoint")
 _MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
 
 
+def section_timeouts(ft: FaultToleranceConfig) -> dict[str, float]:
+    """The configured timeout of each NVRx section, by section name."""
+    return {name: getattr(ft, f"{name}_section_timeout") for name in SECTIONS}
+
+
 def launcher_ft_args(ft: FaultToleranceConfig) -> list[str]:
     """ft_launcher flags for this config; spellings accepted by NVRx 0.4.1 and 0.7.0 (the local
     runner and the Kubernetes Job build their command lines from this one list)."""
-    sections = ",".join(f"{name}:{getattr(ft, f'{name}_section_timeout')}" for name in SECTIONS)
+    sections = ",".join(f"{name}:{timeout}" for name, timeout in section_timeouts(ft).items())
     return [
         f"--max-restarts={ft.launcher_max_restarts}",
         "--ft-restart-policy=any-failed",  # 0.7.0 dropped min-healthy
