@@ -19,7 +19,7 @@ from bench.stall import StallResult
 
 REFERENCE = "AWS post (2-8 p5 nodes)"
 ISSUE = "target"
-REFERENCE_RECOVERY_S = {"inprocess": 10.0, "injob": 17.0, "k8s_restart": 270.0}
+REFERENCE_RECOVERY_S = {"inprocess": 10.0, "injob": 17.0, "injob_fresh": 17.0, "k8s_restart": 270.0}
 REFERENCE_EFFICIENCY = {"async": 0.99, "sync": 0.60}
 
 

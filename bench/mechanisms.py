@@ -7,7 +7,10 @@ completed step) and steps lost, and the run's training and infra goodput.
   inprocess         an exception in one rank; NVRx in-process restart (fault_tolerance.restart=
                     inprocess), rollback in memory. Needs training/inprocess.py.
   injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
-                    from the last checkpoint on disk.
+                    from the last checkpoint on disk. Workers are forked from each node's template
+                    process (training/prefork.py, the default).
+  injob_fresh       the same with fault_tolerance.prefork_workers=false: every restarted worker is a
+                    fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
   node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
                     starts a replacement, the surviving nodes restart their workers in-job.
   k8s_restart       node-loss of node 0, the rendezvous host: the controller stops every launcher and
@@ -41,12 +44,15 @@ class Mechanism:
     expected_restart_kind: str  # the restart_kind (training/events.py) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
     needs_module: str | None = None
+    overrides: tuple[str, ...] = ()  # training config overrides of this mechanism
 
 
 MECHANISMS = (
     Mechanism("inprocess", "in-process restart", "inprocess", "exception", True, "inprocess",
               needs_module="training.inprocess"),
     Mechanism("injob", "in-job restart (ft_launcher)", "injob", "exception", True, "injob"),
+    Mechanism("injob_fresh", "in-job restart, fresh Python workers", "injob", "exception", True, "injob",
+              overrides=("fault_tolerance.prefork_workers=false",)),
     Mechanism("node_replacement", "node replacement", "injob", "node-loss", True, "node"),
     Mechanism("k8s_restart", "plain Kubernetes restart", "injob", "node-loss", False, "job", fault_on_host=True),
 )
@@ -104,7 +110,7 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
         run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node, steps=profile.steps,
         overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
-                   *budgets),
+                   *budgets, *m.overrides),
         faults=fault_specs(m, profile), node_retries=retries)
 
 

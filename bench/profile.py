@@ -43,7 +43,7 @@ class Profile:
         return self.fault_steps()[-1] + self.tail_steps
 
 
-ALL = ("inprocess", "injob", "node_replacement", "k8s_restart")
+ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "k8s_restart")
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=4, matmuls_per_step=10, mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
                faults=5, first_fault=15, fault_spacing=25, tail_steps=10, checkpoint_interval=10, floor_repeats=3)

@@ -1,4 +1,6 @@
-"""The training container's command: `ft_launcher <flags> -m training.train --config <file>`.
+"""The training container's command: `ft_launcher <flags> -m training.train --config <file>`, by
+default through training.prefork (the pod's workers are forked from a template that imported
+torch, DCP and NVRx once).
 
 Only flags that NVRx 0.4.1 (tested here) and 0.7.0 (the image) both accept: the `--ft-…`
 spellings (0.7.0 dropped `--ft-param-…`) and restart policy `any-failed` (0.7.0 dropped
@@ -12,7 +14,7 @@ from typing import Any
 from k8s.job_config import JobConfig
 from training.config import FaultToleranceConfig
 from training.exit_codes import CONFIG_ERROR
-from training.fault_tolerance import launcher_ft_args, section_timeouts
+from training.fault_tolerance import launcher_ft_args, launcher_wrapper, section_timeouts, worker_entrypoint
 
 TRAIN_CONFIG_PATH = "/etc/training/config.yaml"
 FT_CONFIG_PATH = "/etc/nvrx/ft.yaml"
@@ -48,11 +50,11 @@ def launcher_args(job: JobConfig) -> list[str]:
         "--rdzv-id", job.name,
         "--ft-cfg-path", FT_CONFIG_PATH,
         *launcher_ft_args(job.train.fault_tolerance),
-        "-m", "training.train", "--config", TRAIN_CONFIG_PATH,
+        *worker_entrypoint(job.train.fault_tolerance), "--config", TRAIN_CONFIG_PATH,
     ]
 
 
-def container_command() -> list[str]:
+def container_command(ft: FaultToleranceConfig) -> list[str]:
     """`sh -c` wrapper; `launcher_args` go in the container's args and arrive as "$@".
 
     1. Pre-flight: ft_launcher exits 1 whatever its ranks exit with, so a config the training code
@@ -60,7 +62,10 @@ def container_command() -> list[str]:
        an immediate Job failure instead of retries that cannot succeed.
     2. Index 0 hosts the c10d store (is_host=1), the others connect to it: no reliance on
        hostname matching of the endpoint.
+    3. With prefork_workers, ft_launcher runs under `python -m training.prefork launch`, which first
+       starts the pod's worker template (training/prefork.py).
     """
+    launcher = shlex.join([*launcher_wrapper(ft, "python"), "ft_launcher"])
     check = ("import sys\n"
              "from training.config import load_train_config\n"
              "try:\n"
@@ -71,6 +76,6 @@ def container_command() -> list[str]:
         "set -eu\n"
         f"python -c {shlex.quote(check)} {TRAIN_CONFIG_PATH} || exit {CONFIG_ERROR}\n"
         'if [ "$JOB_COMPLETION_INDEX" = 0 ]; then set -- --rdzv-conf is_host=1 "$@"; fi\n'
-        'exec ft_launcher "$@"\n'
+        f'exec {launcher} "$@"\n'
     )
     return ["/bin/sh", "-c", script, "ft_launcher"]

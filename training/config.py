@@ -86,6 +86,9 @@ class CheckpointConfig:
 class FaultToleranceConfig:
     restart: str = "injob"  # injob (ft_launcher) | inprocess (Wrapper) | both
     max_restarts: int = 3  # ft_launcher's in-job restart budget
+    # ft_launcher's workers are forked from a per-node process that imported torch, DCP and NVRx
+    # once (training/prefork.py), so an in-job restart skips Python start-up and imports.
+    prefork_workers: bool = True
     # NVRx rank monitor timeouts (seconds). Until observed timings exist these generous values
     # apply; after `calculate_timeouts_after` steps they are recomputed and saved in checkpoints.
     initial_rank_heartbeat_timeout: float = 600.0

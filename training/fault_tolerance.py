@@ -48,6 +48,18 @@ def launcher_ft_args(ft: FaultToleranceConfig) -> list[str]:
     ]
 
 
+def launcher_wrapper(ft: FaultToleranceConfig, python: str) -> list[str]:
+    """What ft_launcher's command line starts with: with prefork_workers, `python -m
+    training.prefork launch`, which starts the node's worker template and then execs ft_launcher."""
+    return [python, "-m", "training.prefork", "launch"] if ft.prefork_workers else []
+
+
+def worker_entrypoint(ft: FaultToleranceConfig) -> list[str]:
+    """ft_launcher's entrypoint (before the training arguments): training.train, forked from the
+    worker template by training.prefork's stub when prefork_workers is on."""
+    return ["-m", "training.prefork", "worker", "training.train"] if ft.prefork_workers else ["-m", "training.train"]
+
+
 class RankMonitor:
     """Adapter over nvidia_resiliency_ext.fault_tolerance.RankMonitorClient."""
 

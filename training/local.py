@@ -5,7 +5,8 @@ plays the Kubernetes Indexed Job.
         [--config FILE] [--faults exception@30:rank=1,sigkill@60:rank=3] [section.key=value …]
     python -m training.local --demo        # what `make demo` runs
 
-Each node runs the pods' command, `ft_launcher … -m training.train --config FILE`, with c10d
+Each node runs the pods' command, `ft_launcher … -m training.train --config FILE` (by default through
+training.prefork: the launcher starts a worker template, its workers are forked from it), with c10d
 rendezvous on a free port; node 0 hosts the store (`--rdzv-conf is_host=1`, as pod index 0), and
 every node gets its index in JOB_COMPLETION_INDEX, as the pods do. Launchers run in their own
 sessions; their output goes to <run_dir>/logs/node<i>.log and rank 0's lines are echoed here.
@@ -43,8 +44,9 @@ from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError,
 from training.distributed import free_port
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR
-from training.fault_tolerance import launcher_ft_args
+from training.fault_tolerance import launcher_ft_args, launcher_wrapper, worker_entrypoint
 from training.faults import FaultSpecError, parse_faults, with_env_faults
+from training.prefork import die_with_parent
 from training.report import ReportError, write_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -121,13 +123,14 @@ class Cluster:
     def launcher_command(self, node: Node) -> list[str]:
         ft = self.cfg.fault_tolerance
         return [
+            *launcher_wrapper(ft, sys.executable),
             str(Path(sys.executable).parent / "ft_launcher"),
             f"--nnodes={len(self.nodes)}", f"--nproc-per-node={self.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf=is_host={1 if node.index == 0 else 0}",
             "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
             *launcher_ft_args(ft),
-            "-m", "training.train", "--config", str(self.config_path),
+            *worker_entrypoint(ft), "--config", str(self.config_path),
         ]
 
     def start(self, node: Node) -> None:
@@ -141,7 +144,9 @@ class Cluster:
         with node.log_path.open("ab") as log_file:
             node.proc = psutil.Popen(self.launcher_command(node), cwd=REPO_ROOT, env=env, stdout=log_file,
                                      stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_terminate_with_parent)
+                                     # a killed controller leaves no cluster behind: the launcher
+                                     # gets SIGTERM and stops its own workers
+                                     preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         node.descendants = []
 
     def request_stop(self, signum: int, _frame: object) -> None:
@@ -268,15 +273,6 @@ class Cluster:
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
-
-
-def _terminate_with_parent() -> None:
-    """In the launcher, before exec: SIGTERM it when the controller dies, even by SIGKILL (Linux),
-    so a killed controller leaves no cluster behind; the launcher then stops its own workers."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:

@@ -111,7 +111,7 @@ def _pod_spec(job: JobConfig) -> dict:
         "name": CONTAINER,
         "image": job.infra.image_uri,
         "imagePullPolicy": "IfNotPresent",
-        "command": container_command(),
+        "command": container_command(job.train.fault_tolerance),
         "args": launcher_args(job),
         "env": _training_env(job),
         "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],

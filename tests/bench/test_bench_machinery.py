@@ -36,6 +36,7 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
     specs = {m.name: fault_specs(m, replace(QUICK, nodes=2, nproc_per_node=2, faults=2)) for m in MECHANISMS}
     assert specs == {"inprocess": ("exception@15:rank=3", "exception@30:rank=3"),
                      "injob": ("exception@15:rank=3", "exception@30:rank=3"),
+                     "injob_fresh": ("exception@15:rank=3", "exception@30:rank=3"),
                      "node_replacement": ("node-loss@15:node=1", "node-loss@30:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@30:node=0")}
 

@@ -18,6 +18,7 @@ from infra.instances import INSTANCE_TYPES
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from training.config import RESTART_MODES, load_train_config
 from training.exit_codes import CONFIG_ERROR
+from training.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 # Every option string the Job may use, each checked in NVIDIA/nvidia-resiliency-ext v0.7.0
@@ -29,6 +30,7 @@ NVRX_0_7_0_FLAGS = {
     "--ft-rank-heartbeat-timeout", "--ft-rank-section-timeouts", "--ft-rank-out-of-section-timeout",
     "--ft-safety-factor", "-m",
 }
+WORKER_ENTRY = ["training.prefork", "worker", "training.train"]  # the module after -m, and its arguments
 
 
 def _launcher_argv(rendered, index: int) -> list[str]:
@@ -38,8 +40,8 @@ def _launcher_argv(rendered, index: int) -> list[str]:
 
 
 def _flags(argv: list[str]) -> list[str]:
-    """Option strings before the training module (what follows belongs to training.train)."""
-    head = argv[:argv.index("training.train")]
+    """ft_launcher's option strings: up to -m (what follows is the worker's command line)."""
+    head = argv[:argv.index("-m") + 1]
     return [a.split("=", 1)[0] for a in head if a.startswith("-")]
 
 
@@ -64,8 +66,17 @@ def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
         assert args.rdzv_conf == ("is_host=1" if index == 0 else "")
         assert args.ft_restart_policy == "any-failed"
         assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts)
-        assert args.module and args.training_script == "training.train"
-        assert args.training_script_args == ["--config", TRAIN_CONFIG_PATH]
+        assert args.module and [args.training_script, *args.training_script_args] == [
+            *WORKER_ENTRY, "--config", TRAIN_CONFIG_PATH]
+
+
+def test_without_prefork_ft_launcher_starts_training_train_itself(render, tmp_path):
+    r = render("--set", "fault_tolerance.prefork_workers=false")
+    args = nvrx_launcher.get_args_parser().parse_args(_launcher_argv(r, 1))
+    assert [args.training_script, *args.training_script_args] == ["training.train", "--config", TRAIN_CONFIG_PATH]
+    proc, record = _run_wrapper(r, tmp_path, 1, r.config_map("fsdp-train-config")["config.yaml"])
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(record.read_text()) == {"argv": _launcher_argv(r, 1), "prefork_server": None}
 
 
 def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkeypatch):
@@ -89,7 +100,7 @@ def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkey
     assert ft.rank_section_timeouts == {"setup": train.setup_section_timeout, "step": train.step_section_timeout,
                                         "checkpoint": train.checkpoint_section_timeout}
     assert ft.safety_factor == train.timeout_safety_factor
-    assert cmd_args == ["-u", "-m", "training.train", "--config", TRAIN_CONFIG_PATH]
+    assert cmd_args == ["-u", "-m", *WORKER_ENTRY, "--config", TRAIN_CONFIG_PATH]
 
 
 def test_nvrx_ft_file_has_only_keys_nvrx_knows(render, tmp_path):
@@ -103,13 +114,16 @@ def test_nvrx_ft_file_has_only_keys_nvrx_knows(render, tmp_path):
 
 
 def _run_wrapper(rendered, tmp_path: Path, index: int, config_text: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run the container's command + args with a stand-in ft_launcher that records its argv,
-    the real python (the pre-flight imports training.config) and the config at a temporary path."""
+    """Run the container's command + args with a stand-in ft_launcher that records its argv and
+    the worker template's address, the real python (the pre-flight imports training.config, the
+    prefork launcher starts the template) and the config at a temporary path."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     record = tmp_path / f"argv{index}.json"
     fake = bin_dir / "ft_launcher"
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"json.dump({{'argv': sys.argv[1:], 'prefork_server': os.environ.get({SERVER_ENV!r})}}, "
+                    f"open({str(record)!r}, 'w'))\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     config = tmp_path / "config.yaml"
     config.write_text(config_text)
@@ -125,8 +139,9 @@ def test_wrapper_adds_is_host_on_index_0_only(render, tmp_path, index):
     r = render()
     proc, record = _run_wrapper(r, tmp_path, index, r.config_map("fsdp-train-config")["config.yaml"])
     assert proc.returncode == 0, proc.stderr
-    expected = _launcher_argv(r, index)
-    assert json.loads(record.read_text()) == expected
+    recorded = json.loads(record.read_text())
+    assert recorded["argv"] == _launcher_argv(r, index)
+    assert recorded["prefork_server"], "ft_launcher must run under training.prefork's launcher"
 
 
 def test_wrapper_exits_with_config_error_before_launching(render, tmp_path):

@@ -1,0 +1,134 @@
+"""training.prefork: workers forked from a template that already imported torch behave, for
+ft_launcher, like the `python -m` they replace: argv, environment, cwd, stdio, exit status,
+signals; and none outlives the stub that ft_launcher started."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from training.prefork import SERVER_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = '''
+import json, os, sys, time
+mode, arg = sys.argv[1], sys.argv[2]
+if mode == "report":
+    import torch
+    print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "argv": sys.argv[1:],
+                      "cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"),
+                      "threads": torch.get_num_threads(), "file": __file__}))
+    sys.exit(int(arg))
+with open(arg, "w") as f:  # mode "wait": say who runs, then wait to be signalled
+    f.write(str(os.getpid()))
+time.sleep(120)
+'''
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """A launched template (what `prefork launch ft_launcher …` starts) and the value of SERVER_ENV;
+    the launched command reports it and sleeps, standing in for ft_launcher."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "training.prefork", "launch", "sh", "-c", f'echo "${SERVER_ENV}"; exec sleep 600'],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)
+    server = launcher.stdout.readline().strip()
+    yield server
+    launcher.kill()
+    launcher.wait()
+    template_pid = int(server.split(":")[0])
+    psutil.wait_procs([psutil.Process(template_pid)] if psutil.pid_exists(template_pid) else [], timeout=10)
+    assert not Path(server.split(":", 1)[1]).exists(), "the template removes its socket when its launcher dies"
+
+
+@pytest.fixture()
+def probe_dir(tmp_path):
+    (tmp_path / "prefork_probe.py").write_text(PROBE)
+    return tmp_path
+
+
+def _stub(probe_dir: Path, server: str | None, *args: str, **env: str) -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
+    environ.update(PYTHONPATH=f"{probe_dir}{os.pathsep}{REPO}", **env)
+    if server is not None:
+        environ[SERVER_ENV] = server
+    return subprocess.Popen([sys.executable, "-m", "training.prefork", "worker", "prefork_probe", *args],
+                            cwd=probe_dir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _worker_pid(pid_file: Path) -> int:
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit_code(template, probe_dir):
+    stub = _stub(probe_dir, template, "report", "3", PROBE_MARKER="from-the-stub", OMP_NUM_THREADS="1")
+    out, err = stub.communicate(timeout=60)
+    assert stub.returncode == 3, err
+    seen = json.loads(out)
+    assert seen["pid"] != stub.pid and seen["ppid"] != stub.pid, "forked by the template, not started by the stub"
+    assert seen["sid"] == seen["pid"], "in its own session, as ft_launcher's workers are"
+    assert seen["argv"] == ["report", "3"]
+    assert seen["cwd"] == str(probe_dir) and seen["file"] == str(probe_dir / "prefork_probe.py")
+    assert seen["marker"] == "from-the-stub"
+    assert seen["threads"] == 1  # OMP_NUM_THREADS of the stub, not of the template
+
+
+def test_a_signal_to_the_stub_reaches_the_worker_and_the_stub_dies_by_it(template, probe_dir):
+    pid_file = probe_dir / "pid"
+    stub = _stub(probe_dir, template, "wait", str(pid_file))
+    worker = psutil.Process(_worker_pid(pid_file))
+    stub.send_signal(signal.SIGTERM)  # what ft_launcher sends to stop its workers
+    assert stub.wait(timeout=30) == -signal.SIGTERM
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_worker_killed_by_the_rank_monitor_is_reported_by_the_stub_as_that_signal(template, probe_dir):
+    pid_file = probe_dir / "pid"
+    stub = _stub(probe_dir, template, "wait", str(pid_file))
+    os.kill(_worker_pid(pid_file), signal.SIGKILL)  # NVRx's rank monitor kills the PID its client reported
+    assert stub.wait(timeout=30) == -signal.SIGKILL, stub.stderr.read()
+
+
+def test_a_killed_stub_takes_its_worker_with_it(template, probe_dir):
+    pid_file = probe_dir / "pid"
+    stub = _stub(probe_dir, template, "wait", str(pid_file))
+    worker = psutil.Process(_worker_pid(pid_file))
+    stub.kill()  # ft_launcher's SIGKILL after its stop timeout
+    stub.wait(timeout=30)
+    gone, _ = psutil.wait_procs([worker], timeout=10)
+    assert gone, "the worker outlived the process ft_launcher started"
+
+
+def test_without_a_template_the_stub_runs_the_module_itself(probe_dir):
+    stub = _stub(probe_dir, None, "report", "0")
+    out, err = stub.communicate(timeout=60)
+    assert stub.returncode == 0, err
+    assert json.loads(out)["pid"] == stub.pid  # exec'd in place: a plain `python -m`
+
+
+def test_with_its_template_gone_the_stub_says_so_and_runs_the_module_itself(probe_dir):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stub = _stub(probe_dir, f"{gone.pid}:{probe_dir / 'no.sock'}", "report", "5")
+    out, err = stub.communicate(timeout=60)
+    assert stub.returncode == 5
+    assert json.loads(out)["pid"] == stub.pid
+    assert "no worker template" in err and "starting a fresh Python" in err
+
+
+def test_usage_error_names_the_commands():
+    proc = subprocess.run([sys.executable, "-m", "training.prefork", "start"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "launch CMD" in proc.stderr and "worker MODULE" in proc.stderr

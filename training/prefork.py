@@ -1,0 +1,288 @@
+"""Pre-forked workers: an in-job restart without Python start-up and imports.
+
+ft_launcher starts each worker as a fresh `python -m training.train`, so every in-job restart pays
+for the interpreter and the imports of torch, DCP/DTensor, torch._dynamo (FSDP2's first call) and
+NVRx, with all ranks of a node importing at once. Here one template process per node imports all
+that once, before any restart, and forks a worker for each start ft_launcher asks for. A fork is
+pristine: modules are loaded, nothing has run (no tensor, no CUDA context, no process group).
+
+    python -m training.prefork launch CMD [ARG ...]
+        Start the template, then exec CMD (ft_launcher) with TRAINING_PREFORK_SERVER set. The
+        template is CMD's child and gets SIGTERM when CMD dies.
+    python -m training.prefork worker MODULE [ARG ...]
+        The entrypoint ft_launcher starts (`-m training.prefork worker training.train …`): a
+        stdlib-only stub that has the template fork `python -m MODULE ARG …` with the stub's argv,
+        environment, working directory and stdio. It forwards signals to that worker and exits as
+        the worker exits (a kill by signal N is passed on as signal N). Without a template (none
+        was launched, or it died) the stub execs `python -m MODULE ARG …` itself: slower, same job.
+
+Each worker has a supervisor process, forked from the template, that reports its exit status to
+the stub; if the stub is killed (ft_launcher's SIGKILL after the stop timeout), the supervisor
+kills the worker, and if the supervisor dies the worker gets SIGKILL from the kernel: no worker
+outlives the process ft_launcher started. The worker runs in its own session, as ft_launcher's
+own workers do, and NVRx's rank monitor sees and kills the worker's PID itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from typing import NoReturn
+
+SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<socket path>", set by `launch`
+# What a training worker imports before its first step. torch._dynamo is imported lazily by
+# FSDP2's first fully_shard call; NVRx's client by training.fault_tolerance.RankMonitor.
+PRELOAD = ("training.train", "torch._dynamo", "nvidia_resiliency_ext.fault_tolerance")
+READY_TIMEOUT_S = 300.0  # a stub waits this long for a template that is still importing
+MAX_REQUEST_BYTES = 1 << 20  # argv, environment and working directory, as JSON
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2)
+
+
+def die_with_parent(sig: signal.Signals) -> None:
+    """Have the kernel send `sig` to this process when its parent dies, even by SIGKILL (Linux)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def launch(command: list[str]) -> NoReturn:
+    """Start the template as a child of this process, then become `command`."""
+    import subprocess
+
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"training-prefork-{os.getpid()}.sock")
+    template = subprocess.Popen([sys.executable, "-m", "training.prefork", "serve", path, str(os.getpid())],
+                                stdin=subprocess.DEVNULL)
+    os.environ[SERVER_ENV] = f"{template.pid}:{path}"
+    os.execvp(command[0], command)
+
+
+def serve(path: str, launcher: int) -> None:
+    """The template: import PRELOAD, then fork a supervised worker per stub that connects."""
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != launcher:  # the launcher died before the line above
+        return
+
+    def stop(_sig: int, _frame: object) -> NoReturn:
+        _remove_socket(path)
+        os._exit(0)  # nothing to flush; the interpreter's exit would run the imports' atexit hooks
+
+    signal.signal(signal.SIGTERM, stop)
+    started = time.monotonic()
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(path + ".tmp")
+        listener.listen(64)
+        os.rename(path + ".tmp", path)  # stubs connect only once the imports are done
+        print(f"training.prefork: worker template ready ({time.monotonic() - started:.1f} s of imports)",
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+        while True:
+            conn, _ = listener.accept()
+            request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+            if os.fork() == 0:
+                try:
+                    listener.close()
+                    _supervise(conn, json.loads(request), fds)
+                finally:
+                    os._exit(1)  # only reached on an error: never return into the accept loop
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+    finally:
+        _remove_socket(path)
+
+
+def _remove_socket(path: str) -> None:
+    for name in (path, path + ".tmp"):
+        if os.path.exists(name):
+            os.unlink(name)
+
+
+def _preload() -> None:
+    import importlib
+
+    # A CUDA context cannot survive a fork: should an import ask whether CUDA is available, let
+    # it ask NVML rather than initialise the driver.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised while importing; workers forked from here could not use it")
+
+
+def _supervise(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
+    """Fork the worker, tell the stub its PID, and report its exit status; kill it if the stub dies."""
+    import select
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waitpid needs it
+    for sig in (signal.SIGTERM, signal.SIGINT):  # only the stub's end of `conn` ends a supervisor
+        signal.signal(sig, signal.SIG_IGN)
+    supervisor = os.getpid()
+    worker = os.fork()
+    if worker == 0:
+        try:
+            conn.close()
+            _become_worker(request, fds, supervisor)
+        finally:
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": worker}).encode())
+    pidfd = os.pidfd_open(worker)
+    ready, _, _ = select.select([conn, pidfd], [], [])
+    if pidfd not in ready:  # the stub is gone (killed): so goes its worker
+        os.kill(worker, signal.SIGKILL)
+    _, status = os.waitpid(worker, 0)
+    with contextlib.suppress(OSError):  # the stub may be gone
+        conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+    os._exit(0)
+
+
+def _become_worker(request: dict, fds: list[int], supervisor: int) -> NoReturn:
+    """In the forked worker: take the stub's session role, stdio, cwd, environment and argv, then
+    run the module as `python -m` would, and exit with its status."""
+    import atexit
+    import runpy
+    import traceback
+
+    os.setsid()
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != supervisor:
+        os._exit(1)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # the import path a fresh `python -m` would have: the working directory, then PYTHONPATH
+    extra = [request["cwd"], *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.path[:0] = [entry for entry in extra if entry not in sys.path]
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+    _apply_thread_count()
+    sys.argv = [request["module"], *request["args"]]
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit_request:
+        code = _exit_code(exit_request.code)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _apply_thread_count() -> None:
+    """OpenMP read the template's environment when torch was loaded; apply the worker's."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def worker(module: str, args: list[str]) -> NoReturn:
+    """The stub: run `module` in a worker forked from the template, or exec it without one."""
+    server = os.environ.get(SERVER_ENV)
+    conn = _connect(server) if server else None
+    pid = _request_fork(conn, module, args) if conn is not None else None
+    if pid is None:
+        if server:
+            print(f"training.prefork: no worker template ({SERVER_ENV}={server}); starting a fresh Python",
+                  file=sys.stderr, flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    reply = conn.recv(4096)
+    if not reply:  # the supervisor died without a word: make sure the worker is gone too
+        forward(signal.SIGKILL, None)
+        sys.exit(1)
+    code = json.loads(reply)["exit"]
+    if code < 0:  # killed by a signal: die by it too, so ft_launcher reports the same
+        with contextlib.suppress(OSError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)  # Python ignores SIGPIPE, and forwards others here
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def _connect(server: str) -> socket.socket | None:
+    """Connect to the template, waiting while it imports; None once it is gone."""
+    pid, _, path = server.partition(":")
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(path)
+            return conn
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+        if not pid.isdigit() or not _running(int(pid)) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _request_fork(conn: socket.socket, module: str, args: list[str]) -> int | None:
+    """The worker's PID, or None when the template refused (it closed the connection)."""
+    request = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+    try:
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        reply = conn.recv(4096)
+    except OSError:
+        return None
+    return json.loads(reply)["pid"] if reply else None
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead template stays a zombie: ft_launcher does not reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def main(argv: list[str]) -> None:
+    usage = "usage: python -m training.prefork {launch CMD [ARG ...] | worker MODULE [ARG ...]}"
+    if len(argv) < 2 or argv[0] not in ("launch", "worker", "serve") or (argv[0] == "serve" and len(argv) != 3):
+        sys.exit(usage)
+    if argv[0] == "launch":
+        launch(argv[1:])
+    elif argv[0] == "worker":
+        worker(argv[1], argv[2:])
+    else:
+        serve(argv[1], int(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
