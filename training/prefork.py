@@ -84,7 +84,11 @@ def serve(path: str, launcher: int) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
         while True:
             conn, _ = listener.accept()
-            request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+            try:
+                request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+            except OSError:  # the stub went away mid-request; it is not the template's fault
+                conn.close()
+                continue
             if os.fork() == 0:
                 try:
                     listener.close()
