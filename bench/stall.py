@@ -15,7 +15,9 @@ training.checkpoint.CheckpointManager, run directory and event log.
   measure_stall_on_cluster  GPU: three real training runs of a model preset on one local-cluster node.
 
 Figures (blocking from the event logs through training.report):
-  blocking per save   ckpt_blocked.seconds, mean over the saves (async: staging and planning)
+  blocking per save   ckpt_blocked.seconds, median over the saves (async: staging and planning); the
+                      median, because the first async save also allocates the staging buffers that
+                      every later save reuses, a one-time cost per process
   step wall time      wall time of a mode's rounds / its steps (CPU), or (end of the last step - end
                       of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
                       from a background write together
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,12 +94,12 @@ def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int
             steps: int) -> StallResult:
     """`walls`: wall time per step of each mode."""
     sync, async_ = blocking_per_save(run_dirs["sync"]), blocking_per_save(run_dirs["async"])
-    sync_mean, async_mean = sum(sync) / len(sync), sum(async_) / len(async_)
+    sync_median, async_median = statistics.median(sync), statistics.median(async_)
     return StallResult(
         state_bytes=state_bytes, world_size=world, interval_steps=interval, steps=steps,
-        sync_blocking_s=sync_mean, async_blocking_s=async_mean,
+        sync_blocking_s=sync_median, async_blocking_s=async_median,
         sync_blocking_per_save_s=sync, async_blocking_per_save_s=async_,
-        blocking_ratio=async_mean / sync_mean,
+        blocking_ratio=async_median / sync_median,
         step_wall_off_s=walls["off"], step_wall_sync_s=walls["sync"], step_wall_async_s=walls["async"],
         efficiency_sync=walls["off"] / walls["sync"], efficiency_async=walls["off"] / walls["async"],
         run_dirs={mode: str(path) for mode, path in run_dirs.items()})

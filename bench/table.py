@@ -38,7 +38,7 @@ def stall_table(r: BenchResult) -> list[str]:
         + (f" (calibrated: sync saves about {CALIBRATED_SYNC_COST:.0%} of the time, as in the reference)"
            if r.profile.stall_interval is None else "") + f", {s.steps} steps per pass",
         "",
-        *_header("mode", "blocking per save (mean)", "per save", "step wall time", "training efficiency"),
+        *_header("mode", "blocking per save (median)", "per save", "step wall time", "training efficiency"),
         _row("off", "-", "-", _fmt(s.step_wall_off_s, "s"), "100% (baseline)"),
         _row("sync", _fmt(s.sync_blocking_s, "s"), ", ".join(f"{v:.2f}" for v in s.sync_blocking_per_save_s),
              _fmt(s.step_wall_sync_s, "s"), _fmt(s.efficiency_sync, "%")),
