@@ -12,15 +12,18 @@ pristine: modules are loaded, nothing has run (no tensor, no CUDA context, no pr
     python -m training.prefork worker MODULE [ARG ...]
         The entrypoint ft_launcher starts (`-m training.prefork worker training.train …`): a
         stdlib-only stub that has the template fork `python -m MODULE ARG …` with the stub's argv,
-        environment, working directory and stdio. It forwards signals to that worker and exits as
-        the worker exits (a kill by signal N is passed on as signal N). Without a template (none
-        was launched, or it died) the stub execs `python -m MODULE ARG …` itself: slower, same job.
+        environment, working directory and stdio. It forwards signals to that worker's process
+        group and exits as the worker exits (a kill by signal N is passed on as signal N).
+        Without a template (none was launched, or it died) the stub execs `python -m MODULE ARG …`
+        itself: slower, same job.
 
 Each worker has a supervisor process, forked from the template, that reports its exit status to
-the stub; if the stub is killed (ft_launcher's SIGKILL after the stop timeout), the supervisor
-kills the worker, and if the supervisor dies the worker gets SIGKILL from the kernel: no worker
-outlives the process ft_launcher started. The worker runs in its own session, as ft_launcher's
-own workers do, and NVRx's rank monitor sees and kills the worker's PID itself.
+the stub. The worker leads its own session and process group, as ft_launcher's own workers do.
+When the worker exits, the supervisor kills what is left in that group (helper processes the
+worker started), as NVRx 0.7.0's launcher kills its workers' groups. If the stub is killed
+(ft_launcher's SIGKILL after its stop timeout), the supervisor kills the group; if the supervisor
+dies, the kernel kills the worker. No worker outlives the process ft_launcher started. NVRx's
+rank monitor sees the worker's own PID and kills it directly.
 """
 from __future__ import annotations
 
@@ -30,11 +33,12 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 from typing import NoReturn
 
-SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<socket path>", set by `launch`
+SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<abstract socket name>", set by `launch`
 # What a training worker imports before its first step. torch._dynamo is imported lazily by
 # FSDP2's first fully_shard call; NVRx's client by training.fault_tolerance.RankMonitor.
 PRELOAD = ("training.train", "torch._dynamo", "nvidia_resiliency_ext.fault_tolerance")
@@ -54,58 +58,58 @@ def launch(command: list[str]) -> NoReturn:
     """Start the template as a child of this process, then become `command`."""
     import subprocess
 
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"training-prefork-{os.getpid()}.sock")
-    template = subprocess.Popen([sys.executable, "-m", "training.prefork", "serve", path, str(os.getpid())],
+    name = f"training-prefork-{os.getpid()}"
+    template = subprocess.Popen([sys.executable, "-m", "training.prefork", "serve", name, str(os.getpid())],
                                 stdin=subprocess.DEVNULL)
-    os.environ[SERVER_ENV] = f"{template.pid}:{path}"
+    os.environ[SERVER_ENV] = f"{template.pid}:{name}"
     os.execvp(command[0], command)
 
 
-def serve(path: str, launcher: int) -> None:
+def serve(name: str, launcher: int) -> None:
     """The template: import PRELOAD, then fork a supervised worker per stub that connects."""
     die_with_parent(signal.SIGTERM)
     if os.getppid() != launcher:  # the launcher died before the line above
         return
-
-    def stop(_sig: int, _frame: object) -> NoReturn:
-        _remove_socket(path)
-        os._exit(0)  # nothing to flush; the interpreter's exit would run the imports' atexit hooks
-
-    signal.signal(signal.SIGTERM, stop)
+    # nothing to flush; the interpreter's exit would run the imports' atexit hooks
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     started = time.monotonic()
     _preload()
+    # An abstract socket: no file to leave behind when the template is killed. Stubs connect
+    # only once it listens, that is after the imports.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        listener.bind(path + ".tmp")
-        listener.listen(64)
-        os.rename(path + ".tmp", path)  # stubs connect only once the imports are done
-        print(f"training.prefork: worker template ready ({time.monotonic() - started:.1f} s of imports)",
-              file=sys.stderr, flush=True)
-        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
-        while True:
-            conn, _ = listener.accept()
-            try:
-                request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
-            except OSError:  # the stub went away mid-request; it is not the template's fault
-                conn.close()
-                continue
-            if os.fork() == 0:
-                try:
-                    listener.close()
-                    _supervise(conn, json.loads(request), fds)
-                finally:
-                    os._exit(1)  # only reached on an error: never return into the accept loop
+    listener.bind(_address(name))
+    listener.listen(64)
+    print(f"training.prefork: worker template ready ({time.monotonic() - started:.1f} s of imports)",
+          file=sys.stderr, flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    while True:
+        conn, _ = listener.accept()
+        try:
+            _check_same_user(conn)
+            request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+        except OSError:  # a stub that went away mid-request, or another user's process
             conn.close()
-            for fd in fds:
-                os.close(fd)
-    finally:
-        _remove_socket(path)
+            continue
+        if os.fork() == 0:
+            try:
+                listener.close()
+                _supervise(conn, json.loads(request), fds)
+            finally:
+                os._exit(1)  # only reached on an error: never return into the accept loop
+        conn.close()
+        for fd in fds:
+            os.close(fd)
 
 
-def _remove_socket(path: str) -> None:
-    for name in (path, path + ".tmp"):
-        if os.path.exists(name):
-            os.unlink(name)
+def _address(name: str) -> str:
+    return "\0" + name  # Linux abstract namespace
+
+
+def _check_same_user(conn: socket.socket) -> None:
+    """Anyone in the network namespace can reach an abstract socket: serve only our own user."""
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        raise PermissionError(f"connection from uid {uid}")
 
 
 def _preload() -> None:
@@ -143,8 +147,11 @@ def _supervise(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
     pidfd = os.pidfd_open(worker)
     ready, _, _ = select.select([conn, pidfd], [], [])
     if pidfd not in ready:  # the stub is gone (killed): so goes its worker
-        os.kill(worker, signal.SIGKILL)
+        _kill_group(worker, signal.SIGKILL)
     _, status = os.waitpid(worker, 0)
+    # What the worker started and left behind (multiprocessing helpers, an async checkpoint
+    # process), as NVRx 0.7.0's launcher kills its workers' process groups.
+    _kill_group(worker, signal.SIGKILL)
     with contextlib.suppress(OSError):  # the stub may be gone
         conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
     os._exit(0)
@@ -223,8 +230,7 @@ def worker(module: str, args: list[str]) -> NoReturn:
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
     def forward(sig: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+        _kill_group(pid, sig)
 
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
@@ -240,16 +246,22 @@ def worker(module: str, args: list[str]) -> NoReturn:
     sys.exit(code)
 
 
+def _kill_group(worker: int, sig: int) -> None:
+    """Signal the worker's process group (it leads one, in its own session), its children included."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker, sig)
+
+
 def _connect(server: str) -> socket.socket | None:
     """Connect to the template, waiting while it imports; None once it is gone."""
-    pid, _, path = server.partition(":")
+    pid, _, name = server.partition(":")
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            conn.connect(path)
+            conn.connect(_address(name))
             return conn
-        except (FileNotFoundError, ConnectionRefusedError):
+        except ConnectionRefusedError:  # not listening yet
             conn.close()
         if not pid.isdigit() or not _running(int(pid)) or time.monotonic() > deadline:
             return None

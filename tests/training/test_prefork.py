@@ -26,8 +26,10 @@ if mode == "report":
                       "cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"),
                       "threads": torch.get_num_threads(), "file": __file__}))
     sys.exit(int(arg))
+import subprocess
+helper = subprocess.Popen(["sleep", "120"])  # a process the worker started, as DataLoader workers are
 with open(arg, "w") as f:  # mode "wait": say who runs, then wait to be signalled
-    f.write(str(os.getpid()))
+    f.write(f"{os.getpid()} {helper.pid}")
 time.sleep(120)
 '''
 
@@ -40,12 +42,12 @@ def template(tmp_path_factory):
         [sys.executable, "-m", "training.prefork", "launch", "sh", "-c", f'echo "${SERVER_ENV}"; exec sleep 600'],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     server = launcher.stdout.readline().strip()
+    template = psutil.Process(int(server.split(":")[0]))
     yield server
     launcher.kill()
     launcher.wait()
-    template_pid = int(server.split(":")[0])
-    psutil.wait_procs([psutil.Process(template_pid)] if psutil.pid_exists(template_pid) else [], timeout=10)
-    assert not Path(server.split(":", 1)[1]).exists(), "the template removes its socket when its launcher dies"
+    _, alive = psutil.wait_procs([template], timeout=10)
+    assert not alive, "the template must end with its launcher"
 
 
 @pytest.fixture()
@@ -63,12 +65,17 @@ def _stub(probe_dir: Path, server: str | None, *args: str, **env: str) -> subpro
                             cwd=probe_dir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _worker_pid(pid_file: Path) -> int:
+def _worker_and_helper(pid_file: Path) -> list[psutil.Process]:
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()):
         assert time.monotonic() < deadline, "the worker never started"
         time.sleep(0.05)
-    return int(pid_file.read_text())
+    return [psutil.Process(int(pid)) for pid in pid_file.read_text().split()]
+
+
+def _all_gone(processes: list[psutil.Process]) -> bool:
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    return not alive
 
 
 def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit_code(template, probe_dir):
@@ -84,30 +91,31 @@ def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit
     assert seen["threads"] == 1  # OMP_NUM_THREADS of the stub, not of the template
 
 
-def test_a_signal_to_the_stub_reaches_the_worker_and_the_stub_dies_by_it(template, probe_dir):
+def test_a_signal_to_the_stub_reaches_the_workers_group_and_the_stub_dies_by_it(template, probe_dir):
     pid_file = probe_dir / "pid"
     stub = _stub(probe_dir, template, "wait", str(pid_file))
-    worker = psutil.Process(_worker_pid(pid_file))
+    processes = _worker_and_helper(pid_file)
     stub.send_signal(signal.SIGTERM)  # what ft_launcher sends to stop its workers
     assert stub.wait(timeout=30) == -signal.SIGTERM
-    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    assert _all_gone(processes)
 
 
-def test_a_worker_killed_by_the_rank_monitor_is_reported_by_the_stub_as_that_signal(template, probe_dir):
+def test_a_worker_killed_by_the_rank_monitor_is_reported_as_that_signal_and_its_helpers_go(template, probe_dir):
     pid_file = probe_dir / "pid"
     stub = _stub(probe_dir, template, "wait", str(pid_file))
-    os.kill(_worker_pid(pid_file), signal.SIGKILL)  # NVRx's rank monitor kills the PID its client reported
+    worker, helper = _worker_and_helper(pid_file)
+    worker.kill()  # NVRx's rank monitor kills the PID its client reported
     assert stub.wait(timeout=30) == -signal.SIGKILL, stub.stderr.read()
+    assert _all_gone([helper]), "a helper of a dead worker was left running"
 
 
-def test_a_killed_stub_takes_its_worker_with_it(template, probe_dir):
+def test_a_killed_stub_takes_its_worker_and_helpers_with_it(template, probe_dir):
     pid_file = probe_dir / "pid"
     stub = _stub(probe_dir, template, "wait", str(pid_file))
-    worker = psutil.Process(_worker_pid(pid_file))
+    processes = _worker_and_helper(pid_file)
     stub.kill()  # ft_launcher's SIGKILL after its stop timeout
     stub.wait(timeout=30)
-    gone, _ = psutil.wait_procs([worker], timeout=10)
-    assert gone, "the worker outlived the process ft_launcher started"
+    assert _all_gone(processes), "the worker outlived the process ft_launcher started"
 
 
 def test_without_a_template_the_stub_runs_the_module_itself(probe_dir):
@@ -120,7 +128,7 @@ def test_without_a_template_the_stub_runs_the_module_itself(probe_dir):
 def test_with_its_template_gone_the_stub_says_so_and_runs_the_module_itself(probe_dir):
     gone = subprocess.Popen(["true"])
     gone.wait()
-    stub = _stub(probe_dir, f"{gone.pid}:{probe_dir / 'no.sock'}", "report", "5")
+    stub = _stub(probe_dir, f"{gone.pid}:training-prefork-test-nobody-listens", "report", "5")
     out, err = stub.communicate(timeout=60)
     assert stub.returncode == 5
     assert json.loads(out)["pid"] == stub.pid
