@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,9 +56,15 @@ def default_launcher_env() -> None:
         os.environ["MASTER_PORT"] = str(free_port())
 
 
+# The in-process Wrapper's abort (in its monitor thread) and the training thread's teardown can
+# destroy the process group at the same moment; destroy_process_group is not thread-safe.
+PROCESS_GROUP_LOCK = threading.Lock()
+
+
 def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with PROCESS_GROUP_LOCK:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess.abort import Abort, AbortTorchDistributed
 from nvidia_resiliency_ext.inprocess.state import FrozenState
 
+from training.distributed import PROCESS_GROUP_LOCK
+
 
 def shutdown_gloo_sockets(keep_ports: Collection[int]) -> int:
     """shutdown(2) every connected TCP socket of this process whose local or peer port is not in
@@ -52,10 +54,11 @@ class ProcessGroupAbort(Abort):
         self._nccl = AbortTorchDistributed() if on_cuda else None
 
     def __call__(self, state: FrozenState) -> FrozenState:
-        if dist.is_available() and dist.is_initialized():
-            shutdown_gloo_sockets(self.keep_ports)  # on CUDA too: the cpu:gloo backend and checkpoint group
-            if self._nccl is not None:
-                self._nccl(state)
-            else:
-                dist.destroy_process_group()
+        with PROCESS_GROUP_LOCK:  # the training thread, woken by the shut sockets, tears down too
+            if dist.is_available() and dist.is_initialized():
+                shutdown_gloo_sockets(self.keep_ports)  # on CUDA too: the cpu:gloo backend and checkpoint group
+                if self._nccl is not None:
+                    self._nccl(state)
+                else:
+                    dist.destroy_process_group()
         return state

@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,6 +60,9 @@ PROGRESS_WATCHDOG_INTERVAL = 1.0
 # in `make bench`). Polling every 0.1 s is 10 small requests per rank per second to rank 0's store.
 MONITOR_THREAD_INTERVAL = 0.1  # how often a rank polls the store for a peer's fault
 LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before attributing it
+# A rank whose collective broke because a peer's abort shut its sockets waits this long for its own
+# monitor thread's interrupt (it arrives within an interval plus the last-call wait).
+PEER_ABORT_WAIT = 3 * (MONITOR_THREAD_INTERVAL + LAST_CALL_WAIT)
 TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeout
 # Wrapper barriers wait for a rank killed at the hard timeout, with room for slow ranks.
 BARRIER_MARGIN = 30.0
@@ -183,6 +187,10 @@ def _describe(records: list[InterruptionRecord]) -> str:
     return ", ".join(f"rank {r.rank}: {r.interruption.name}" for r in records)
 
 
+def _peer_lost(err: BaseException) -> bool:
+    return any(text in str(err) for text in _PEER_LOST)
+
+
 class _FaultReporter:
     """Called on each rank as an iteration dies: records what it saw (fault_detected, fault log).
     A rank's own exception counts only if no rank was interrupted before it: otherwise it is a
@@ -198,7 +206,7 @@ class _FaultReporter:
         by = f"inprocess wrapper (rank {self.rank})"
         if not isinstance(err, RankShouldRestart) and not records:
             detail = f"{type(err).__name__}: {err}"[:300]
-            peer_lost = any(text in detail for text in _PEER_LOST)
+            peer_lost = _peer_lost(err)
             self.faults.add(call_wrapper.iteration, f"rank {self.rank}{' lost a peer' if peer_lost else ''}: {detail}")
             self.events.emit("fault_detected", kind="rank" if peer_lost else "exception",
                              rank=None if peer_lost else self.rank, by=by, detail=detail)
@@ -208,6 +216,29 @@ class _FaultReporter:
             first = records[0] if records else None
             self.events.emit("fault_detected", kind=_KIND.get(first.interruption, "rank") if first else "unknown",
                              rank=first.rank if first else None, by=by, detail=f"Wrapper interruption records: {seen}")
+
+
+def _handle_failure(report: _FaultReporter, call_wrapper: inprocess.CallWrapper, err: BaseException) -> None:
+    """Report the failure; returns (the caller re-raises `err`) or raises the Wrapper's interrupt.
+
+    The Wrapper's monitor thread aborts the collectives, then raises RankShouldRestart into this
+    thread asynchronously, once. It must land here, where it is expected: landing in the report
+    would cut the report short, and landing inside the Wrapper's own handling of `err` (a peer's
+    abort broke our collective before our monitor noticed) makes the Wrapper fail with
+    InternalError instead of restarting. So a rank whose peer's abort broke its collective waits
+    here for its own interrupt, a few monitor intervals at most."""
+    reported = False
+    try:
+        report(call_wrapper, err)
+        reported = True
+        if _peer_lost(err):
+            deadline = time.monotonic() + PEER_ABORT_WAIT
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # an asynchronous exception lands between two calls, not inside one
+    except RankShouldRestart as interrupt:
+        if not reported:
+            report(call_wrapper, interrupt)
+        raise
 
 
 def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], None]) -> None:
@@ -230,7 +261,7 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
         try:
             train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper))
         except BaseException as err:
-            report(call_wrapper, err)
+            _handle_failure(report, call_wrapper, err)
             raise
 
     try:
