@@ -13,7 +13,7 @@ from bench.results import BenchResult
 
 
 def plot_result(r: BenchResult, path: Path) -> Path:
-    fig = Figure(figsize=(15, 5), dpi=110, layout="constrained")
+    fig = Figure(figsize=(18, 5.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)  # a bare Figure on Agg: no pyplot state, no display
     recovery, goodput, stall = fig.subplots(1, 3, width_ratios=(1.3, 1.3, 1))
     _recovery(recovery, r)
@@ -30,7 +30,7 @@ def _mechanisms(r: BenchResult, with_reference: bool = False) -> list[tuple[str,
     for m in MECHANISMS:
         if m.name not in r.profile.mechanisms:
             continue
-        label = textwrap.fill(m.label, 16)
+        label = textwrap.fill(m.label, 13)
         if with_reference and m.name in REFERENCE_RECOVERY_S:
             label += f"\nreference ~{REFERENCE_RECOVERY_S[m.name]:g} s"
         out.append((m.name, label))
@@ -91,7 +91,7 @@ def _stall(ax, r: BenchResult) -> None:
         ax.text(x, blocking, f"{blocking:.2f} s\nefficiency {eff:.0%}", ha="center", va="bottom", fontsize="small")
     ax.set_xticks([0, 1], ["sync", "async"])
     ax.set_ylabel("training blocked per save (s)")
-    ax.set_title(f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB, async/sync = {s.blocking_ratio:.2f}")
+    ax.set_title(f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB\nasync/sync blocking = {s.blocking_ratio:.2f}")
     ax.margins(y=0.25)
 
 
