@@ -22,8 +22,15 @@ the stub. The worker leads its own session and process group, as ft_launcher's o
 When the worker exits, the supervisor kills what is left in that group (helper processes the
 worker started), as NVRx 0.7.0's launcher kills its workers' groups. If the stub is killed
 (ft_launcher's SIGKILL after its stop timeout), the supervisor kills the group; if the supervisor
-dies, the kernel kills the worker. No worker outlives the process ft_launcher started. NVRx's
-rank monitor sees the worker's own PID and kills it directly.
+dies, the kernel kills the worker. NVRx's rank monitor sees the worker's own PID and kills it
+directly.
+
+Differences from a plain worker, by design or unavoidable:
+- After a SIGKILL of the stub, the worker dies a moment later, not before ft_launcher reaps the
+  stub. A SIGTERM (ft_launcher's normal stop) is waited for: the stub exits when the worker has.
+- What is read once at import time comes from the template: environment variables read by torch's
+  and NVRx's imports (TORCH_LOGS, dynamo/inductor settings), rlimits, a NUMA memory policy. The
+  worker does take the stub's environment, working directory, umask and CPU affinity.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<abstract socket name>
 # FSDP2's first fully_shard call; NVRx's client by training.fault_tolerance.RankMonitor.
 PRELOAD = ("training.train", "torch._dynamo", "nvidia_resiliency_ext.fault_tolerance")
 READY_TIMEOUT_S = 300.0  # a stub waits this long for a template that is still importing
+REQUEST_TIMEOUT_S = 30.0  # for a request to arrive, and for the worker's PID to come back
 MAX_REQUEST_BYTES = 1 << 20  # argv, environment and working directory, as JSON
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2)
@@ -58,7 +66,11 @@ def launch(command: list[str]) -> NoReturn:
     """Start the template as a child of this process, then become `command`."""
     import subprocess
 
-    name = f"training-prefork-{os.getpid()}"
+    import secrets
+
+    # unguessable and unique per launch: pods that share a network namespace (hostNetwork) all run
+    # ft_launcher as PID 1
+    name = f"training-prefork-{secrets.token_hex(16)}"
     template = subprocess.Popen([sys.executable, "-m", "training.prefork", "serve", name, str(os.getpid())],
                                 stdin=subprocess.DEVNULL)
     os.environ[SERVER_ENV] = f"{template.pid}:{name}"
@@ -72,12 +84,12 @@ def serve(name: str, launcher: int) -> None:
         return
     # nothing to flush; the interpreter's exit would run the imports' atexit hooks
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    started = time.monotonic()
-    _preload()
-    # An abstract socket: no file to leave behind when the template is killed. Stubs connect
-    # only once it listens, that is after the imports.
+    # An abstract socket: no file to leave behind when the template is killed. Bound at once, so
+    # that nobody else can take the name; stubs connect only once it listens, after the imports.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(_address(name))
+    started = time.monotonic()
+    _preload()
     listener.listen(64)
     print(f"training.prefork: worker template ready ({time.monotonic() - started:.1f} s of imports)",
           file=sys.stderr, flush=True)
@@ -85,9 +97,11 @@ def serve(name: str, launcher: int) -> None:
     while True:
         conn, _ = listener.accept()
         try:
-            _check_same_user(conn)
+            _check_peer(conn, pid=None)
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a silent client must not hold up every other start
             request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
-        except OSError:  # a stub that went away mid-request, or another user's process
+            conn.settimeout(None)
+        except OSError:  # a stub that went away mid-request, a silent one, or another user's process
             conn.close()
             continue
         if os.fork() == 0:
@@ -105,11 +119,13 @@ def _address(name: str) -> str:
     return "\0" + name  # Linux abstract namespace
 
 
-def _check_same_user(conn: socket.socket) -> None:
-    """Anyone in the network namespace can reach an abstract socket: serve only our own user."""
-    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    if uid != os.getuid():
-        raise PermissionError(f"connection from uid {uid}")
+def _check_peer(conn: socket.socket, pid: int | None) -> None:
+    """Anyone in the network namespace can reach an abstract socket: deal only with our own user
+    and, in the stub, only with the template named in SERVER_ENV."""
+    peer_pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+    if uid != os.getuid() or (pid is not None and peer_pid != pid):
+        raise PermissionError(f"peer pid {peer_pid}, uid {uid}")
 
 
 def _preload() -> None:
@@ -134,15 +150,21 @@ def _supervise(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
     for sig in (signal.SIGTERM, signal.SIGINT):  # only the stub's end of `conn` ends a supervisor
         signal.signal(sig, signal.SIG_IGN)
     supervisor = os.getpid()
+    ready_r, ready_w = os.pipe()
     worker = os.fork()
     if worker == 0:
         try:
             conn.close()
-            _become_worker(request, fds, supervisor)
+            os.close(ready_r)
+            _become_worker(request, fds, supervisor, ready_w)
         finally:
             os._exit(1)
-    for fd in fds:
+    for fd in (*fds, ready_w):
         os.close(fd)
+    # The PID goes out once the worker leads its process group with default signal handlers:
+    # a stop signalled to it earlier would be lost.
+    os.read(ready_r, 1)  # b"" if it died first: waitpid below reports that
+    os.close(ready_r)
     conn.sendall(json.dumps({"pid": worker}).encode())
     pidfd = os.pidfd_open(worker)
     ready, _, _ = select.select([conn, pidfd], [], [])
@@ -157,9 +179,9 @@ def _supervise(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
     os._exit(0)
 
 
-def _become_worker(request: dict, fds: list[int], supervisor: int) -> NoReturn:
-    """In the forked worker: take the stub's session role, stdio, cwd, environment and argv, then
-    run the module as `python -m` would, and exit with its status."""
+def _become_worker(request: dict, fds: list[int], supervisor: int, ready: int) -> NoReturn:
+    """In the forked worker: take the stub's session role, stdio, cwd, environment, umask, CPU
+    affinity and argv, then run the module as `python -m` would, and exit with its status."""
     import atexit
     import runpy
     import traceback
@@ -168,14 +190,18 @@ def _become_worker(request: dict, fds: list[int], supervisor: int) -> NoReturn:
     die_with_parent(signal.SIGKILL)
     if os.getppid() != supervisor:
         os._exit(1)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    os.write(ready, b"1")
+    os.close(ready)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    for sig in FORWARDED_SIGNALS:
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    os.sched_setaffinity(0, request["cpus"])  # e.g. a NUMA binding the launcher gave the stub
     os.environ.clear()
     os.environ.update(request["env"])
     # the import path a fresh `python -m` would have: the working directory, then PYTHONPATH
@@ -186,6 +212,7 @@ def _become_worker(request: dict, fds: list[int], supervisor: int) -> NoReturn:
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
     _apply_thread_count()
     sys.argv = [request["module"], *request["args"]]
+    sys.modules.pop(request["module"], None)  # as in `python -m`: it runs as __main__ only
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
@@ -260,9 +287,14 @@ def _connect(server: str) -> socket.socket | None:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(_address(name))
+            _check_peer(conn, int(pid) if pid.isdigit() else -1)
             return conn
         except ConnectionRefusedError:  # not listening yet
             conn.close()
+        except PermissionError as err:  # not our template
+            print(f"training.prefork: refusing the worker template's address: {err}", file=sys.stderr, flush=True)
+            conn.close()
+            return None
         if not pid.isdigit() or not _running(int(pid)) or time.monotonic() > deadline:
             return None
         time.sleep(0.05)
@@ -270,13 +302,22 @@ def _connect(server: str) -> socket.socket | None:
 
 def _request_fork(conn: socket.socket, module: str, args: list[str]) -> int | None:
     """The worker's PID, or None when the template refused (it closed the connection)."""
-    request = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+    request = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
+               "cpus": sorted(os.sched_getaffinity(0))}
     try:
+        conn.settimeout(REQUEST_TIMEOUT_S)
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
         reply = conn.recv(4096)
-    except OSError:
+        conn.settimeout(None)  # the worker may run for days
+    except OSError:  # includes the timeout; closing the connection makes its supervisor kill a late worker
         return None
     return json.loads(reply)["pid"] if reply else None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _running(pid: int) -> bool:

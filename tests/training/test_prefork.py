@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,8 @@ if mode == "report":
     import torch
     print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "argv": sys.argv[1:],
                       "cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"),
-                      "threads": torch.get_num_threads(), "file": __file__}))
+                      "threads": torch.get_num_threads(), "file": __file__, "umask": os.umask(0),
+                      "cpus": sorted(os.sched_getaffinity(0))}))
     sys.exit(int(arg))
 import subprocess
 helper = subprocess.Popen(["sleep", "120"])  # a process the worker started, as DataLoader workers are
@@ -56,13 +58,15 @@ def probe_dir(tmp_path):
     return tmp_path
 
 
-def _stub(probe_dir: Path, server: str | None, *args: str, **env: str) -> subprocess.Popen:
+def _stub(probe_dir: Path, server: str | None, *args: str, umask: int = -1, cpus: set[int] | None = None,
+          **env: str) -> subprocess.Popen:
     environ = {k: v for k, v in os.environ.items() if k != SERVER_ENV}
     environ.update(PYTHONPATH=f"{probe_dir}{os.pathsep}{REPO}", **env)
     if server is not None:
         environ[SERVER_ENV] = server
     return subprocess.Popen([sys.executable, "-m", "training.prefork", "worker", "prefork_probe", *args],
-                            cwd=probe_dir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=probe_dir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            umask=umask, preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
 
 
 def _worker_and_helper(pid_file: Path) -> list[psutil.Process]:
@@ -79,7 +83,9 @@ def _all_gone(processes: list[psutil.Process]) -> bool:
 
 
 def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit_code(template, probe_dir):
-    stub = _stub(probe_dir, template, "report", "3", PROBE_MARKER="from-the-stub", OMP_NUM_THREADS="1")
+    cpus = {sorted(os.sched_getaffinity(0))[-1]}  # as a NUMA binding by the launcher would
+    stub = _stub(probe_dir, template, "report", "3", umask=0o027, cpus=cpus, PROBE_MARKER="from-the-stub",
+                 OMP_NUM_THREADS="1")
     out, err = stub.communicate(timeout=60)
     assert stub.returncode == 3, err
     seen = json.loads(out)
@@ -89,6 +95,16 @@ def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit
     assert seen["cwd"] == str(probe_dir) and seen["file"] == str(probe_dir / "prefork_probe.py")
     assert seen["marker"] == "from-the-stub"
     assert seen["threads"] == 1  # OMP_NUM_THREADS of the stub, not of the template
+    assert seen["umask"] == 0o027 and seen["cpus"] == sorted(cpus)
+
+
+def test_the_preloaded_training_module_runs_as_main_like_python_m(template, tmp_path):
+    environ = {**os.environ, SERVER_ENV: template, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "training.prefork", "worker", "training.train", "--help"],
+                          cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: python -m training.train" in proc.stdout
+    assert "Warning" not in proc.stderr  # runpy complains when the module is already in sys.modules
 
 
 def test_a_signal_to_the_stub_reaches_the_workers_group_and_the_stub_dies_by_it(template, probe_dir):
@@ -133,6 +149,19 @@ def test_with_its_template_gone_the_stub_says_so_and_runs_the_module_itself(prob
     assert stub.returncode == 5
     assert json.loads(out)["pid"] == stub.pid
     assert "no worker template" in err and "starting a fresh Python" in err
+
+
+def test_a_stub_refuses_a_socket_that_is_not_its_templates(probe_dir):
+    """Anyone in the network namespace can bind an abstract name: the stub checks who listens."""
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    impostor.bind("\0training-prefork-test-impostor")
+    impostor.listen(1)
+    with impostor:
+        stub = _stub(probe_dir, f"{os.getppid()}:training-prefork-test-impostor", "report", "0")
+        out, err = stub.communicate(timeout=60)
+    assert stub.returncode == 0, err
+    assert json.loads(out)["pid"] == stub.pid, "the stub must run the module itself"
+    assert "refusing the worker template's address" in err
 
 
 def test_usage_error_names_the_commands():
