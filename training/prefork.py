@@ -64,9 +64,8 @@ def die_with_parent(sig: signal.Signals) -> None:
 
 def launch(command: list[str]) -> NoReturn:
     """Start the template as a child of this process, then become `command`."""
-    import subprocess
-
     import secrets
+    import subprocess
 
     # unguessable and unique per launch: pods that share a network namespace (hostNetwork) all run
     # ft_launcher as PID 1
