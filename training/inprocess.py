@@ -67,8 +67,10 @@ TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeo
 # Wrapper barriers wait for a rank killed at the hard timeout, with room for slow ranks.
 BARRIER_MARGIN = 30.0
 _KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
-# gloo's errors when a peer process died: the fault is the peer's (ft_launcher restarts the group)
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer")
+# A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
+# then NCCL's: a communicator aborted under the call (ProcessGroupNCCL), ncclRemoteError's text.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer",
+              "NCCL communicator was aborted", "remote process exited or there was a network error")
 
 
 @dataclass(frozen=True)

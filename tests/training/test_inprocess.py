@@ -21,7 +21,7 @@ from training.data import TokenStream
 from training.distributed import DistInfo
 from training.events import read_events
 from training.fault_tolerance import RankMonitor, launcher_ft_args
-from training.inprocess import FaultLog, RestartBudget, make_wrapper, wrapper_kwargs
+from training.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.model import PRESETS
 from training.report import build_report
 from training.rollback import KEEP, MemoryRollback, host_copy
@@ -92,6 +92,20 @@ def test_launcher_restarts_per_mode():
     assert {m: f.launcher_max_restarts for m, f in ft.items()} == {"injob": 4, "inprocess": 0, "both": 4}
     assert "--max-restarts=0" in launcher_ft_args(ft["inprocess"])
 
+
+
+@pytest.mark.parametrize("message, peers", [
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:41613: Connection reset by peer", True),
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1000ms for recv operation "
+     "to complete: Connection closed by peer [127.0.0.1]:27745", True),
+    ("NCCL communicator was aborted on rank 3. Original reason for failure was: ProcessGroupNCCL abort", True),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1969, remote process exited or there was a network error, "
+     "NCCL version 2.27.3", True),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ("injected fault exception@12:rank=1", False),
+])
+def test_a_collective_broken_by_a_peer_is_not_blamed_on_this_rank(message, peers):
+    assert _peer_lost(RuntimeError(message)) is peers
 
 # ---- the in-memory rollback ---------------------------------------------------------------------
 
