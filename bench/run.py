@@ -75,9 +75,10 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             unavailable[m.name] = _failure(err)
-    checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured")),
+    machine = Machine.here(p.device)
+    checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), machine.cpus),
               *recovery_checks(recovery, unavailable, floor, p.mechanisms))
-    return BenchResult(date=date, profile=p, machine=Machine.here(p.device), elapsed_s=time.monotonic() - started,
+    return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)
 
 

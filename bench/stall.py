@@ -22,6 +22,10 @@ Figures (blocking from the event logs through training.report):
                       of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
                       from a background write together
   efficiency          step wall time without checkpoints / with them
+  CPU time per save   (CPU): the CPU time a rank's process spent in a mode's rounds, less what it spent
+                      with checkpoints off, per save, mean over ranks: for async, the staging and the
+                      background write together. A background write hides its wait, not its CPU time: where
+                      the ranks keep every CPU busy, that time comes out of training.
 """
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ class StallResult:
     efficiency_sync: float
     efficiency_async: float
     run_dirs: dict[str, str]
+    cpu_per_save_sync_s: float | None = None  # CPU only (see the module docstring)
+    cpu_per_save_async_s: float | None = None
 
 
 def step_wall_s(run_dir: Path) -> float:
@@ -91,8 +97,8 @@ def blocking_per_save(run_dir: Path) -> tuple[float, ...]:
 
 
 def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int, world: int, interval: int,
-            steps: int) -> StallResult:
-    """`walls`: wall time per step of each mode."""
+            steps: int, cpu_per_save: dict[str, float] | None = None) -> StallResult:
+    """`walls`: wall time per step of each mode; `cpu_per_save`: CPU time per save of each mode."""
     sync, async_ = blocking_per_save(run_dirs["sync"]), blocking_per_save(run_dirs["async"])
     sync_median, async_median = statistics.median(sync), statistics.median(async_)
     return StallResult(
@@ -102,7 +108,9 @@ def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int
         blocking_ratio=async_median / sync_median,
         step_wall_off_s=walls["off"], step_wall_sync_s=walls["sync"], step_wall_async_s=walls["async"],
         efficiency_sync=walls["off"] / walls["sync"], efficiency_async=walls["off"] / walls["async"],
-        run_dirs={mode: str(path) for mode, path in run_dirs.items()})
+        run_dirs={mode: str(path) for mode, path in run_dirs.items()},
+        cpu_per_save_sync_s=cpu_per_save["sync"] if cpu_per_save else None,
+        cpu_per_save_async_s=cpu_per_save["async"] if cpu_per_save else None)
 
 
 def calibrated_interval(step_s: float, save_s: float) -> int:
@@ -145,13 +153,15 @@ def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int
 
 def measure_stall(spec: StallSpec, root: Path) -> StallResult:
     run_dirs = _fresh_run_dirs(root)
-    found = mp.get_context("spawn").SimpleQueue()  # rank 0 -> here: (interval, wall per mode, checkpoint bytes)
+    # rank 0 -> here: (interval, wall per mode, CPU time per mode (mean over ranks), checkpoint bytes)
+    found = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(spec, free_port(), root, run_dirs, found), nprocs=spec.world,
                        start_method="spawn")
-    interval, walls, state_bytes = found.get()
+    interval, walls, cpus, state_bytes = found.get()
     steps = spec.saves * interval
+    cpu_per_save = {mode: (cpus[mode] - cpus["off"]) / spec.saves for mode in MODES}
     return analyse(run_dirs, {mode: wall / steps for mode, wall in walls.items()}, state_bytes, spec.world,
-                   interval, steps)
+                   interval, steps, cpu_per_save)
 
 
 def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[str, Path], found) -> None:
@@ -163,9 +173,13 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
         state = _synthetic_state(spec.state_bytes // spec.world, rank, info.device)
         a = torch.randn(512, 512, device=info.device)
         interval = _calibrate(spec, root / "stall-calibration", state, a, info.device)
-        walls = _interleaved(spec, interval, run_dirs, state, a, info.device)
+        walls, cpus = _interleaved(spec, interval, run_dirs, state, a, info.device)
+        mean_cpus = torch.tensor([cpus[mode] for mode in MODES], dtype=torch.float64)
+        dist.all_reduce(mean_cpus)
+        mean_cpus /= spec.world
         if rank == 0:
-            found.put((interval, walls, checkpoint_bytes(run_dirs["sync"] / "checkpoints")))
+            found.put((interval, walls, dict(zip(MODES, mean_cpus.tolist())),
+                       checkpoint_bytes(run_dirs["sync"] / "checkpoints")))
             for path in run_dirs.values():  # do not leave GBs behind
                 shutil.rmtree(path / "checkpoints", ignore_errors=True)
     finally:
@@ -204,16 +218,17 @@ def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, dev
 
 
 def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], state: dict, a: torch.Tensor,
-                 device: torch.device) -> dict[str, float]:
-    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock)."""
+                 device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock) and
+    this process's CPU time in each mode's rounds (all its threads: the background writer's too)."""
     lead = dist.get_rank() == 0
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
     managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
                 for mode, path in run_dirs.items()}
-    walls = dict.fromkeys(MODES, 0.0)
+    walls, cpus = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)
     for round_ in range(spec.saves):
         for mode in MODES:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             managers[mode].save(round_ * interval, state)  # a no-op with checkpoints off
             for step in range(round_ * interval + 1, (round_ + 1) * interval + 1):
                 started = time.perf_counter()
@@ -224,8 +239,9 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
                 managers[mode].poll()
             managers[mode].wait()
             walls[mode] += time.perf_counter() - t0
+            cpus[mode] += time.process_time() - cpu0
     for mode, log in logs.items():
         if log is not None:
             log.emit("run_end", step=spec.saves * interval, status="completed")
             log.close()
-    return walls
+    return walls, cpus

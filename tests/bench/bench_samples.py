@@ -50,10 +50,11 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
     stall = StallResult(state_bytes=256 << 20, world_size=2, interval_steps=10, steps=30, sync_blocking_s=2.0,
                         async_blocking_s=0.1, sync_blocking_per_save_s=(2.0, 2.0), async_blocking_per_save_s=(0.1, 0.1),
                         blocking_ratio=0.05, step_wall_off_s=0.1, step_wall_sync_s=0.2, step_wall_async_s=0.101,
-                        efficiency_sync=0.5, efficiency_async=0.99, run_dirs={})
+                        efficiency_sync=0.5, efficiency_async=0.99, run_dirs={},
+                        cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.45)
     recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "k8s_restart": mechanism(13.0)}
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
-    checks = (*stall_checks(stall, ""), *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms))
+    checks = (*stall_checks(stall, "", cpus=2), *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms))
     machine = Machine(cpus=2, load_avg_1m=1.0, python="3.11", torch="2.13.0", nvrx="0.4.1", device="x86_64")
     return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
                        checkpoint=stall, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)

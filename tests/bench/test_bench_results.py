@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,28 @@ def test_stall_figures_come_from_the_event_logs(tmp_path: Path) -> None:
             "sync": stall_pass(tmp_path / "sync", 21, 0.1, {10: 1.0, 20: 1.0}),
             "async": stall_pass(tmp_path / "async", 21, 0.1, {10: 0.05, 20: 0.05})}
     walls = {mode: step_wall_s(path) for mode, path in dirs.items()}
-    s = analyse(dirs, walls, state_bytes=1 << 28, world=2, interval=10, steps=21)
+    s = analyse(dirs, walls, state_bytes=1 << 28, world=2, interval=10, steps=21,
+                cpu_per_save={"off": 0.0, "sync": 0.9, "async": 0.8})
     assert s.sync_blocking_s == pytest.approx(1.0) and s.async_blocking_s == pytest.approx(0.05)
     assert s.blocking_ratio == pytest.approx(0.05)
     assert s.step_wall_off_s == pytest.approx(0.1)
     assert s.step_wall_sync_s == pytest.approx((20 * 0.1 + 2.0) / 20)
     assert s.efficiency_sync == pytest.approx(2.0 / 4.0)
     assert s.efficiency_async == pytest.approx(2.0 / 2.1)
+    assert (s.cpu_per_save_sync_s, s.cpu_per_save_async_s) == (0.9, 0.8)
+
+
+def test_an_async_miss_names_the_cpu_time_a_save_still_costs() -> None:
+    missed = replace(sample_result().checkpoint, efficiency_async=0.6, cpu_per_save_sync_s=2.01,
+                     cpu_per_save_async_s=1.93)
+    efficiency = {c.figure: c for c in stall_checks(missed, "", cpus=2)}["training efficiency, async checkpoints"]
+    assert efficiency.status == "MISS"
+    assert efficiency.note == ("an async save still costs a rank 1.93 CPU-s (sync: 2.01), and 2 ranks keep all 2 "
+                               "CPUs busy: none is spare for the background write")
+    with_spare_cpus = {c.figure: c for c in stall_checks(missed, "", cpus=16)}["training efficiency, async checkpoints"]
+    assert with_spare_cpus.note == "an async save still costs a rank 1.93 CPU-s (sync: 2.01)"
+    passed = {c.figure: c for c in stall_checks(sample_result().checkpoint, "", cpus=2)}
+    assert passed["training efficiency, async checkpoints"].note == ""
 
 
 def test_calibrated_interval_makes_sync_saves_cost_the_target_share() -> None:
@@ -63,7 +79,7 @@ def test_missing_parts_are_not_available_with_the_reason() -> None:
     ratio = next(c for c in checks if c.figure == "in-process recovery / in-job recovery")
     assert (ratio.status, ratio.note) == ("N/A", "inprocess: no module")
     assert not any("k8s_restart" in c.figure for c in checks)  # not in this profile: no check
-    assert {c.status for c in stall_checks(None, "disk full")} == {"N/A"}
+    assert {c.status for c in stall_checks(None, "disk full", cpus=2)} == {"N/A"}
 
 
 def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, capsys) -> None:
@@ -86,6 +102,8 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| in-process restart | not available: training/inprocess.py does not exist |" in text
     assert "| plain Kubernetes restart | 2/2 |" in text
     assert "Quick mode: 2 faults per mechanism" in text
+    assert "| sync | 2.00 s | 2.00, 2.00 | 0.50 s | 0.20 s | 50.0% |" in text
+    assert "| async | 0.10 s | 0.10, 0.10 | 0.45 s | 0.10 s | 99.0% |" in text
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
