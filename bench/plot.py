@@ -85,11 +85,17 @@ def _stall(ax, r: BenchResult) -> None:
         ax.text(0.5, 0.5, "checkpoint stall\nnot measured", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return
-    ax.bar([0, 1], [s.sync_blocking_s, s.async_blocking_s], color=["tab:red", "tab:green"])
-    for x, (blocking, eff) in enumerate(((s.sync_blocking_s, s.efficiency_sync),
-                                         (s.async_blocking_s, s.efficiency_async))):
-        ax.text(x, blocking, f"{blocking:.2f} s\nefficiency {eff:.0%}", ha="center", va="bottom", fontsize="small")
-    ax.set_xticks([0, 1], ["sync", "async"])
+    bars = [("sync", s.sync_blocking_s, s.efficiency_sync, "tab:red"),
+            ("async", s.async_blocking_s, s.efficiency_async, "tab:green")]
+    spare = r.checkpoint_spare_cpu
+    if spare is not None:
+        bars += [("sync,\na CPU spare", spare.sync_blocking_s, spare.efficiency_sync, "lightcoral"),
+                 ("async,\na CPU spare", spare.async_blocking_s, spare.efficiency_async, "lightgreen")]
+    for x, (_, blocking, efficiency, color) in enumerate(bars):
+        ax.bar(x, blocking, color=color)
+        ax.text(x, blocking, f"{blocking:.2f} s\nefficiency {efficiency:.0%}", ha="center", va="bottom",
+                fontsize="small")
+    ax.set_xticks(range(len(bars)), [label for label, *_ in bars], fontsize="small")
     ax.set_ylabel("training blocked per save (s)")
     ax.set_title(f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB\nasync/sync blocking = {s.blocking_ratio:.2f}")
     ax.margins(y=0.25)

@@ -19,6 +19,9 @@ class Profile:
     stall_interval: int | None  # steps between saves; None: calibrated (bench/stall.py)
     stall_saves: int  # saves per checkpoint mode (CPU: rounds of the interleaved modes)
     matmuls_per_step: int  # the synthetic step: this many 512x512 matmuls, then an all-reduce
+    # Synthetic state only: where stall_world ranks keep every CPU busy, the stall again with one CPU
+    # left to the background writer, as a GPU host's idle cores are (bench/stall.py spare_cpu_world).
+    stall_spare_cpu: bool
     # Recovery: one local-cluster run per mechanism with `faults` deterministic faults.
     mechanisms: tuple[str, ...]
     preset: str
@@ -47,17 +50,21 @@ ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "k8s_restart")
 # Six saves per mode: on 2 busy cores one async save in three or four can block 4-7x longer than
 # the rest (its staging copy starved of CPU), which moved the median of four from 0.07x to 0.17x.
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
-               stall_saves=6, matmuls_per_step=10, mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
+               stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
+               mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
                faults=5, first_fault=15, fault_spacing=25, tail_steps=10, checkpoint_interval=10, floor_repeats=3)
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: under 3 minutes
-# on 2 cores (each fault costs a restart of 7-20 s here).
+# on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
+# saves in about 0.1 s, so the calibrated interval falls to its minimum and the figures say nothing.
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
-                stall_saves=3, matmuls_per_step=10, mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
+                stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
+                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
                 faults=2, first_fault=15, fault_spacing=15, tail_steps=3, checkpoint_interval=10, floor_repeats=1)
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node
 # loss and full restarts need several nodes). Few saves: each writes about 15 GB; the first fault
 # comes well after the first save, so that in-job restarts load a committed checkpoint.
 GPU = Profile("gpu", "cuda", state_bytes=0, stall_preset="1b", stall_world=1, stall_interval=5, stall_saves=1,
-              matmuls_per_step=0, mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
+              matmuls_per_step=0, stall_spare_cpu=False,
+              mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
               faults=3, first_fault=25, fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1)

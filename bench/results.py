@@ -20,6 +20,7 @@ from bench.profile import Profile
 from bench.stall import StallResult
 
 SCHEMA = "bench-result/1"
+SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class BenchResult:
     machine: Machine
     elapsed_s: float
     checkpoint: StallResult | None
+    checkpoint_spare_cpu: StallResult | None  # SPARE_CPU; None where not run or not measured
     floor: FloorResult | None
     recovery: dict[str, MechanismResult]
     unavailable: dict[str, str]  # mechanism or part -> why it was not measured

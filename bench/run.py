@@ -3,7 +3,8 @@
     python -m bench.run [--quick] [--gpu] [--results-dir bench/results] [--runs-dir DIR]
 
 Runs, in this order, on the local emulated cluster (training.local): the floor of this machine,
-the checkpoint stall (sync vs async), and one fault run per recovery mechanism. Writes
+the checkpoint stall (sync vs async; on CPU, where its ranks keep every CPU busy, again with one CPU
+left to the background writer, as on a GPU host), and one fault run per recovery mechanism. Writes
 <results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
 still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (under 3 minutes on 2 cores).
@@ -12,18 +13,20 @@ still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
-from bench.checks import recovery_checks, stall_checks
+from bench.checks import recovery_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult, measure_floor
 from bench.mechanisms import MECHANISMS, MechanismResult, Unavailable, measure_mechanism
 from bench.plot import plot_result
 from bench.profile import FULL, GPU, QUICK, Profile
-from bench.results import BenchResult, Machine, write_json
-from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster
+from bench.results import SPARE_CPU, BenchResult, Machine, write_json
+from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +48,28 @@ def run_stall(p: Profile, runs: Path) -> StallResult:
     return measure_stall_on_cluster(p.stall_preset, p.device, p.stall_world, p.stall_interval, p.stall_saves, runs)
 
 
+def run_stall_with_spare_cpu(p: Profile, world: int, runs: Path) -> StallResult:
+    """The synthetic stall again with `world` ranks, each holding the same shard as in the first pass."""
+    return measure_stall(StallSpec(p.state_bytes // p.stall_world * world, world, p.stall_saves, p.matmuls_per_step,
+                                   p.device), runs / "spare-cpu")
+
+
+def _measure_stall_part(part: str, measure: Callable[[], StallResult],
+                        unavailable: dict[str, str]) -> StallResult | None:
+    try:
+        stall = measure()
+    except Exception as err:  # noqa: BLE001 - a part that fails is reported, the others still run
+        traceback.print_exc()
+        unavailable[part] = _failure(err)
+        return None
+    say(f"blocking per save: sync {stall.sync_blocking_s:.2f} s, async {stall.async_blocking_s:.2f} s; efficiency "
+        f"sync {stall.efficiency_sync:.0%}, async {stall.efficiency_async:.0%}")
+    return stall
+
+
 def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
     started = time.monotonic()
+    cpus = os.cpu_count() or 1
     unavailable: dict[str, str] = {}
     say(f"profile {p.name}: floor ({p.floor_repeats}x, world {p.world})")
     floor: FloorResult | None = None
@@ -56,13 +79,13 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
     except Exception as err:  # noqa: BLE001 - a part that fails is reported, the others still run
         unavailable["floor"] = _failure(err)
     say("checkpoint stall: checkpoints off, sync, async")
-    stall: StallResult | None = None
-    try:
-        stall = run_stall(p, runs)
-        say(f"blocking per save: sync {stall.sync_blocking_s:.2f} s, async {stall.async_blocking_s:.2f} s")
-    except Exception as err:  # noqa: BLE001
-        traceback.print_exc()
-        unavailable["checkpoint"] = _failure(err)
+    stall = _measure_stall_part("checkpoint", lambda: run_stall(p, runs), unavailable)
+    spare_world = spare_cpu_world(p.stall_world, cpus) if p.stall_spare_cpu else None
+    stall_spare: StallResult | None = None
+    if spare_world is not None:
+        say(f"checkpoint stall again with {spare_world} rank(s) on {cpus} CPUs: one CPU spare for the writer")
+        stall_spare = _measure_stall_part(SPARE_CPU, lambda: run_stall_with_spare_cpu(p, spare_world, runs),
+                                          unavailable)
     recovery: dict[str, MechanismResult] = {}
     for m in (m for m in MECHANISMS if m.name in p.mechanisms):
         say(f"{m.label}: {p.faults} faults at steps {p.fault_steps()}, {p.nodes} node(s) x {p.nproc_per_node} rank(s)")
@@ -77,9 +100,11 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
             unavailable[m.name] = _failure(err)
     machine = Machine.here(p.device)
     checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), machine.cpus),
+              *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), run=spare_world is not None),
               *recovery_checks(recovery, unavailable, floor, p.mechanisms))
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
-                       checkpoint=stall, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)
+                       checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,
+                       unavailable=unavailable, checks=checks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -113,6 +113,12 @@ def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int
         cpu_per_save_async_s=cpu_per_save["async"] if cpu_per_save else None)
 
 
+def spare_cpu_world(world: int, cpus: int) -> int | None:
+    """Ranks for a second CPU pass that leaves one CPU to the background writer, as a GPU host's idle
+    cores do; None where the first pass (`world` ranks of one thread each) already leaves one spare."""
+    return cpus - 1 if world >= cpus >= 2 else None
+
+
 def calibrated_interval(step_s: float, save_s: float) -> int:
     """Steps between saves at which sync saves take CALIBRATED_SYNC_COST of the time."""
     steps = save_s * (1 - CALIBRATED_SYNC_COST) / (CALIBRATED_SYNC_COST * step_s)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from bench.checks import REFERENCE_RECOVERY_S, Check
 from bench.mechanisms import MECHANISMS
 from bench.profile import FULL, QUICK
-from bench.stall import CALIBRATED_SYNC_COST
-from bench.results import BenchResult
+from bench.results import SPARE_CPU, BenchResult
+from bench.stall import CALIBRATED_SYNC_COST, StallResult
 
 
 def _fmt(value: float | None, unit: str) -> str:
@@ -32,11 +32,21 @@ def stall_table(r: BenchResult) -> list[str]:
     s = r.checkpoint
     if s is None:
         return [f"Checkpoint stall: not measured ({r.unavailable.get('checkpoint', 'unknown reason')})"]
+    lines = _stall_section("Checkpoint stall", s, calibrated=r.profile.stall_interval is None)
+    spare_title = "Checkpoint stall with one CPU spare for the background writer (as on a GPU host)"
+    if r.checkpoint_spare_cpu is not None:
+        lines += ["", *_stall_section(spare_title, r.checkpoint_spare_cpu, calibrated=True)]
+    elif SPARE_CPU in r.unavailable:
+        lines += ["", f"{spare_title}: not measured ({r.unavailable[SPARE_CPU]})"]
+    return lines
+
+
+def _stall_section(title: str, s: StallResult, calibrated: bool) -> list[str]:
     return [
-        f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB of state over {s.world_size} ranks, a save every "
+        f"{title}: {s.state_bytes / 2**20:.0f} MiB of state over {s.world_size} rank(s), a save every "
         f"{s.interval_steps} steps"
         + (f" (calibrated: sync saves about {CALIBRATED_SYNC_COST:.0%} of the time, as in the reference)"
-           if r.profile.stall_interval is None else "") + f", {s.steps} steps per pass",
+           if calibrated else "") + f", {s.steps} steps per pass",
         "",
         *_header("mode", "blocking per save (median)", "per save", "CPU time per save (a rank)", "step wall time",
                  "training efficiency"),

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from bench.checks import recovery_checks, stall_checks
+from bench.checks import recovery_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.profile import QUICK
@@ -54,7 +55,10 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
                         cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.45)
     recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "k8s_restart": mechanism(13.0)}
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
-    checks = (*stall_checks(stall, "", cpus=2), *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms))
+    spare = replace(stall, state_bytes=128 << 20, world_size=1, sync_blocking_per_save_s=(1.5, 1.5),
+                    sync_blocking_s=1.5, efficiency_sync=0.6, efficiency_async=0.9)
+    checks = (*stall_checks(stall, "", cpus=2), *spare_cpu_checks(spare, "", run=True),
+              *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms))
     machine = Machine(cpus=2, load_avg_1m=1.0, python="3.11", torch="2.13.0", nvrx="0.4.1", device="x86_64")
     return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
-                       checkpoint=stall, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)
+                       checkpoint=stall, checkpoint_spare_cpu=spare, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)

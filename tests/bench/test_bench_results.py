@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 from bench_samples import mechanism, sample_result, stall_pass
 
-from bench.checks import recovery_checks, stall_checks
+from bench import run
+from bench.checks import SPARE_CPU_FIGURE, recovery_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult
 from bench.plot import plot_result
-from bench.profile import ALL
+from bench.profile import ALL, FULL
 from bench.results import SCHEMA, write_json
-from bench.stall import CALIBRATED_SYNC_COST, analyse, calibrated_interval, step_wall_s
+from bench.stall import CALIBRATED_SYNC_COST, StallSpec, analyse, calibrated_interval, spare_cpu_world, step_wall_s
 from bench.table import format_markdown
 from training import plan
 
@@ -48,6 +49,13 @@ def test_an_async_miss_names_the_cpu_time_a_save_still_costs() -> None:
     assert passed["training efficiency, async checkpoints"].note == ""
 
 
+def test_a_second_stall_pass_leaves_one_cpu_spare_only_where_the_first_left_none() -> None:
+    assert spare_cpu_world(world=2, cpus=2) == 1
+    assert spare_cpu_world(world=4, cpus=4) == 3
+    assert spare_cpu_world(world=2, cpus=16) is None  # the first pass already has spare CPUs
+    assert spare_cpu_world(world=1, cpus=1) is None  # nothing to leave spare
+
+
 def test_calibrated_interval_makes_sync_saves_cost_the_target_share() -> None:
     interval = calibrated_interval(step_s=0.1, save_s=2.0)
     assert 2.0 / (interval * 0.1 + 2.0) == pytest.approx(CALIBRATED_SYNC_COST, abs=0.01)
@@ -80,6 +88,8 @@ def test_missing_parts_are_not_available_with_the_reason() -> None:
     assert (ratio.status, ratio.note) == ("N/A", "inprocess: no module")
     assert not any("k8s_restart" in c.figure for c in checks)  # not in this profile: no check
     assert {c.status for c in stall_checks(None, "disk full", cpus=2)} == {"N/A"}
+    assert [(c.status, c.note) for c in spare_cpu_checks(None, "disk full", run=True)] == [("N/A", "disk full")] * 2
+    assert spare_cpu_checks(None, "", run=False) == []  # not run (a spare CPU already, or GPU): no check
 
 
 def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, capsys) -> None:
@@ -104,6 +114,41 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "Quick mode: 2 faults per mechanism" in text
     assert "| sync | 2.00 s | 2.00, 2.00 | 0.50 s | 0.20 s | 50.0% |" in text
     assert "| async | 0.10 s | 0.10, 0.10 | 0.45 s | 0.10 s | 99.0% |" in text
+    spare = text[text.index("Checkpoint stall with one CPU spare for the background writer (as on a GPU host): "
+                            "128 MiB of state over 1 rank(s)"):]
+    assert "| sync | 1.50 s | 1.50, 1.50 | 0.50 s | 0.20 s | 60.0% |" in spare
+    assert "| training efficiency, async checkpoints, one CPU spare for the writer | 90.0% | >= 99% |" in text
+    failed = format_markdown(replace(result, checkpoint_spare_cpu=None, unavailable={"checkpoint_spare_cpu": "disk full"}))
+    assert ("Checkpoint stall with one CPU spare for the background writer (as on a GPU host): not measured "
+            "(disk full)") in failed
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("cpus, spare_world", [(2, 1), (16, None)])
+def test_the_spare_cpu_stall_pass_runs_where_the_first_pass_leaves_no_cpu_spare(monkeypatch, tmp_path: Path, cpus,
+                                                                                 spare_world) -> None:
+    specs = []
+
+    def fake_stall(spec: StallSpec, root: Path):
+        specs.append((spec, root))
+        return replace(sample_result().checkpoint, world_size=spec.world, state_bytes=spec.state_bytes)
+
+    monkeypatch.setattr(run.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(run, "measure_stall", fake_stall)
+    monkeypatch.setattr(run, "measure_floor", lambda world, repeats: FloorResult(1.0, (1.0,), world))
+    profile = replace(FULL, mechanisms=())
+    result = run.run_bench(profile, tmp_path, "2026-11-30_000000")
+    assert specs[0][0] == StallSpec(FULL.state_bytes, 2, FULL.stall_saves, FULL.matmuls_per_step, "cpu")
+    spare_figures = [c.figure for c in result.checks if SPARE_CPU_FIGURE in c.figure]
+    if spare_world is None:
+        assert len(specs) == 1 and result.checkpoint_spare_cpu is None and spare_figures == []
+        return
+    spare_spec, spare_root = specs[1]
+    assert (spare_spec.world, spare_spec.state_bytes) == (1, FULL.state_bytes // 2)  # the same shard per rank
+    assert spare_root != specs[0][1]  # its own run directories
+    assert result.checkpoint_spare_cpu.world_size == 1
+    assert spare_figures == [f"training efficiency, async checkpoints{SPARE_CPU_FIGURE}",
+                             f"training efficiency, sync checkpoints{SPARE_CPU_FIGURE}"]
+    assert run.run_bench(replace(profile, stall_spare_cpu=False), tmp_path, "x").checkpoint_spare_cpu is None
