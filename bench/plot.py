@@ -89,15 +89,17 @@ def _stall(ax, r: BenchResult) -> None:
             ("async", s.async_blocking_s, s.efficiency_async, "tab:green")]
     spare = r.checkpoint_spare_cpu
     if spare is not None:
-        bars += [("sync,\na CPU spare", spare.sync_blocking_s, spare.efficiency_sync, "lightcoral"),
-                 ("async,\na CPU spare", spare.async_blocking_s, spare.efficiency_async, "lightgreen")]
+        where = f"{spare.world_size} rank(s), {spare.state_bytes / 2**20:.0f} MiB,\na CPU spare"
+        bars += [(f"sync,\n{where}", spare.sync_blocking_s, spare.efficiency_sync, "lightcoral"),
+                 (f"async,\n{where}", spare.async_blocking_s, spare.efficiency_async, "lightgreen")]
     for x, (_, blocking, efficiency, color) in enumerate(bars):
         ax.bar(x, blocking, color=color)
         ax.text(x, blocking, f"{blocking:.2f} s\nefficiency {efficiency:.0%}", ha="center", va="bottom",
                 fontsize="small")
     ax.set_xticks(range(len(bars)), [label for label, *_ in bars], fontsize="small")
     ax.set_ylabel("training blocked per save (s)")
-    ax.set_title(f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB\nasync/sync blocking = {s.blocking_ratio:.2f}")
+    ax.set_title(f"Checkpoint stall: {s.state_bytes / 2**20:.0f} MiB over {s.world_size} ranks\n"
+                 f"async/sync blocking = {s.blocking_ratio:.2f}")
     ax.margins(y=0.25)
 
 

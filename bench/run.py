@@ -3,8 +3,9 @@
     python -m bench.run [--quick] [--gpu] [--results-dir bench/results] [--runs-dir DIR]
 
 Runs, in this order, on the local emulated cluster (training.local): the floor of this machine,
-the checkpoint stall (sync vs async; on CPU, where its ranks keep every CPU busy, again with one CPU
-left to the background writer, as on a GPU host), and one fault run per recovery mechanism. Writes
+the checkpoint stall (sync vs async; in the full CPU profile, where its ranks keep every CPU busy,
+again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do), and
+one fault run per recovery mechanism. Writes
 <results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
 still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (under 3 minutes on 2 cores).
@@ -50,6 +51,7 @@ def run_stall(p: Profile, runs: Path) -> StallResult:
 
 def run_stall_with_spare_cpu(p: Profile, world: int, runs: Path) -> StallResult:
     """The synthetic stall again with `world` ranks, each holding the same shard as in the first pass."""
+    assert p.stall_preset is None, "the spare-CPU pass repeats the synthetic stall"
     return measure_stall(StallSpec(p.state_bytes // p.stall_world * world, world, p.stall_saves, p.matmuls_per_step,
                                    p.device), runs / "spare-cpu")
 
@@ -99,8 +101,9 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
             traceback.print_exc()
             unavailable[m.name] = _failure(err)
     machine = Machine.here(p.device)
-    checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), machine.cpus),
-              *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), run=spare_world is not None),
+    checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), cpus),
+              *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), cpus,
+                                run=spare_world is not None),
               *recovery_checks(recovery, unavailable, floor, p.mechanisms))
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,

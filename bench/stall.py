@@ -22,10 +22,11 @@ Figures (blocking from the event logs through training.report):
                       of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
                       from a background write together
   efficiency          step wall time without checkpoints / with them
-  CPU time per save   (CPU): the CPU time a rank's process spent in a mode's rounds, less what it spent
-                      with checkpoints off, per save, mean over ranks: for async, the staging and the
-                      background write together. A background write hides its wait, not its CPU time: where
-                      the ranks keep every CPU busy, that time comes out of training.
+  CPU time per save   (CPU): the CPU time a rank's process spent in a round of a mode, less what it spent
+                      in the same round with checkpoints off (mean over ranks), median over the rounds, as
+                      blocking: for async, the staging and the background write together. A background
+                      write hides its wait, not its CPU time: where the ranks keep every CPU busy, that
+                      time comes out of training.
 """
 from __future__ import annotations
 
@@ -97,8 +98,14 @@ def blocking_per_save(run_dir: Path) -> tuple[float, ...]:
 
 
 def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int, world: int, interval: int,
-            steps: int, cpu_per_save: dict[str, float] | None = None) -> StallResult:
-    """`walls`: wall time per step of each mode; `cpu_per_save`: CPU time per save of each mode."""
+            steps: int, cpu_per_round: dict[str, list[float]] | None = None) -> StallResult:
+    """`walls`: wall time per step of each mode; `cpu_per_round`: a rank's CPU time in each round of each
+    mode (mean over ranks)."""
+    def cpu_per_save(mode: str) -> float | None:
+        if cpu_per_round is None:
+            return None
+        return statistics.median(c - off for c, off in zip(cpu_per_round[mode], cpu_per_round["off"], strict=True))
+
     sync, async_ = blocking_per_save(run_dirs["sync"]), blocking_per_save(run_dirs["async"])
     sync_median, async_median = statistics.median(sync), statistics.median(async_)
     return StallResult(
@@ -109,14 +116,18 @@ def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int
         step_wall_off_s=walls["off"], step_wall_sync_s=walls["sync"], step_wall_async_s=walls["async"],
         efficiency_sync=walls["off"] / walls["sync"], efficiency_async=walls["off"] / walls["async"],
         run_dirs={mode: str(path) for mode, path in run_dirs.items()},
-        cpu_per_save_sync_s=cpu_per_save["sync"] if cpu_per_save else None,
-        cpu_per_save_async_s=cpu_per_save["async"] if cpu_per_save else None)
+        cpu_per_save_sync_s=cpu_per_save("sync"), cpu_per_save_async_s=cpu_per_save("async"))
+
+
+def leaves_no_cpu_spare(world: int, cpus: int) -> bool:
+    """Whether `world` ranks of one thread each keep every CPU busy."""
+    return world >= cpus
 
 
 def spare_cpu_world(world: int, cpus: int) -> int | None:
     """Ranks for a second CPU pass that leaves one CPU to the background writer, as a GPU host's idle
-    cores do; None where the first pass (`world` ranks of one thread each) already leaves one spare."""
-    return cpus - 1 if world >= cpus >= 2 else None
+    cores do; None where the first pass already leaves one spare, or there is a single CPU."""
+    return cpus - 1 if leaves_no_cpu_spare(world, cpus) and cpus >= 2 else None
 
 
 def calibrated_interval(step_s: float, save_s: float) -> int:
@@ -159,15 +170,14 @@ def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int
 
 def measure_stall(spec: StallSpec, root: Path) -> StallResult:
     run_dirs = _fresh_run_dirs(root)
-    # rank 0 -> here: (interval, wall per mode, CPU time per mode (mean over ranks), checkpoint bytes)
+    # rank 0 -> here: (interval, wall per mode, CPU time per round of each mode (mean over ranks), checkpoint bytes)
     found = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(spec, free_port(), root, run_dirs, found), nprocs=spec.world,
                        start_method="spawn")
-    interval, walls, cpus, state_bytes = found.get()
+    interval, walls, cpu_per_round, state_bytes = found.get()
     steps = spec.saves * interval
-    cpu_per_save = {mode: (cpus[mode] - cpus["off"]) / spec.saves for mode in MODES}
     return analyse(run_dirs, {mode: wall / steps for mode, wall in walls.items()}, state_bytes, spec.world,
-                   interval, steps, cpu_per_save)
+                   interval, steps, cpu_per_round)
 
 
 def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[str, Path], found) -> None:
@@ -180,7 +190,7 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
         a = torch.randn(512, 512, device=info.device)
         interval = _calibrate(spec, root / "stall-calibration", state, a, info.device)
         walls, cpus = _interleaved(spec, interval, run_dirs, state, a, info.device)
-        mean_cpus = torch.tensor([cpus[mode] for mode in MODES], dtype=torch.float64)
+        mean_cpus = torch.tensor([cpus[mode] for mode in MODES], dtype=torch.float64)  # modes x rounds
         dist.all_reduce(mean_cpus)
         mean_cpus /= spec.world
         if rank == 0:
@@ -224,14 +234,15 @@ def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, dev
 
 
 def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], state: dict, a: torch.Tensor,
-                 device: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+                 device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
     """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock) and
-    this process's CPU time in each mode's rounds (all its threads: the background writer's too)."""
+    this process's CPU time in each round of each mode (all its threads: the background writer's too)."""
     lead = dist.get_rank() == 0
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
     managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
                 for mode, path in run_dirs.items()}
-    walls, cpus = dict.fromkeys(MODES, 0.0), dict.fromkeys(MODES, 0.0)
+    walls = dict.fromkeys(MODES, 0.0)
+    cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
     for round_ in range(spec.saves):
         for mode in MODES:
             t0, cpu0 = time.perf_counter(), time.process_time()
@@ -245,7 +256,7 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
                 managers[mode].poll()
             managers[mode].wait()
             walls[mode] += time.perf_counter() - t0
-            cpus[mode] += time.process_time() - cpu0
+            cpus[mode].append(time.process_time() - cpu0)
     for mode, log in logs.items():
         if log is not None:
             log.emit("run_end", step=spec.saves * interval, status="completed")

@@ -33,17 +33,20 @@ def stall_table(r: BenchResult) -> list[str]:
     if s is None:
         return [f"Checkpoint stall: not measured ({r.unavailable.get('checkpoint', 'unknown reason')})"]
     lines = _stall_section("Checkpoint stall", s, calibrated=r.profile.stall_interval is None)
-    spare_title = "Checkpoint stall with one CPU spare for the background writer (as on a GPU host)"
-    if r.checkpoint_spare_cpu is not None:
-        lines += ["", *_stall_section(spare_title, r.checkpoint_spare_cpu, calibrated=True)]
+    spare = r.checkpoint_spare_cpu
+    spare_title = ("Checkpoint stall on one rank fewer, the same shard per rank, leaving a CPU spare for the "
+                   "background writer as a GPU host's idle cores do")
+    if spare is not None:
+        alone = " (one rank: no all-reduce peer to wait for either)" if spare.world_size == 1 else ""
+        lines += ["", *_stall_section(spare_title, spare, calibrated=True, ranks_note=alone)]
     elif SPARE_CPU in r.unavailable:
         lines += ["", f"{spare_title}: not measured ({r.unavailable[SPARE_CPU]})"]
     return lines
 
 
-def _stall_section(title: str, s: StallResult, calibrated: bool) -> list[str]:
+def _stall_section(title: str, s: StallResult, calibrated: bool, ranks_note: str = "") -> list[str]:
     return [
-        f"{title}: {s.state_bytes / 2**20:.0f} MiB of state over {s.world_size} rank(s), a save every "
+        f"{title}: {s.state_bytes / 2**20:.0f} MiB of state over {s.world_size} rank(s){ranks_note}, a save every "
         f"{s.interval_steps} steps"
         + (f" (calibrated: sync saves about {CALIBRATED_SYNC_COST:.0%} of the time, as in the reference)"
            if calibrated else "") + f", {s.steps} steps per pass",

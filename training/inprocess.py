@@ -68,9 +68,10 @@ TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeo
 BARRIER_MARGIN = 30.0
 _KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
 # A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
-# then NCCL's: a communicator aborted under the call (ProcessGroupNCCL), ncclRemoteError's text.
+# then ncclRemoteError's text. Not "NCCL communicator was aborted": this rank's own watchdog says
+# that too, after a fault of its own.
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer",
-              "NCCL communicator was aborted", "remote process exited or there was a network error")
+              "remote process exited or there was a network error")
 
 
 @dataclass(frozen=True)

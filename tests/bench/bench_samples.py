@@ -57,8 +57,9 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
     spare = replace(stall, state_bytes=128 << 20, world_size=1, sync_blocking_per_save_s=(1.5, 1.5),
                     sync_blocking_s=1.5, efficiency_sync=0.6, efficiency_async=0.9)
-    checks = (*stall_checks(stall, "", cpus=2), *spare_cpu_checks(spare, "", run=True),
+    checks = (*stall_checks(stall, "", cpus=2), *spare_cpu_checks(spare, "", 2, run=True),
               *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms))
     machine = Machine(cpus=2, load_avg_1m=1.0, python="3.11", torch="2.13.0", nvrx="0.4.1", device="x86_64")
     return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
-                       checkpoint=stall, checkpoint_spare_cpu=spare, floor=floor, recovery=recovery, unavailable=unavailable, checks=checks)
+                       checkpoint=stall, checkpoint_spare_cpu=spare, floor=floor, recovery=recovery,
+                       unavailable=unavailable, checks=checks)

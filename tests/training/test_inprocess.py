@@ -93,19 +93,22 @@ def test_launcher_restarts_per_mode():
     assert "--max-restarts=0" in launcher_ft_args(ft["inprocess"])
 
 
-
 @pytest.mark.parametrize("message, peers", [
-    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:41613: Connection reset by peer", True),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:41613: "
+     "Connection reset by peer", True),
     ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1000ms for recv operation "
      "to complete: Connection closed by peer [127.0.0.1]:27745", True),
-    ("NCCL communicator was aborted on rank 3. Original reason for failure was: ProcessGroupNCCL abort", True),
     ("NCCL error in: ProcessGroupNCCL.cpp:1969, remote process exited or there was a network error, "
      "NCCL version 2.27.3", True),
+    # this rank's own watchdog aborts its communicator after a local fault: not a peer's
+    ("NCCL communicator was aborted on rank 3. Original reason for failure was: CUDA error: an illegal memory "
+     "access was encountered", False),
     ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
     ("injected fault exception@12:rank=1", False),
 ])
-def test_a_collective_broken_by_a_peer_is_not_blamed_on_this_rank(message, peers):
+def test_a_collective_broken_by_a_peer_counts_as_a_lost_peer(message, peers):
     assert _peer_lost(RuntimeError(message)) is peers
+
 
 # ---- the in-memory rollback ---------------------------------------------------------------------
 
