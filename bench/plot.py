@@ -89,7 +89,7 @@ def _stall(ax, r: BenchResult) -> None:
             ("async", s.async_blocking_s, s.efficiency_async, "tab:green")]
     spare = r.checkpoint_spare_cpu
     if spare is not None:
-        where = f"{spare.world_size} rank(s), {spare.state_bytes / 2**20:.0f} MiB,\na CPU spare"
+        where = f"{spare.world_size} rank(s),\n{spare.state_bytes / 2**20:.0f} MiB,\na CPU spare"
         bars += [(f"sync,\n{where}", spare.sync_blocking_s, spare.efficiency_sync, "lightcoral"),
                  (f"async,\n{where}", spare.async_blocking_s, spare.efficiency_async, "lightgreen")]
     for x, (_, blocking, efficiency, color) in enumerate(bars):
