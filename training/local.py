@@ -137,7 +137,10 @@ class Cluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
                "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1",
+               # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
+               # simulation; every node here is on localhost (0.4.1 does not check)
+               "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
         if self.cfg.fault_tolerance.restart != "injob":
             # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"

@@ -58,6 +58,8 @@ def test_controller_replaces_a_dead_node(tmp_path):
                   "fault_tolerance.timeout_safety_factor=50")
     _wait_for_step(run_dir, 8, proc)
     victim = _launcher(proc, 1)
+    # both launchers share this host: NVRx 0.7.0's rendezvous closes for good unless told it is a simulation
+    assert {_launcher(proc, n).environ().get("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE") for n in (0, 1)} == {"1"}
     orphans = victim.children(recursive=True)
     victim.kill()  # node loss: the launcher dies, its ranks would be orphaned
     out, _ = proc.communicate(timeout=180)
