@@ -14,14 +14,12 @@ from infra.config import CHECKPOINT_MOUNT_PATH, RENDEZVOUS_PORT, PlatformConfig
 from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
 from training.config import TrainConfig
+from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
 
 # A pod's hostname is "<job>-<index>" (at most 63) and the chaos CronJob is "<job>-chaos" (at most 52).
 _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
 CLUSTER_DOMAIN = "cluster.local"  # the EKS default
-# After the last in-flight checkpoint may take checkpoint_section_timeout, ft_launcher needs a moment
-# to SIGKILL its ranks and exit before the kubelet's own SIGKILL.
-LAUNCHER_EXIT_MARGIN_S = 30
 
 
 class JobConfigError(ValueError):
@@ -85,9 +83,9 @@ class JobConfig:
 
     @property
     def term_timeout_s(self) -> int:
-        # SIGTERM (drain, eviction) -> ft_launcher forwards it and waits this long for its ranks:
-        # enough to commit a checkpoint that is in flight.
-        return _ceil(self.train.fault_tolerance.checkpoint_section_timeout)
+        # SIGTERM (drain, eviction) -> ft_launcher forwards it and waits this long (its --term-timeout)
+        # for its ranks to commit the in-flight save and the step reached (training/drain.py).
+        return _ceil(self.train.fault_tolerance.drain_timeout_s)
 
     @property
     def grace_period_s(self) -> int:
@@ -153,9 +151,9 @@ def _validate(j: JobConfig) -> None:
     if j.termination_grace_s is not None and j.termination_grace_s < minimum_grace:
         raise JobConfigError(
             f"termination_grace_s={j.termination_grace_s} contradicts "
-            f"fault_tolerance.checkpoint_section_timeout={j.train.fault_tolerance.checkpoint_section_timeout}: "
-            f"a drained pod must be able to finish an in-flight checkpoint; use at least {minimum_grace} "
-            f"(checkpoint timeout + {LAUNCHER_EXIT_MARGIN_S} s for the launcher to exit)")
+            f"fault_tolerance.drain_timeout_s={j.train.fault_tolerance.drain_timeout_s}: "
+            f"a drained pod must be able to commit its checkpoint; use at least {minimum_grace} "
+            f"(drain timeout + {LAUNCHER_EXIT_MARGIN_S} s for the launcher to exit)")
     if j.fault_injection is not None:
         fi = j.fault_injection
         if not _CRON.match(fi.schedule.strip()):

@@ -2,9 +2,7 @@
 default through training.prefork (the pod's workers are forked from a template that imported
 torch, DCP and NVRx once).
 
-Only flags that NVRx 0.4.1 (tested here) and 0.7.0 (the image) both accept: the `--ft-…`
-spellings (0.7.0 dropped `--ft-param-…`) and restart policy `any-failed` (0.7.0 dropped
-`min-healthy`).
+Flags of NVRx 0.7.0, the image's version and the one the tests run.
 """
 from __future__ import annotations
 
@@ -14,7 +12,8 @@ from typing import Any
 from k8s.job_config import JobConfig
 from training.config import FaultToleranceConfig
 from training.exit_codes import CONFIG_ERROR
-from training.fault_tolerance import launcher_ft_args, launcher_wrapper, section_timeouts, worker_entrypoint
+from training.fault_tolerance import (launcher_ft_args, launcher_wrapper, resume_step_file, section_timeouts,
+                                      worker_entrypoint)
 
 TRAIN_CONFIG_PATH = "/etc/training/config.yaml"
 FT_CONFIG_PATH = "/etc/nvrx/ft.yaml"
@@ -44,12 +43,11 @@ def launcher_args(job: JobConfig) -> list[str]:
     return [
         "--nnodes", str(job.nodes),  # fixed size: every rank holds a shard, none is spare
         "--nproc-per-node", str(job.instance.gpus),
-        "--term-timeout", str(job.term_timeout_s),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", job.rendezvous_endpoint,
         "--rdzv-id", job.name,
         "--ft-cfg-path", FT_CONFIG_PATH,
-        *launcher_ft_args(job.train.fault_tolerance),
+        *launcher_ft_args(job.train.fault_tolerance, str(resume_step_file(job.train.checkpoint_dir))),
         *worker_entrypoint(job.train.fault_tolerance), "--config", TRAIN_CONFIG_PATH,
     ]
 

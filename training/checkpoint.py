@@ -4,12 +4,18 @@ Layout under the checkpoint directory:
 
   step_00000040/          complete: every rank's shards, DCP .metadata, and COMMITTED (a JSON marker)
   .tmp-step_00000060/     a save in progress or abandoned by a crash: never loaded, removed at start
-  corrupt-step_00000020/  a complete checkpoint that failed to load, set aside
+  corrupt-step_00000020-<time>/  a committed checkpoint found damaged, set aside (never deleted)
 
 Atomic commit: every rank writes its shards (fsynced) into `.tmp-step_N`; DCP's coordinator (rank 0)
 writes `.metadata` only after gathering every rank's write result, so when rank 0's save returns,
 all data is durable. Rank 0 then writes COMMITTED, renames the directory to `step_N` (one atomic
 rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` dir.
+
+Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
+evidence of damage (`inspect_checkpoint`: a marker or `.metadata` that does not parse, a shard file
+missing or shorter than the metadata says) sets a checkpoint aside as `corrupt-step_N-<time>/` and
+falls back to the previous one; any other load error fails the attempt and leaves it in place. When
+checkpoints exist but none loads, training refuses to start at step 0 unless told to.
 
 Async mode: the state is staged (copied) synchronously, then written in the background while
 training goes on; `poll()` (called every step on every rank) commits a finished save. At most one
@@ -19,8 +25,7 @@ when_busy=skip, is skipped with a log line. On CPU the background writer is torc
 training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
 
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
-goes on. Loading takes the newest complete checkpoint; if that fails to load, it is set aside
-(`ckpt_fallback`) and the previous one is tried.
+goes on.
 
 Fault injection (training/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
 rank's write of its shards inside DCP (in async mode, in the background thread), so an injected
@@ -48,6 +53,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from training.events import EventLog
+from training.fault_tolerance import RESUME_STEP_FILE, resume_step_file
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,13 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
         if m and (child / COMMIT_MARKER).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found, reverse=True)
+
+
+def _write_resume_step(directory: Path, step: int) -> None:
+    """The step a restart resumes at, for NVRx's progress tracker (training.fault_tolerance)."""
+    tmp = directory / f".{RESUME_STEP_FILE}.tmp"
+    tmp.write_text(f"{step}\n")
+    os.replace(tmp, resume_step_file(directory))  # a reader sees the old value or the new one
 
 
 def _fsync_dir(path: Path) -> None:
@@ -199,6 +212,63 @@ def _make_async_writer(device: torch.device, process_group: dist.ProcessGroup | 
     return _TorchAsyncWriter(process_group, write_hook)
 
 
+class CheckpointLoadError(RuntimeError):
+    """An intact checkpoint could not be loaded (an I/O error, a timeout, a key the config no longer
+    has): the attempt fails, the checkpoint stays where it is."""
+
+
+class FreshStartRefused(RuntimeError):
+    """Committed checkpoints exist but none can be loaded: a start at step 0 would discard them."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    step: int
+    path: Path
+    world_size: int | None  # the world size that wrote it (from its COMMITTED marker)
+    missing: tuple[str, ...]  # optional keys the checkpoint does not hold
+
+
+@dataclass(frozen=True)
+class Held:
+    keys: frozenset[str]  # top-level keys of the saved state
+    world_size: int | None
+
+
+@dataclass(frozen=True)
+class Damaged:
+    evidence: str
+
+
+def inspect_checkpoint(path: Path) -> Held | Damaged | str:
+    """What a committed checkpoint holds, or the evidence that it is damaged: a `.metadata` or
+    COMMITTED marker that does not parse, a shard file that is missing or shorter than its metadata
+    says. A string when it cannot be checked (an I/O error is no evidence of damage)."""
+    try:
+        marker = json.loads((path / COMMIT_MARKER).read_text())
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except FileNotFoundError as err:
+        return Damaged(f"{err.filename or err} is missing")
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"[:300]
+    except Exception as err:  # noqa: BLE001 (JSON or pickle that does not parse: any error the bytes cause)
+        return Damaged(f"unreadable marker or .metadata: {type(err).__name__}: {err}"[:300])
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            return Damaged(f"shard file {name} is missing")
+        except OSError as err:
+            return f"{type(err).__name__}: {err}"[:300]
+        if actual < size:
+            return Damaged(f"shard file {name} is truncated: {actual} bytes, its metadata needs {size}")
+    keys = frozenset(fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata)
+    return Held(keys, marker.get("world_size") if isinstance(marker, dict) else None)
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -221,10 +291,15 @@ class CheckpointManager:
         self.rank = dist.get_rank() if self.distributed else 0
         self._inflight: _InFlight | None = None
         self._writer: _AsyncWriter | None = None
+        self.saved_step: int | None = None  # the newest step this manager saved (every rank knows it)
+        self.last_save_s: float | None = None  # how long that save took, start to durable
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
             for stale in self.dir.glob(".tmp-step_*"):  # abandoned by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
+            if not resume_step_file(self.dir).exists():
+                newest = committed_checkpoints(self.dir)[:1]
+                _write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
         if mode == "async":
             # A separate group: background-save collectives must not interleave with the training group's.
             group = dist.new_group(backend="gloo") if self.distributed else None
@@ -258,6 +333,7 @@ class CheckpointManager:
             return
         self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
         if self.mode == "sync":
+            self._saved(step, t0)
             self._commit(step, tmp, t0)
 
     def poll(self) -> None:
@@ -293,7 +369,11 @@ class CheckpointManager:
             self._failed(inflight.step, inflight.tmp, err)
             return
         self._inflight = None
+        self._saved(inflight.step, inflight.started)
         self._commit(inflight.step, inflight.tmp, inflight.started)
+
+    def _saved(self, step: int, started: float) -> None:
+        self.saved_step, self.last_save_s = step, time.monotonic() - started
 
     def _commit(self, step: int, tmp: Path, started: float) -> None:
         if self.rank != 0:
@@ -311,6 +391,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.dir)
+            _write_resume_step(self.dir, step + 1)
         except OSError as err:
             self._failed(step, tmp, err)
             return
@@ -327,31 +408,57 @@ class CheckpointManager:
         self._emit("ckpt_failed", step=step, error=error)
 
     # ---- loading ---------------------------------------------------------------------------
-    def load(self, state: dict[str, Any]) -> tuple[int, Path] | None:
-        """Load the newest complete checkpoint into `state`; on failure fall back to older ones.
-        Returns (step, path), or None when there is no checkpoint."""
-        candidates = committed_checkpoints(self.dir) if self.rank == 0 else None
-        if self.distributed:  # every rank tries the same list, in the same order
-            box = [candidates]
-            dist.broadcast_object_list(box, src=0)
-            candidates = box[0]
-        assert candidates is not None
-        for i, (step, path) in enumerate(candidates):
-            try:
-                dcp.load(state, checkpoint_id=path)
-                return step, path
-            except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
-                error = _describe(err)
-                older = f"falling back to {candidates[i + 1][1].name}" if i + 1 < len(candidates) else "no older checkpoint"
-                self._log(f"checkpoint {path} could not be loaded ({error}); {older}")
-                self._emit("ckpt_fallback", path=str(path), error=error)
+    def load(self, state: dict[str, Any], *, optional: frozenset[str] = frozenset(),
+             allow_fresh_start: bool = False) -> Loaded | None:
+        """Load the newest complete checkpoint into `state`. Returns what was loaded, or None when
+        the directory never held a committed checkpoint.
+
+        A checkpoint is set aside (`corrupt-…`, ckpt_fallback) and the previous one tried only on
+        evidence of damage (`damage`). Any other failure raises CheckpointLoadError and leaves the
+        checkpoint in place. `optional` names keys of `state` that a checkpoint written at another
+        world size may lack (per-rank state): they are left as they are and reported in `missing`.
+        If committed checkpoints exist (or were set aside) and none loads, FreshStartRefused, unless
+        `allow_fresh_start`."""
+        candidates = self._broadcast(
+            lambda: (committed_checkpoints(self.dir), sorted(p.name for p in self.dir.glob("corrupt-step_*"))))
+        committed, set_aside = candidates
+        for i, (step, path) in enumerate(committed):
+            found = self._broadcast(lambda: inspect_checkpoint(path))
+            if isinstance(found, Damaged):
+                older = f"falling back to {committed[i + 1][1].name}" if i + 1 < len(committed) else "no older checkpoint"
+                self._log(f"checkpoint {path} is damaged ({found.evidence}); set aside, {older}")
+                self._emit("ckpt_fallback", path=str(path), error=found.evidence)
                 if self.rank == 0:  # set aside, so no later restart tries it again
-                    os.rename(path, path.with_name(f"corrupt-{path.name}-{int(time.time())}"))
+                    aside = path.with_name(f"corrupt-{path.name}-{int(time.time())}")
+                    os.rename(path, aside)
+                    set_aside.append(aside.name)
                 if self.distributed:
                     dist.barrier()
-        if candidates:
-            raise RuntimeError(f"no loadable checkpoint in {self.dir}: all {len(candidates)} complete ones failed")
+                continue
+            if isinstance(found, str):
+                raise CheckpointLoadError(f"checkpoint {path} could not be inspected ({found}); it was left in place")
+            missing = tuple(sorted(k for k in optional if k in state and k not in found.keys))
+            try:
+                dcp.load({k: v for k, v in state.items() if k not in missing}, checkpoint_id=path)
+            except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
+                raise CheckpointLoadError(
+                    f"checkpoint {path} is intact but could not be loaded ({_describe(err)}); it was left in "
+                    "place. A changed model or optimizer config cannot load it; an I/O error or timeout may "
+                    "pass on the next attempt") from None
+            return Loaded(step, path, found.world_size, missing)
+        if committed or set_aside:
+            raise FreshStartRefused(
+                f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)}); "
+                "refusing to start at step 0, which would discard their training. Restore a checkpoint into "
+                "that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
         return None
+
+    def _broadcast(self, compute: Callable[[], T]) -> T:
+        """`compute()` on rank 0, its result on every rank (file-system checks are rank 0's)."""
+        box = [compute() if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
 
     # ---- helpers ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -11,7 +11,11 @@ depend on the event:
                                                    the report's wall time includes start-up
   run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
   attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
-  resume          step, source_kind, path          rank 0; source_kind: disk | memory | none
+  resume          step, source_kind, path,         rank 0; source_kind: disk | memory | none;
+                  saved_world_size                 saved_world_size: the world size that wrote the checkpoint
+  state_derived   step, saved_world_size,          rank 0: the checkpoint was resharded to another world
+                  world_size, keys                 size; `keys`: per-rank state it lacked, derived
+                                                   deterministically instead
   step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step
   ckpt_start      step                             rank 0
   ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
@@ -27,6 +31,8 @@ depend on the event:
                                                    node (one node replaced), job (every node restarted
                                                    with a fresh rendezvous: the rendezvous host was lost)
   node_replaced   node, attempt                    the local controller
+  drained         step, saved_step                 rank 0: every rank left at `step` after a SIGTERM;
+                                                   saved_step: the newest step saved, where the restart resumes
   run_end         step, status                     rank 0 (status: completed) or controller (failed)
 """
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, Iterator
 
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
-    "ckpt_failed", "ckpt_fallback", "fault_injected", "fault_detected", "restart", "node_replaced",
+    "ckpt_failed", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
     "run_end",
 })
 

@@ -1,7 +1,10 @@
 """Process exit codes with a meaning outside the process (no imports: the k8s charts read it too).
 
-The Kubernetes Job's podFailurePolicy fails the whole Job at once on CONFIG_ERROR instead of
-retrying pods that can only fail the same way again.
+The Kubernetes Job's podFailurePolicy fails the whole Job at once on these instead of retrying pods
+that can only fail the same way again.
 """
 
-CONFIG_ERROR = 3  # the training config is invalid: no retry can succeed
+CONFIG_ERROR = 3  # the training config is invalid, or its checkpoints cannot be loaded: no retry can succeed
+# ft_launcher stopped restarting: fault_tolerance.max_restarts restarts in a row made no progress (NVRx
+# 0.7.0's --ft-no-restart-exit-code; its default too)
+NO_PROGRESS = 93

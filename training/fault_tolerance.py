@@ -17,15 +17,35 @@ import contextlib
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any, Iterator
 
 from training.config import FaultToleranceConfig
+from training.exit_codes import NO_PROGRESS
 
 log = logging.getLogger(__name__)
 
 SECTIONS = ("setup", "step", "checkpoint")
-# Both NVRx 0.4.1 and 0.7.0 put the rank monitor's socket path in this variable.
-_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
+_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # where NVRx puts the rank monitor's socket path
+
+
+# Where training keeps the step a restart resumes at (newest committed checkpoint + 1; 1 before the
+# first), in the checkpoint directory: NVRx's progress tracker reads it after each in-job restart cycle
+# (--ft-checkpoint-iteration-file). Counting from 1 makes a fresh run's first cycle count as progress,
+# so a fault before the first checkpoint still spends the budget (NVRx skips its check while it is 0).
+RESUME_STEP_FILE = "resume_step"
+# After its --term-timeout (drain_timeout_s) ft_launcher needs a moment to SIGKILL its ranks and exit
+# before the kubelet's (or the local controller's) SIGKILL: the grace period is the sum.
+LAUNCHER_EXIT_MARGIN_S = 30
+
+
+def resume_step_file(checkpoint_dir: str | os.PathLike) -> Path:
+    return Path(checkpoint_dir) / RESUME_STEP_FILE
+
+
+def drain_grace_period_s(ft: FaultToleranceConfig) -> float:
+    """SIGTERM to SIGKILL of a drained node's launcher (a pod's terminationGracePeriodSeconds)."""
+    return ft.drain_timeout_s + LAUNCHER_EXIT_MARGIN_S
 
 
 def section_timeouts(ft: FaultToleranceConfig) -> dict[str, float]:
@@ -33,13 +53,19 @@ def section_timeouts(ft: FaultToleranceConfig) -> dict[str, float]:
     return {name: getattr(ft, f"{name}_section_timeout") for name in SECTIONS}
 
 
-def launcher_ft_args(ft: FaultToleranceConfig) -> list[str]:
-    """ft_launcher flags for this config; spellings accepted by NVRx 0.4.1 and 0.7.0 (the local
-    runner and the Kubernetes Job build their command lines from this one list)."""
+def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[str]:
+    """ft_launcher flags for this config (the local runner and the Kubernetes Job build their command
+    lines from this one list). `resume_step_file` (RESUME_STEP_FILE): NVRx's progress tracker reads
+    it after every cycle and stops restarting, with exit code NO_PROGRESS, after max_restarts cycles
+    in a row in which it did not grow."""
     sections = ",".join(f"{name}:{timeout}" for name, timeout in section_timeouts(ft).items())
     return [
         f"--max-restarts={ft.launcher_max_restarts}",
-        "--ft-restart-policy=any-failed",  # 0.7.0 dropped min-healthy
+        f"--ft-max-no-progress-cycles={ft.max_restarts}",
+        f"--ft-checkpoint-iteration-file={resume_step_file}",
+        f"--ft-no-restart-exit-code={NO_PROGRESS}",
+        "--ft-restart-policy=any-failed",
+        f"--term-timeout={ft.drain_timeout_s}",  # after SIGTERM, the ranks' time to commit (training/drain.py)
         f"--ft-initial-rank-heartbeat-timeout={ft.initial_rank_heartbeat_timeout}",
         f"--ft-rank-heartbeat-timeout={ft.rank_heartbeat_timeout}",
         f"--ft-rank-section-timeouts={sections}",
@@ -60,11 +86,23 @@ def worker_entrypoint(ft: FaultToleranceConfig) -> list[str]:
     return ["-m", "training.prefork", "worker", "training.train"] if ft.prefork_workers else ["-m", "training.train"]
 
 
+def section_timeout_floor(ft: FaultToleranceConfig) -> float:
+    """The least a section timeout of the rank monitor may be. With in-process restarts the Wrapper
+    must handle a hang first: a calculated (or checkpointed) timeout below its hard timeout would let
+    the launcher kill the hung rank and turn an in-place recovery into an in-job restart."""
+    return 0.0 if ft.restart == "injob" else ft.inprocess_hard_timeout + HANG_FLOOR_MARGIN_S
+
+
+# Above the Wrapper's hard timeout: its monitor process still needs to kill the rank and report.
+HANG_FLOOR_MARGIN_S = 10.0
+
+
 class RankMonitor:
     """Adapter over nvidia_resiliency_ext.fault_tolerance.RankMonitorClient."""
 
     def __init__(self, cfg: FaultToleranceConfig) -> None:
         self._cfg = cfg
+        self._floor = section_timeout_floor(cfg)
         self._client: Any = None
         self._steps_seen = 0
         self._calculated = False
@@ -108,8 +146,22 @@ class RankMonitor:
             selected = [s for s in ("step", "checkpoint") if s in self._observed]
             self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
             self._calculated = True
-            timeouts = self._client.section_timeouts
-            log.info("NVRx section timeouts calculated: %s", getattr(timeouts, "section", timeouts))
+            self._clamp()
+            log.info("NVRx section timeouts calculated: %s", self._client.section_timeouts.section)
+
+    def _clamp(self) -> None:
+        """Raise section timeouts below the floor (`section_timeout_floor`) to it, and say so."""
+        state = self._client.state_dict()
+        sections = state[self._client.CURRENT_TIMEOUTS_STATE_KEY].get("section", {}).get("section", {})
+        low = {name: t for name, t in sections.items() if t is not None and t < self._floor}
+        if not low:
+            return
+        sections.update({name: self._floor for name in low})
+        self._client.load_state_dict(state)  # the public way to set timeouts: they apply at once
+        log.warning("NVRx section timeouts %s raised to %.0f s: with restart=%s the in-process Wrapper's hard "
+                    "timeout (%.0f s, fault_tolerance.inprocess_hard_timeout) must catch a hang first",
+                    {n: round(t, 2) for n, t in low.items()}, self._floor, self._cfg.restart,
+                    self._cfg.inprocess_hard_timeout)
 
     def state_dict(self) -> str:
         """JSON text: identical on every rank, stored in the checkpoint as one value."""
@@ -119,6 +171,7 @@ class RankMonitor:
         state = json.loads(text)
         if self._client is not None and state:
             self._client.load_state_dict(state)
+            self._clamp()  # the checkpoint may come from a run with restart=injob
 
     def shutdown(self) -> None:
         if self._client is not None:

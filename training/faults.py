@@ -16,6 +16,11 @@ environment variable, comma-separated, added to the config's list at every worke
     node-loss@50:node=1          node 1's ft_launcher and every process it started are SIGKILLed
                                  (fired by the node's local rank 0); the Job / local controller
                                  replaces the node. node=0 loses the rendezvous host (c10d store)
+    drain@50:node=1              node 1 is drained, as `kubectl drain` or a spot/capacity-block end
+                                 would: training.local's controller (the kubelet here) sends SIGTERM
+                                 to its launcher and SIGKILL after the grace period; every rank
+                                 commits the step reached and leaves (training/drain.py), the node
+                                 is replaced and the run resumes with no step lost
     ckpt-crash@20:rank=1         rank 1 dies (SIGKILL) inside the first checkpoint save from step 20,
                                  after writing its shards and before the save commits (async mode:
                                  in the background writer); the restart loads the previous checkpoint
@@ -103,15 +108,15 @@ def _kill_self() -> NoReturn:
     raise AssertionError("unreachable: SIGKILL is delivered before os.kill returns to Python")
 
 
-def _raise(spec: FaultSpec, checkpoint_dir: Path) -> None:
+def _raise(spec: FaultSpec, paths: RunPaths) -> None:
     raise FaultInjected(f"injected fault {spec.text}")
 
 
-def _sigkill(spec: FaultSpec, checkpoint_dir: Path) -> None:
+def _sigkill(spec: FaultSpec, paths: RunPaths) -> None:
     _kill_self()
 
 
-def _hang(spec: FaultSpec, checkpoint_dir: Path) -> None:
+def _hang(spec: FaultSpec, paths: RunPaths) -> None:
     """No heartbeat, no collective: the peers block in the next one. A signal ends it (the rank
     monitor's, or the launcher's when it stops the worker group), or an exception raised into this
     thread by an in-process restart, which is why it sleeps in short naps."""
@@ -120,7 +125,7 @@ def _hang(spec: FaultSpec, checkpoint_dir: Path) -> None:
         time.sleep(1)
 
 
-def _lose_node(spec: FaultSpec, checkpoint_dir: Path) -> None:
+def _lose_node(spec: FaultSpec, paths: RunPaths) -> None:
     """SIGKILL this node's ft_launcher first (so it cannot restart anything), then every process it
     started, this one last: what a lost machine or a deleted pod leaves behind."""
     me = psutil.Process()
@@ -139,9 +144,23 @@ def _lose_node(spec: FaultSpec, checkpoint_dir: Path) -> None:
     _kill_self()
 
 
-def _corrupt_newest_checkpoint(spec: FaultSpec, checkpoint_dir: Path) -> None:
+def _request_drain(spec: FaultSpec, paths: RunPaths) -> None:
+    """Ask whoever plays the kubelet (training.local's controller) to drain this node: SIGTERM to its
+    launcher, SIGKILL after the grace period. Training goes on until the signal arrives."""
+    requests = drain_requests_dir(paths.run_dir)
+    requests.mkdir(parents=True, exist_ok=True)
+    (requests / f"node{spec.node}").write_text(spec.text)
+    log.warning("fault %s: asked for node %s to be drained", spec.text, spec.node)
+
+
+def drain_requests_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "faults" / "drain-requests"
+
+
+def _corrupt_newest_checkpoint(spec: FaultSpec, paths: RunPaths) -> None:
     """Truncate every shard of the newest committed checkpoint to half (a torn write / bad disk),
     then die, so that the restart has to load it."""
+    checkpoint_dir = paths.checkpoint_dir
     newest = committed_checkpoints(checkpoint_dir)
     if newest:
         step, path = newest[0]
@@ -164,12 +183,18 @@ def _disk_full(spec: FaultSpec, write: Callable[[], T]) -> T:
 
 
 @dataclass(frozen=True)
+class RunPaths:
+    run_dir: Path
+    checkpoint_dir: Path
+
+
+@dataclass(frozen=True)
 class FaultKind:
     help: str
     keys: frozenset[str]  # options key=value; "rank" or "node" says whom it targets
     flags: frozenset[str] = frozenset()
     # exactly one of: fires before the step / wraps this rank's write of a checkpoint save
-    at_step: Callable[[FaultSpec, Path], None] | None = None
+    at_step: Callable[[FaultSpec, RunPaths], None] | None = None
     in_write: Callable[[FaultSpec, Callable[[], T]], T] | None = None
 
 
@@ -182,6 +207,8 @@ KINDS: dict[str, FaultKind] = {
                       at_step=_hang),
     "node-loss": FaultKind("the node's launcher and all its ranks are SIGKILLed", frozenset({"node"}),
                            at_step=_lose_node),
+    "drain": FaultKind("the node is drained: SIGTERM to its launcher, SIGKILL after the grace period",
+                       frozenset({"node"}), at_step=_request_drain),
     "ckpt-crash": FaultKind("the rank dies while a checkpoint save is in flight", _RANK, _PERSISTENT,
                             in_write=_crash_mid_save),
     "corrupt-ckpt": FaultKind("the newest committed checkpoint is truncated, then the rank dies", _RANK,
@@ -287,7 +314,7 @@ class FaultInjector:
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
         self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
         self._dir = fired_dir(run_dir)
-        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
+        self._paths = RunPaths(Path(run_dir), Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints")
         self._rank = rank
         self._events = events
         self._failures_left: dict[str, int] = {}  # disk-full: saves still to fail in this firing
@@ -297,7 +324,7 @@ class FaultInjector:
             at_step = KINDS[spec.kind].at_step
             if at_step is not None and spec.step == step and self._due(spec):
                 self._fire(spec, step)
-                at_step(spec, self._checkpoint_dir)
+                at_step(spec, self._paths)
 
     def around_write(self, step: int, write: Callable[[], T]) -> T:
         """Run `write` (this rank's part of the save of `step`), or the fault that replaces it."""

@@ -5,7 +5,7 @@ A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes eve
 process groups (training/gloo_abort.py), call `run` again with a fresh store prefix and resume
 from the in-memory copy of the last completed step (training/rollback.py), without a new process.
 What the Wrapper cannot handle ends it and falls back to ft_launcher: a lost process or node (the
-world would shrink, and FSDP shards no longer fit), or a spent restart budget (a persistent fault).
+world would shrink, and FSDP shards no longer fit), or a spent restart budget (restarts in a row without progress: a persistent fault).
 
 Stores, all on MASTER_ADDR and hosted by global rank 0's process only (so emulated nodes on one
 host never collide): MASTER_PORT is the launcher's (c10d rendezvous), MASTER_PORT+1 the Wrapper's,
@@ -18,9 +18,9 @@ health checks to every restart, which fail without a GPU.
 
 The launcher's rank monitor: `run` connects a new RankMonitorClient per iteration and disconnects
 on the way out; while disconnected the rank is not watched, so a restart in progress is never a
-timeout. Config validation keeps inprocess_hard_timeout below the rank monitor's timeouts. Timeouts
-calculated from observed steps (fault_tolerance.calculate_timeouts_after) can fall below it: then a
-hang is caught by the rank monitor and becomes an in-job restart.
+timeout. Config validation keeps inprocess_hard_timeout below the rank monitor's configured timeouts;
+timeouts calculated from observed steps, or loaded from a checkpoint, are raised above it
+(training.fault_tolerance.section_timeout_floor), so the Wrapper, not the launcher, handles a hang.
 
 No `from __future__ import annotations` here: the Wrapper finds the parameter to inject its
 CallWrapper into by the annotation *object*.
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from training.config import TrainConfig
 from training.distributed import choose_device, default_launcher_env
+from training.drain import Drained
 from training.events import EventLog
 from training.gloo_abort import ProcessGroupAbort
 from training.rollback import MemoryRollback
@@ -81,6 +82,14 @@ class Iteration:
     store: dist.Store  # rendezvous of this iteration's process group
     rollback: MemoryRollback
     call_wrapper: inprocess.CallWrapper
+    budget: "RestartBudget"
+
+    def restore(self, state: dict[str, Stateful]) -> int | None:
+        """Load the in-memory copy of the last step every rank completed (None: there is none), and
+        end the Wrapper if too many restarts in a row made no progress. Collective."""
+        step = self.rollback.restore(state)
+        self.budget.resumed(self.number, step)
+        return step
 
     def step_done(self, step: int, state: dict[str, Stateful]) -> None:
         self.call_wrapper.ping()  # manual progress: a rank hung in Python is detected too
@@ -103,25 +112,38 @@ class FaultLog:
 
 
 class RestartBudget(inprocess.initialize.Initialize):
-    """At the start of every iteration: end the Wrapper (RestartAbort, a BaseException) once the
-    budget is spent or a rank is gone, naming what the last iteration died of."""
+    """The Wrapper's restart budget: restarts in a row without progress, so a long run survives any
+    number of faults and a persistent one still ends it. Ends the Wrapper (RestartAbort, a
+    BaseException: every rank leaves it) naming what the last iteration died of.
+
+    Progress is decided on the step each iteration resumes at, which `MemoryRollback.restore` agrees
+    on across ranks, so every rank takes the same decision. A rank lost (world shrunk) ends it at once
+    in `__call__`, before the iteration starts."""
 
     def __init__(self, max_restarts: int, world_size: int, faults: FaultLog) -> None:
         self.max_restarts, self.world_size, self.faults = max_restarts, world_size, faults
+        self._resumed_at: int | None = None  # the newest step an iteration resumed at
+        self.without_progress = 0
 
     def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
-        if state.iteration == 0:
-            return state
-        last = self.faults.describe(state.iteration - 1)
-        if state.world_size < self.world_size:
+        if state.iteration > 0 and state.world_size < self.world_size:
             raise inprocess.exception.RestartAbort(
-                f"{self.world_size - state.world_size} rank(s) lost ({last}): FSDP shards cannot shrink "
-                "in-process; leaving the restart to the launcher")
-        if state.iteration > self.max_restarts:
-            raise inprocess.exception.RestartAbort(
-                f"in-process restart budget ({self.max_restarts}, fault_tolerance.inprocess_max_restarts) "
-                f"spent; restart {self.max_restarts} failed again: {last}")
+                f"{self.world_size - state.world_size} rank(s) lost ({self.faults.describe(state.iteration - 1)}): "
+                "FSDP shards cannot shrink in-process; leaving the restart to the launcher")
         return state
+
+    def resumed(self, iteration: int, step: int | None) -> None:
+        """Iteration `iteration` resumed at the in-memory `step` (None: none); iteration 0 loads from disk."""
+        if iteration == 0:
+            return
+        progressed = step is not None and (self._resumed_at is None or step > self._resumed_at)
+        if progressed:
+            self._resumed_at = step
+        self.without_progress = 0 if progressed else self.without_progress + 1
+        if self.without_progress > self.max_restarts:
+            raise inprocess.exception.RestartAbort(
+                f"{self.without_progress} in-process restarts in a row made no progress (budget {self.max_restarts}, "
+                f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(iteration - 1)}")
 
 
 def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool, initialize: inprocess.initialize.Initialize,
@@ -256,13 +278,16 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
     faults = FaultLog(app_store)
     report = _FaultReporter(cfg, faults)
     rollback = MemoryRollback()
-    wrapper = make_wrapper(cfg, RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults))
+    budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults)
+    wrapper = make_wrapper(cfg, budget)
 
     @wrapper
     def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
         n = call_wrapper.iteration
         try:
-            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper))
+            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget))
+        except Drained:  # not a fault: every rank leaves together, the launcher restarts the job
+            raise
         except BaseException as err:
             _handle_failure(report, call_wrapper, err)
             raise

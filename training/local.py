@@ -17,9 +17,9 @@ What the controller does when a launcher exits (each time with a fault_detected 
   the c10d store with it, so no other launcher can rejoin: every node is restarted with a fresh
   rendezvous (new port and id; restart_kind=job), like a Job whose index-0 pod was replaced; the
   ranks resume from the last checkpoint.
-- exited with an error: ft_launcher gives up only once its in-job restart budget
-  (fault_tolerance.max_restarts) is spent, so the job fails, with a message naming the ranks and
-  faults that the event log recorded (e.g. a persistent fault), instead of restarting forever.
+- exited with an error: ft_launcher gives up only once fault_tolerance.max_restarts restarts in a
+  row made no progress (exit code NO_PROGRESS) or its rendezvous failed, so the job fails, with a
+  message naming the ranks and faults that the event log recorded (e.g. a persistent fault).
 It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
 "worker failed") and records them as fault_detected, so the report measures detection time.
 Ctrl-C (or SIGTERM) stops every launcher and every process they started.
@@ -43,9 +43,10 @@ import psutil
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
 from training.distributed import free_port
 from training.events import EventLog, read_events
-from training.exit_codes import CONFIG_ERROR
-from training.fault_tolerance import launcher_ft_args, launcher_wrapper, worker_entrypoint
-from training.faults import FaultSpecError, parse_faults, with_env_faults
+from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.fault_tolerance import (drain_grace_period_s, launcher_ft_args, launcher_wrapper, resume_step_file,
+                                      worker_entrypoint)
+from training.faults import FaultSpecError, drain_requests_dir, parse_faults, with_env_faults
 from training.prefork import die_with_parent
 from training.report import ReportError, write_report
 
@@ -75,6 +76,7 @@ class Node:
     proc: psutil.Popen | None = None
     retries: int = 0
     done: bool = False
+    drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
     _log_offset: int = 0
@@ -108,7 +110,6 @@ class Cluster:
                  node_retries: int) -> None:
         self.cfg, self.config_path = cfg, config_path
         self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
-        self.max_restarts = cfg.fault_tolerance.launcher_max_restarts
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes)]
@@ -129,7 +130,7 @@ class Cluster:
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf=is_host={1 if node.index == 0 else 0}",
             "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
-            *launcher_ft_args(ft),
+            *launcher_ft_args(ft, str(resume_step_file(self.cfg.checkpoint_dir))),
             *worker_entrypoint(ft), "--config", str(self.config_path),
         ]
 
@@ -176,6 +177,7 @@ class Cluster:
             for node in self.nodes:
                 node.refresh_descendants()
                 self.read_output(node, detect=True)
+            self.serve_drains()
             status = self._handle_exits()
             if status is not None:
                 return status
@@ -193,7 +195,7 @@ class Cluster:
                 continue
             if rc == 0:
                 node.done = True
-            elif rc > 0:
+            elif rc > 0 and node.drain_deadline is None:
                 self.give_up(node, rc)
                 return 1
             elif not self.replace(node, rc):
@@ -202,10 +204,35 @@ class Cluster:
                 return None  # every node was restarted: the other exits polled are stale
         return 0 if all(n.done for n in self.nodes) else None
 
+    def serve_drains(self) -> None:
+        """Play the kubelet for the drains that `drain` faults ask for: SIGTERM to the node's launcher
+        (a pod's PID 1), SIGKILL of all it started once the grace period is over."""
+        for request in sorted(drain_requests_dir(self.run_dir).glob("node*")):
+            node = self.nodes[int(request.name.removeprefix("node"))]
+            request.unlink()
+            if node.proc is None or node.proc.poll() is not None or node.drain_deadline is not None:
+                continue
+            grace = drain_grace_period_s(self.cfg.fault_tolerance)
+            self.events.emit("fault_detected", kind="drain", rank=None, by="controller",
+                             detail=f"drain of node {node.index}: SIGTERM to its launcher, SIGKILL after {grace:.0f} s")
+            self.say(f"draining node {node.index}: SIGTERM to its launcher (grace period {grace:.0f} s)")
+            node.drain_deadline = time.monotonic() + grace
+            with contextlib.suppress(*_GONE):
+                node.proc.send_signal(signal.SIGTERM)
+        for node in self.nodes:
+            if node.drain_deadline is not None and time.monotonic() > node.drain_deadline:
+                self.say(f"node {node.index} outlived its grace period: SIGKILL")
+                self.kill_node(node)
+
     def replace(self, node: Node, rc: int) -> bool:
-        """A lost node (its launcher killed by a signal): start it again, at most node_retries times."""
-        detail = f"launcher of node {node.index} was killed by {signal.Signals(-rc).name}"
-        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        """A lost or drained node (its launcher killed by a signal, or exited after a drain): start it
+        again, at most node_retries times."""
+        if node.drain_deadline is not None:
+            detail = f"launcher of drained node {node.index} exited with code {rc}"
+        else:
+            detail = f"launcher of node {node.index} was killed by {signal.Signals(-rc).name}"
+            self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        node.drain_deadline = None
         kill_processes(node.descendants)  # in a pod these would die with the container
         if node.retries >= self.node_retries:
             self.say(f"{detail}; no retries left ({self.node_retries})")
@@ -237,9 +264,12 @@ class Cluster:
     def give_up(self, node: Node, rc: int) -> None:
         detail = f"launcher of node {node.index} exited with code {rc}"
         self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
-        self.say(f"{detail}: ft_launcher gives up once its in-job restart budget ({self.max_restarts}, "
-                 f"fault_tolerance.max_restarts) is spent or its rendezvous failed; the job fails. "
-                 f"{fault_summary(self.run_dir)}")
+        ft = self.cfg.fault_tolerance
+        why = (f"{ft.max_restarts} in-job restart(s) in a row made no progress (no newer checkpoint; "
+               "fault_tolerance.max_restarts), so ft_launcher stopped restarting" if rc == NO_PROGRESS else
+               f"ft_launcher gave up: its rendezvous failed, or it has no restarts (restart={ft.restart}, "
+               f"max_restarts={ft.max_restarts}) or spent all {ft.max_restarts_total} (max_restarts_total)")
+        self.say(f"{detail}: {why}; the job fails. {fault_summary(self.run_dir)}")
 
     def stop_all(self) -> None:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]

@@ -23,9 +23,11 @@ fault nobody injected); it is open until the first step completed after its rest
                     attempt_start. None for a fault known only from its detection.
   recovery time     fault -> first step completed after the restart (the first restart,
                     attempt_start or resume after the fault); without a restart, the first step
-                    that started after the fault completes (e.g. a failed save: training went on).
+                    that started after the fault completes (e.g. a failed save: training went on),
+                    except for a drain, which training outlives only through a restart.
                     None when training never went on.
-  steps lost        step reached at the fault (the last step completed, or resumed to) minus the step
+  steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
+                    the step every rank left at, `drained`) minus the step
                     training resumed from: resume.step, i.e. the last step held in the restored state
                     (without a resume event, the first step completed afterwards minus one).
   time lost         fault -> the next step after the one reached at the fault is completed, less one
@@ -50,6 +52,7 @@ from training.events import events_dir, read_events
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
+ENDS_THE_ATTEMPT = ("drain",)  # fault kinds that training outlives only through a restart
 
 
 class ReportError(Exception):
@@ -283,10 +286,14 @@ def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Faul
                 fault.restarted = fault.restarted or r
             if name == "resume":
                 fault.resumed = fault.resumed or r
+            if name == "drained" and fault.restarted is None:  # the step the drain committed and left at
+                fault.position = int(_number(r, "step"))
             # A step completed after the restart recovers the fault, and so does one that started
-            # after the fault without a restart (training went on: a step needs every rank). A step
-            # that was in flight when the fault fired proves nothing.
-            if name == "step" and (fault.restarted or r["t"] - _number(r, "step_time_s") >= fault.onset["t"]):
+            # after the fault without a restart (training went on: a step needs every rank), unless
+            # the fault always ends the attempt (a drain: training goes on until the signal lands).
+            # A step that was in flight when the fault fired proves nothing.
+            if name == "step" and (fault.restarted or (fault.onset.get("kind") not in ENDS_THE_ATTEMPT and
+                                                       r["t"] - _number(r, "step_time_s") >= fault.onset["t"])):
                 fault.recovered = r
                 closed.append(fault)
                 fault = None

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,10 +25,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from training.checkpoint import CheckpointManager
+from training.checkpoint import CheckpointManager, FreshStartRefused
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
 from training.data import Batch, TokenStream
 from training.distributed import DistInfo, init_distributed, teardown
+from training.drain import DRAINED, Drained, DrainSignal, agree_on_save
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR
 from training.fault_tolerance import RankMonitor
@@ -80,11 +82,25 @@ class TrainState(Stateful):
         self.monitor.load_state_dict(state["ft"])
 
 
+def rng_key(rank: int) -> str:
+    """The checkpoint key of a rank's RNG streams: per rank, so a checkpoint written at another world
+    size may lack it."""
+    return f"rng_rank{rank}"
+
+
 class RngState(Stateful):
     """This rank's RNG streams (a per-rank checkpoint key: ranks differ)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    def derive(self, seed: int, step: int, rank: int) -> None:
+        """Streams for a rank the checkpoint has none for (it was written at a smaller world size):
+        a pure function of (seed, step, rank), so every resume derives the same."""
+        derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+        torch.manual_seed(derived)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(derived)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
@@ -123,8 +139,9 @@ def build(cfg: TrainConfig, info: DistInfo) -> tuple[Transformer, torch.optim.Op
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, lr: float,
-               grad_clip: float, info: DistInfo) -> float:
-    """One optimizer step; returns the loss averaged over all ranks."""
+               grad_clip: float, info: DistInfo, drain_flag: float = 0.0) -> tuple[float, bool]:
+    """One optimizer step; returns the loss averaged over all ranks and whether any rank was told
+    to drain (`drain_flag` > 0 on it): both from the step's one all-reduce."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     logits = model(batch.inputs.to(info.device))
@@ -134,9 +151,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss)
-    return mean_loss.item() / info.world_size
+    reduced = torch.cat([loss.detach().reshape(1), loss.new_tensor([drain_flag])])
+    dist.all_reduce(reduced)
+    total_loss, drain = reduced.tolist()
+    return total_loss / info.world_size, drain > 0
 
 
 def _attempt_number(run_dir: str) -> int:
@@ -146,20 +164,23 @@ def _attempt_number(run_dir: str) -> int:
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
     """One training run; under the in-process Wrapper, one iteration of it (`restart`)."""
     monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
+    drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
+    drain_signal.start()
     info = init_distributed(cfg.training.device, cfg.training.collective_timeout_s,
                             store=restart.store if restart is not None else None)
     events = EventLog(cfg.run_dir, f"rank{info.rank}")
     lead = info.rank == 0
     try:
-        _train(cfg, info, monitor, events, lead, restart)
+        _train(cfg, info, monitor, drain_signal, events, lead, restart)
     finally:
+        drain_signal.stop()
         monitor.shutdown()
         teardown()
         events.close()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: EventLog, lead: bool,
-           restart: Iteration | None) -> None:
+def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal: DrainSignal, events: EventLog,
+           lead: bool, restart: Iteration | None) -> None:
     t = cfg.training
     if lead:
         attempt = _attempt_number(cfg.run_dir)
@@ -175,21 +196,14 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: Event
                          vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
                          path=cfg.data.path, dtype=cfg.data.dtype)
     train_state = TrainState(stream, monitor)
+    rng = RngState(info.device)
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train_state,
-             f"rng_rank{info.rank}": RngState(info.device)}
+             rng_key(info.rank): rng}
     injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, info.rank, events, cfg.checkpoint_dir)
     ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
                              when_busy=cfg.checkpoint.when_busy, events=events, device=info.device,
                              write_hook=injector.around_write)
-    # an in-process restart resumes from the host copy of the last step, anything else from disk
-    in_memory = restart.rollback.restore(state) if restart is not None else None
-    resumed = ckpt.load(state) if in_memory is None else (in_memory, "memory")
-    if lead:
-        source = "none" if not resumed else "memory" if in_memory is not None else "disk"
-        events.emit("resume", step=train_state.step, source_kind=source,
-                    path=str(resumed[1]) if source == "disk" else None)
-        log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
-                 f"resumed from {resumed[1]} at step {train_state.step}" if resumed else "starting at step 0")
+    _resume(cfg, info, state, ckpt, rng, events, restart)
     progress = Progress(t.steps, cfg.logging.log_interval, enabled=lead)
     samples = _sample_log(cfg, info.rank)
     tokens_per_step = t.batch_size * t.seq_len * info.world_size
@@ -201,7 +215,8 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: Event
         with monitor.section("step"):
             t0 = time.perf_counter()
             batch = stream.next_batch()
-            mean_loss = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info)
+            mean_loss, drain = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info,
+                                          drain_signal.flag)
             step_time = time.perf_counter() - t0
         train_state.step = step
         monitor.step_done()
@@ -214,6 +229,9 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: Event
             samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
             samples.flush()
         progress.update(step, mean_loss, step_time, tokens_per_step)
+        if drain:
+            with monitor.section("checkpoint"):
+                _drain(step, state, ckpt, drain_signal, events, lead)
         ckpt.poll()
         if step % cfg.checkpoint.interval == 0:
             with monitor.section("checkpoint"):
@@ -229,6 +247,57 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, events: Event
     if lead:
         events.emit("run_end", step=train_state.step, status="completed")
         log.info("done: %d steps", train_state.step)
+
+
+def _resume(cfg: TrainConfig, info: DistInfo, state: dict[str, Stateful], ckpt: CheckpointManager, rng: RngState,
+            events: EventLog, restart: Iteration | None) -> None:
+    """An in-process restart resumes from the host copy of the last step, anything else from the
+    newest loadable checkpoint, resharded to this world size; per-rank state the checkpoint lacks
+    (it was written by fewer ranks) is derived, and said so."""
+    train_state = state["train"]
+    assert isinstance(train_state, TrainState)
+    in_memory = restart.restore(state) if restart is not None else None
+    loaded = None
+    if in_memory is None:
+        loaded = ckpt.load(state, optional=frozenset({rng_key(info.rank)}),
+                           allow_fresh_start=cfg.checkpoint.allow_fresh_start)
+    if loaded is not None and loaded.missing:
+        rng.derive(cfg.training.seed, loaded.step, info.rank)
+    if info.rank != 0:
+        return
+    source = "memory" if in_memory is not None else "disk" if loaded is not None else "none"
+    events.emit("resume", step=train_state.step, source_kind=source, path=str(loaded.path) if loaded else None,
+                saved_world_size=loaded.world_size if loaded else None)
+    log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
+             f"resumed from {loaded.path} at step {train_state.step}" if loaded
+             else f"resumed from memory at step {train_state.step}" if in_memory is not None else "starting at step 0")
+    if loaded is not None and loaded.world_size not in (None, info.world_size):
+        derived = [r for r in range(info.world_size) if r >= loaded.world_size]
+        batch = cfg.training.batch_size
+        log.warning("checkpoint written by %d ranks, resharded to %d: global batch %d -> %d samples per step, "
+                    "data position kept (no sample skipped or repeated)%s", loaded.world_size, info.world_size,
+                    batch * loaded.world_size, batch * info.world_size,
+                    f"; RNG of ranks {derived} derived from (seed, step, rank)" if derived else "")
+        events.emit("state_derived", step=loaded.step, saved_world_size=loaded.world_size,
+                    world_size=info.world_size, keys=[rng_key(r) for r in derived])
+
+
+def _drain(step: int, state: dict[str, Stateful], ckpt: CheckpointManager, drain_signal: DrainSignal,
+           events: EventLog, lead: bool) -> None:
+    """Every rank, at the same step: commit what can be committed in the time the launcher gives,
+    then leave (training/drain.py)."""
+    ckpt.wait()
+    saved = ckpt.saved_step == step or ckpt.mode == "off"
+    if not saved and agree_on_save(drain_signal.time_left(), ckpt.last_save_s, ckpt.distributed):
+        ckpt.save(step, state)
+        ckpt.wait()
+        saved = ckpt.saved_step == step
+    if lead:
+        events.emit("drained", step=step, saved_step=ckpt.saved_step)
+        log.warning("drain (SIGTERM): %s; leaving with exit code %d for the restart to resume",
+                    f"step {step} is committed" if saved else
+                    f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", DRAINED)
+    raise Drained(f"drained at step {step}")
 
 
 def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:
@@ -260,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
             from training.inprocess import run_inprocess  # NVRx's Wrapper, only when asked for
 
             run_inprocess(cfg, run)
+    except FreshStartRefused as err:  # no restart can help: the checkpoints need a person
+        log.error("%s", err)
+        sys.stdout.flush()
+        os._exit(CONFIG_ERROR)
+    except Drained:
+        sys.stdout.flush()
+        os._exit(DRAINED)
     except BaseException:  # noqa: BLE001
         # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
         # thread that may be stuck in a collective with a dead peer.

@@ -11,7 +11,7 @@ from infra.config import CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, R
 from k8s.charts.objects import api_object, checkov_skips
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
-from training.exit_codes import CONFIG_ERROR
+from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
 
 CONTAINER = "trainer"
 # AL2023 nodeadm `localStorage: {strategy: RAID0}` (setup-local-disks raid0) mounts the instance-store
@@ -148,9 +148,10 @@ def _job_spec(job: JobConfig) -> dict:
         "podFailurePolicy": {"rules": [
             # Drains, evictions and preemptions are not the training's fault: retry without counting.
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            # An invalid config fails the same way on every retry.
+            # An invalid config, checkpoints that cannot load, restarts that made no progress: a
+            # retry fails the same way.
             {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                  "values": [CONFIG_ERROR]}},
+                                                  "values": [CONFIG_ERROR, NO_PROGRESS]}},
         ]},
         "template": {
             "metadata": {"labels": _pod_labels(job)},

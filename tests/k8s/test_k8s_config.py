@@ -22,7 +22,7 @@ import pytest
     (["--set", "run_dir=/tmp/run"], {}, "run_dir='/tmp/run' is not allowed on the cluster"),
     (["--job-name", "Train_1"], {}, "job name 'Train_1' is not allowed"),
     (["--grace-period", "120"], {},
-     "termination_grace_s=120 contradicts fault_tolerance.checkpoint_section_timeout=600.0"),
+     "termination_grace_s=120 contradicts fault_tolerance.drain_timeout_s=300.0"),
     (["--fault-injection", "--fault-target-index", "2"], {},
      "fault_injection.target_index=2 is not allowed: an index of the job, 0..1"),
     (["--fault-injection", "--fault-grace-period", "0"], {}, "fault_injection.grace_period_s=0 is not allowed: 1 or more"),

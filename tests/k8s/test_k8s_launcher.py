@@ -1,4 +1,4 @@
-"""The Job's ft_launcher command line, checked by the installed ft_launcher (NVRx 0.4.1) itself,
+"""The Job's ft_launcher command line, checked by the installed ft_launcher (NVRx 0.7.0) itself,
 and its `sh -c` wrapper run for real with a stand-in ft_launcher."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from infra.config import RENDEZVOUS_PORT
 from infra.instances import INSTANCE_TYPES
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from training.config import RESTART_MODES, load_train_config
-from training.exit_codes import CONFIG_ERROR
+from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.fault_tolerance import RESUME_STEP_FILE
 from training.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,8 @@ NVRX_0_7_0_FLAGS = {
     "--nnodes", "--nproc-per-node", "--max-restarts", "--term-timeout", "--rdzv-backend", "--rdzv-endpoint",
     "--rdzv-id", "--rdzv-conf", "--ft-cfg-path", "--ft-restart-policy", "--ft-initial-rank-heartbeat-timeout",
     "--ft-rank-heartbeat-timeout", "--ft-rank-section-timeouts", "--ft-rank-out-of-section-timeout",
-    "--ft-safety-factor", "-m",
+    "--ft-safety-factor", "--ft-max-no-progress-cycles", "--ft-checkpoint-iteration-file", "--ft-no-restart-exit-code",
+    "-m",
 }
 WORKER_ENTRY = ["training.prefork", "worker", "training.train"]  # the module after -m, and its arguments
 
@@ -50,13 +52,13 @@ def _flags(argv: list[str]) -> list[str]:
 def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
     r = render("--set", f"fault_tolerance.restart={mode}", context={"gpuInstanceType": instance_type})
     parser = nvrx_launcher.get_args_parser()
-    exact = set(parser._option_string_actions)  # 0.4.1 allows abbreviations; 0.7.0 does not
+    exact = set(parser._option_string_actions)  # no abbreviations
     train = load_train_config(REPO / "k8s" / "train.yaml")
     for index in (0, 1):
         argv = _launcher_argv(r, index)
         args = parser.parse_args(argv)  # SystemExit on an unknown flag or a bad value
         flags = _flags(argv)
-        assert set(flags) <= exact, f"not exact 0.4.1 option strings: {set(flags) - exact}"
+        assert set(flags) <= exact, f"not exact option strings: {set(flags) - exact}"
         assert set(flags) <= NVRX_0_7_0_FLAGS, f"not checked against NVRx 0.7.0: {set(flags) - NVRX_0_7_0_FLAGS}"
         assert args.nnodes == "2"  # gpuNodesDesired
         assert args.nproc_per_node == str(INSTANCE_TYPES[instance_type].gpus)
@@ -65,7 +67,13 @@ def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
         assert args.rdzv_id == "fsdp-train"
         assert args.rdzv_conf == ("is_host=1" if index == 0 else "")
         assert args.ft_restart_policy == "any-failed"
-        assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts)
+        assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts_total)
+        # the budget that matters: restarts in a row without a newer checkpoint, read from the file
+        # that training keeps in the checkpoint directory on FSx
+        assert int(args.ft_max_no_progress_cycles) == train.fault_tolerance.max_restarts
+        assert args.ft_checkpoint_iteration_file == f"/fsx/runs/fsdp-train/checkpoints/{RESUME_STEP_FILE}"
+        assert int(args.ft_no_restart_exit_code) == NO_PROGRESS
+        assert float(args.term_timeout) == train.fault_tolerance.drain_timeout_s
         assert args.module and [args.training_script, *args.training_script_args] == [
             *WORKER_ENTRY, "--config", TRAIN_CONFIG_PATH]
 
@@ -92,7 +100,7 @@ def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkey
     train = load_train_config(REPO / "k8s" / "train.yaml").fault_tolerance
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 8)
     assert config.rdzv_configs["is_host"] == "1"
-    assert config.term_timeout == train.checkpoint_section_timeout
+    assert config.term_timeout == train.drain_timeout_s
     ft = config.fault_tol_cfg
     assert ft.initial_rank_heartbeat_timeout == train.initial_rank_heartbeat_timeout
     assert ft.rank_heartbeat_timeout == train.rank_heartbeat_timeout

@@ -15,7 +15,7 @@ from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s.outputs import PLACEHOLDER_IMAGE
 from training.config import RESTART_MODES
-from training.exit_codes import CONFIG_ERROR
+from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
 
 from k8s_render import IMAGE, render_into
 
@@ -54,11 +54,11 @@ def test_node_count_defaults_to_the_node_groups_desired_size(render):
     assert render(context={"gpuNodesDesired": 3}).one("Job")["spec"]["completions"] == 3
 
 
-def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors(render):
+def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors_and_no_progress(render):
     rules = render().one("Job")["spec"]["podFailurePolicy"]["rules"]
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
     assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
-                                                 "values": [CONFIG_ERROR]}} in rules
+                                                 "values": [CONFIG_ERROR, NO_PROGRESS]}} in rules
 
 
 def test_headless_service_gives_index_0_the_rendezvous_name(render):
@@ -130,12 +130,11 @@ def test_pod_tolerates_the_gpu_taint_and_runs_as_the_service_account(render):
     assert r.pod["automountServiceAccountToken"] is False
 
 
-def test_grace_period_covers_an_in_flight_checkpoint(render):
-    r = render("--set", "fault_tolerance.checkpoint_section_timeout=900")
-    args = r.container["args"]
-    term_timeout = int(args[args.index("--term-timeout") + 1])
-    assert term_timeout == 900  # ft_launcher waits this long for its ranks after SIGTERM
-    assert r.pod["terminationGracePeriodSeconds"] == term_timeout + LAUNCHER_EXIT_MARGIN_S
+def test_grace_period_covers_the_drain(render):
+    r = render("--set", "fault_tolerance.drain_timeout_s=900")
+    # ft_launcher waits this long for its ranks to commit after SIGTERM, the kubelet a margin longer
+    assert "--term-timeout=900.0" in r.container["args"]
+    assert r.pod["terminationGracePeriodSeconds"] == 900 + LAUNCHER_EXIT_MARGIN_S
 
 
 @pytest.mark.parametrize("mode", RESTART_MODES)
@@ -150,8 +149,10 @@ def test_restart_mode_sets_the_nccl_environment_and_restart_budget(render, mode)
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
         assert env["NCCL_NVLS_ENABLE"] == "0"
         assert env["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
-    # inprocess only: the Wrapper restarts in the process, the launcher does not restart the group.
-    assert f"--max-restarts={0 if mode == 'inprocess' else 7}" in r.container["args"]
+    # inprocess only: the Wrapper restarts in the process, the launcher does not restart the group;
+    # else 7 restarts in a row without progress, under the lifetime backstop
+    assert f"--max-restarts={0 if mode == 'inprocess' else 1000}" in r.container["args"]
+    assert "--ft-max-no-progress-cycles=7" in r.container["args"]
 
 
 def test_fault_injection_is_off_by_default_and_stale_files_are_removed(tmp_path, capsys):

@@ -56,5 +56,5 @@ def test_killed_mid_save_leaves_previous_checkpoint_newest(tmp_path, mode, point
     manager = CheckpointManager(directory, mode="sync", keep=3)
     assert not list(directory.glob(".tmp-*"))  # removed at start
     target = {"w": torch.zeros(4096)}
-    step, _ = manager.load(target)
+    step = manager.load(target).step
     assert step == 1 and torch.equal(target["w"], torch.full((4096,), 1.0))

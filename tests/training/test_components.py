@@ -76,7 +76,7 @@ def test_save_commit_prune_and_load(tmp_path, mode):
     assert [s for s, _ in committed_checkpoints(m.dir)] == [3, 2]  # keep=2
     assert not list(m.dir.glob(".tmp-*"))
     target = {"w": torch.zeros(8)}
-    assert m.load(target)[0] == 3 and torch.equal(target["w"], torch.full((8,), 3.0))
+    assert m.load(target).step == 3 and torch.equal(target["w"], torch.full((8,), 3.0))
     assert [e["step"] for e in _events(tmp_path, "ckpt_committed")] == [1, 2, 3]
     assert len(_events(tmp_path, "ckpt_blocked")) == 3
 
@@ -138,7 +138,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
     for shard in newest.glob("*.distcp"):
         shard.write_bytes(b"garbage")
     target = {"w": torch.zeros(4)}
-    assert m.load(target)[0] == 1
+    assert m.load(target).step == 1
     assert torch.equal(target["w"], torch.full((4,), 1.0))
     [fallback] = _events(tmp_path, "ckpt_fallback")
     assert fallback["path"] == str(newest)

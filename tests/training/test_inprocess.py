@@ -88,9 +88,11 @@ def test_contradictory_inprocess_config_is_named(overrides, message):
 
 def test_launcher_restarts_per_mode():
     assert load_train_config(None, ["fault_tolerance.inprocess_hard_timeout=200"])  # injob: no constraint
-    ft = {mode: FaultToleranceConfig(restart=mode, max_restarts=4) for mode in ("injob", "inprocess", "both")}
-    assert {m: f.launcher_max_restarts for m, f in ft.items()} == {"injob": 4, "inprocess": 0, "both": 4}
-    assert "--max-restarts=0" in launcher_ft_args(ft["inprocess"])
+    ft = {mode: FaultToleranceConfig(restart=mode, max_restarts=4, max_restarts_total=9)
+          for mode in ("injob", "inprocess", "both")}
+    assert {m: f.launcher_max_restarts for m, f in ft.items()} == {"injob": 9, "inprocess": 0, "both": 9}
+    assert "--max-restarts=0" in launcher_ft_args(ft["inprocess"], "resume_step")
+    assert FaultToleranceConfig(max_restarts=0).launcher_max_restarts == 0  # no restart at all
 
 
 @pytest.mark.parametrize("message, peers", [
