@@ -60,6 +60,8 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             storage_gib=config.fsx_storage_gib,
             throughput_per_tib=config.fsx_throughput_per_tib,
             export_bucket=config.fsx_export_bucket,
+            backup_retention_days=config.fsx_backup_retention_days,
+            backup_start_time=config.fsx_backup_start_time,
         ),
     )
 

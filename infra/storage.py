@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
+from aws_cdk import Duration, RemovalPolicy, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import acknowledge
@@ -20,6 +20,8 @@ class CheckpointStorageProps:
     storage_gib: int
     throughput_per_tib: int
     export_bucket: bool
+    backup_retention_days: int  # 0: no automatic backups
+    backup_start_time: str  # HH:MM UTC
 
 
 class CheckpointStorage(Construct):
@@ -70,6 +72,10 @@ class CheckpointStorage(Construct):
                 deployment_type=fsx.LustreDeploymentType.PERSISTENT_2,
                 per_unit_storage_throughput=props.throughput_per_tib,
                 data_compression_type=fsx.LustreDataCompressionType.LZ4,
+                automatic_backup_retention=Duration.days(props.backup_retention_days),
+                daily_automatic_backup_start_time=(  # CDK refuses a backup window without backups
+                    _daily_time(props.backup_start_time) if props.backup_retention_days else None
+                ),
             ),
             # A retained file system would keep its ENIs in the VPC and block `cdk destroy --all`.
             # Checkpoints that must outlive it go to the export bucket, which is retained.
@@ -109,3 +115,8 @@ class CheckpointStorage(Construct):
             ),
         )
         return bucket
+
+
+def _daily_time(hh_mm: str) -> fsx.DailyAutomaticBackupStartTime:
+    hour, minute = hh_mm.split(":")
+    return fsx.DailyAutomaticBackupStartTime(hour=int(hour), minute=int(minute))

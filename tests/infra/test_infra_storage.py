@@ -6,6 +6,7 @@ import json
 from infra.config import NAMESPACE, PV_NAME, PVC_NAME
 
 LUSTRE_PORT_RANGES = [(988, 988), (1018, 1023)]
+BACKUPS = {"fsxBackupRetentionDays": 30, "fsxBackupStartTime": "22:30"}
 
 
 def _file_system(synth) -> dict:
@@ -35,6 +36,19 @@ def test_file_system_goes_with_the_stack_and_the_export_bucket_stays(full):
     assert file_system["DeletionPolicy"] == "Delete"
     [bucket] = full.resources("Storage", "AWS::S3::Bucket").values()
     assert bucket["DeletionPolicy"] == "Retain"
+
+
+def test_daily_backups_kept_for_the_configured_days(defaults, synth):
+    lustre = _file_system(defaults)["LustreConfiguration"]
+    assert (lustre["AutomaticBackupRetentionDays"], lustre["DailyAutomaticBackupStartTime"]) == (7, "03:00")
+    lustre = _file_system(synth(BACKUPS))["LustreConfiguration"]
+    assert (lustre["AutomaticBackupRetentionDays"], lustre["DailyAutomaticBackupStartTime"]) == (30, "22:30")
+
+
+def test_file_system_linked_to_the_export_bucket_has_no_backups(full):
+    lustre = _file_system(full)["LustreConfiguration"]
+    assert lustre["AutomaticBackupRetentionDays"] == 0
+    assert "DailyAutomaticBackupStartTime" not in lustre
 
 
 def test_in_the_gpu_subnet(full):
