@@ -27,6 +27,8 @@ GPU_NODE_LABEL = "platform.training/gpu-node"
 
 CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
 FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
+# CloudFormation can retain or delete a file system; it cannot snapshot one (DeletionPolicy Snapshot).
+FSX_REMOVAL_POLICIES = ("retain", "destroy")
 FSX_MAX_BACKUP_RETENTION_DAYS = 90
 KUBERNETES_VERSIONS = ("1.33", "1.34")  # kubectl 1.34 (the provider layer) serves 1.33-1.35
 
@@ -64,6 +66,7 @@ class PlatformConfig:
     fsx_storage_gib: int = 1200
     fsx_throughput_per_tib: int = 250
     fsx_export_bucket: bool = False
+    fsx_removal_policy: str = "retain"  # "destroy" is the one way `cdk destroy` deletes the checkpoints
     fsx_backup_retention_days: int = 7  # 0: no automatic backups
     fsx_backup_start_time: str = "03:00"  # UTC
     api_allowed_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
@@ -184,6 +187,9 @@ def _validate(c: PlatformConfig) -> None:
         fail("fsx_storage_gib", c.fsx_storage_gib, "1200 or a multiple of 2400 GiB (FSx for Lustre PERSISTENT_2)")
     if c.fsx_throughput_per_tib not in FSX_THROUGHPUTS_PER_TIB:
         fail("fsx_throughput_per_tib", c.fsx_throughput_per_tib, f"one of {list(FSX_THROUGHPUTS_PER_TIB)} MB/s/TiB")
+    if c.fsx_removal_policy not in FSX_REMOVAL_POLICIES:
+        fail("fsx_removal_policy", c.fsx_removal_policy,
+             f"one of {list(FSX_REMOVAL_POLICIES)} (CloudFormation cannot snapshot an FSx file system)")
     if not 0 <= c.fsx_backup_retention_days <= FSX_MAX_BACKUP_RETENTION_DAYS:
         fail("fsx_backup_retention_days", c.fsx_backup_retention_days,
              f"0 to {FSX_MAX_BACKUP_RETENTION_DAYS} days (0 turns automatic backups off)")

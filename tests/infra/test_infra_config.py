@@ -18,6 +18,7 @@ from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
         pytest.param({"fsxStorageGib": 3600}, ["fsxStorageGib", "3600", "1200 or a multiple of 2400"], id="fsx-capacity-3600"),
         pytest.param({"fsxStorageGib": 0}, ["fsxStorageGib", "0"], id="fsx-capacity-zero"),
         pytest.param({"fsxThroughputPerTib": 200}, ["fsxThroughputPerTib", "200", "[125, 250, 500, 1000]"], id="fsx-throughput"),
+        pytest.param({"fsxRemovalPolicy": "snapshot"}, ["fsxRemovalPolicy", "snapshot", "['retain', 'destroy']"], id="fsx-removal-snapshot"),
         pytest.param({"fsxBackupRetentionDays": 91}, ["fsxBackupRetentionDays", "91", "0 to 90 days"], id="fsx-backups-91-days"),
         pytest.param({"fsxBackupRetentionDays": -1}, ["fsxBackupRetentionDays", "-1", "0 to 90 days"], id="fsx-backups-negative"),
         pytest.param({"fsxExportBucket": True}, ["fsxBackupRetentionDays", "7", "0 with fsxExportBucket=true"], id="fsx-backups-with-s3-link"),
