@@ -27,6 +27,9 @@ GPU_NODE_LABEL = "platform.training/gpu-node"
 
 CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
 FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
+# CloudFormation can retain or delete a file system; it cannot snapshot one (DeletionPolicy Snapshot).
+FSX_REMOVAL_POLICIES = ("retain", "destroy")
+FSX_MAX_BACKUP_RETENTION_DAYS = 90
 KUBERNETES_VERSIONS = ("1.33", "1.34")  # kubectl 1.34 (the provider layer) serves 1.33-1.35
 
 _RESERVATION_ID = re.compile(r"^cr-[0-9a-f]{8}([0-9a-f]{9})?$")
@@ -35,6 +38,7 @@ _ACCOUNT = re.compile(r"^\d{12}$")
 _REGION = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
 _IMAGE_URI = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w.-]+|@sha256:[0-9a-f]{64})$")
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_DAILY_TIME = re.compile(r"^([01]\d|2[0-3]):[0-5]\d$")
 
 
 class ConfigError(ValueError):
@@ -62,6 +66,9 @@ class PlatformConfig:
     fsx_storage_gib: int = 1200
     fsx_throughput_per_tib: int = 250
     fsx_export_bucket: bool = False
+    fsx_removal_policy: str = "retain"  # "destroy" is the one way `cdk destroy` deletes the checkpoints
+    fsx_backup_retention_days: int = 7  # 0: no automatic backups
+    fsx_backup_start_time: str = "03:00"  # UTC
     api_allowed_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
     admin_role_arn: str | None = None
     image_uri: str | None = None  # None: build training/Dockerfile as an ECR image asset
@@ -180,6 +187,18 @@ def _validate(c: PlatformConfig) -> None:
         fail("fsx_storage_gib", c.fsx_storage_gib, "1200 or a multiple of 2400 GiB (FSx for Lustre PERSISTENT_2)")
     if c.fsx_throughput_per_tib not in FSX_THROUGHPUTS_PER_TIB:
         fail("fsx_throughput_per_tib", c.fsx_throughput_per_tib, f"one of {list(FSX_THROUGHPUTS_PER_TIB)} MB/s/TiB")
+    if c.fsx_removal_policy not in FSX_REMOVAL_POLICIES:
+        fail("fsx_removal_policy", c.fsx_removal_policy,
+             f"one of {list(FSX_REMOVAL_POLICIES)} (CloudFormation cannot snapshot an FSx file system)")
+    if not 0 <= c.fsx_backup_retention_days <= FSX_MAX_BACKUP_RETENTION_DAYS:
+        fail("fsx_backup_retention_days", c.fsx_backup_retention_days,
+             f"0 to {FSX_MAX_BACKUP_RETENTION_DAYS} days (0 turns automatic backups off)")
+    if c.fsx_export_bucket and c.fsx_backup_retention_days:
+        fail("fsx_backup_retention_days", c.fsx_backup_retention_days,
+             "0 with fsxExportBucket=true: FSx for Lustre takes no backups of a file system linked to S3 "
+             "(the retained export bucket holds the copy)")
+    if not _DAILY_TIME.match(c.fsx_backup_start_time):
+        fail("fsx_backup_start_time", c.fsx_backup_start_time, "a daily UTC time HH:MM from 00:00 to 23:59, e.g. 03:00")
     if not c.api_allowed_cidrs:
         fail("api_allowed_cidrs", [], "at least one CIDR such as 203.0.113.0/24")
     for cidr in c.api_allowed_cidrs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from aws_cdk import aws_ec2 as ec2, aws_logs as logs
+from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_logs as logs
 from constructs import Construct
 
 # One /18 per zone: each p5 node takes an IP for every EFA interface plus one per pod.
@@ -16,6 +16,9 @@ _PUBLIC_CIDR_MASK = 24
 class NetworkProps:
     availability_zones: Sequence[str]  # the control plane needs two; system nodes spread over all
     gpu_availability_zone: str  # GPU nodes and FSx share one zone: no cross-zone hops, one placement group
+    # The file system's: a retained one keeps its network interfaces in the GPU subnet, and CloudFormation
+    # could delete neither that subnet nor the VPC, so `cdk destroy` would fail on this stack.
+    gpu_subnet_removal_policy: RemovalPolicy
 
 
 class Network(Construct):
@@ -55,6 +58,8 @@ class Network(Construct):
             subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS,
             availability_zones=[props.gpu_availability_zone],
         ).subnets[0]
+        self.gpu_subnet.apply_removal_policy(props.gpu_subnet_removal_policy)
+        self.vpc.apply_removal_policy(props.gpu_subnet_removal_policy)
 
         # The GPU nodes' own group: FSx for Lustre admits Lustre traffic from it alone.
         self.node_security_group = ec2.SecurityGroup(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import Aws, CfnOutput, Environment, Fn, Stack
+from aws_cdk import Aws, CfnOutput, Environment, Fn, RemovalPolicy, Stack
 from constructs import Construct
 
 from infra.cluster import EksCluster, EksClusterProps
@@ -42,11 +42,17 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
         stack_name = f"{config.cluster_name}-{construct_id.lower()}"
         return Stack(scope, construct_id, env=env, stack_name=stack_name, description=description)
 
+    fsx_removal_policy = RemovalPolicy[config.fsx_removal_policy.upper()]  # "retain" -> RETAIN
+
     network_stack = stack("Network", "VPC, NAT, S3 endpoint, flow logs and the GPU node / EFA security groups")
     network = Network(
         network_stack,
         "Network",
-        NetworkProps(availability_zones=config.availability_zones, gpu_availability_zone=config.gpu_availability_zone),
+        NetworkProps(
+            availability_zones=config.availability_zones,
+            gpu_availability_zone=config.gpu_availability_zone,
+            gpu_subnet_removal_policy=fsx_removal_policy,
+        ),
     )
 
     storage_stack = stack("Storage", "FSx for Lustre for checkpoints, optionally exported to S3")
@@ -60,6 +66,9 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             storage_gib=config.fsx_storage_gib,
             throughput_per_tib=config.fsx_throughput_per_tib,
             export_bucket=config.fsx_export_bucket,
+            removal_policy=fsx_removal_policy,
+            backup_retention_days=config.fsx_backup_retention_days,
+            backup_start_time=config.fsx_backup_start_time,
         ),
     )
 

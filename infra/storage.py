@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
+from aws_cdk import Duration, RemovalPolicy, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import acknowledge
@@ -20,10 +20,18 @@ class CheckpointStorageProps:
     storage_gib: int
     throughput_per_tib: int
     export_bucket: bool
+    removal_policy: RemovalPolicy  # of the file system and of what it needs to stay usable
+    backup_retention_days: int  # 0: no automatic backups
+    backup_start_time: str  # HH:MM UTC
 
 
 class CheckpointStorage(Construct):
-    """A PERSISTENT_2 Lustre file system reachable on the Lustre ports from the client group only."""
+    """A PERSISTENT_2 Lustre file system reachable on the Lustre ports from the client group only.
+
+    With RemovalPolicy.RETAIN the file system outlives the stack together with its KMS key, its
+    security group and the group's rule between the file servers, so it can still be mounted (or
+    backed up) after `cdk destroy`.
+    """
 
     file_system: fsx.LustreFileSystem
     bucket: s3.Bucket | None
@@ -64,17 +72,28 @@ class CheckpointStorage(Construct):
                 "Key",
                 description="FSx for Lustre checkpoints",
                 enable_key_rotation=True,
-                removal_policy=RemovalPolicy.DESTROY,
+                # Without its key a retained file system and its backups could not be read.
+                removal_policy=props.removal_policy,
             ),
             lustre_configuration=fsx.LustreConfiguration(
                 deployment_type=fsx.LustreDeploymentType.PERSISTENT_2,
                 per_unit_storage_throughput=props.throughput_per_tib,
                 data_compression_type=fsx.LustreDataCompressionType.LZ4,
+                automatic_backup_retention=Duration.days(props.backup_retention_days),
+                daily_automatic_backup_start_time=(  # CDK refuses a backup window without backups
+                    _daily_time(props.backup_start_time) if props.backup_retention_days else None
+                ),
             ),
-            # A retained file system would keep its ENIs in the VPC and block `cdk destroy --all`.
-            # Checkpoints that must outlive it go to the export bucket, which is retained.
-            removal_policy=RemovalPolicy.DESTROY,
+            removal_policy=props.removal_policy,
         )
+        # Deleting the group would fail while the retained file servers use it. The servers' rule to
+        # each other stays with it; the rules naming the GPU nodes' group go, or that group (in the
+        # network stack) could not be deleted.
+        security_group.apply_removal_policy(props.removal_policy)
+        for rule in security_group.node.find_all():
+            if (isinstance(rule, ec2.CfnSecurityGroupIngress)
+                    and rule.source_security_group_id == security_group.security_group_id):
+                rule.apply_removal_policy(props.removal_policy)
         self.bucket = self._export_bucket() if props.export_bucket else None
 
     def _export_bucket(self) -> s3.Bucket:
@@ -109,3 +128,8 @@ class CheckpointStorage(Construct):
             ),
         )
         return bucket
+
+
+def _daily_time(hh_mm: str) -> fsx.DailyAutomaticBackupStartTime:
+    hour, minute = hh_mm.split(":")
+    return fsx.DailyAutomaticBackupStartTime(hour=int(hour), minute=int(minute))

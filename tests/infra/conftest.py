@@ -26,8 +26,9 @@ STACK_IDS = ("Network", "Storage", "Cluster")
 
 IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"
 ADMIN_ROLE_ARN = "arn:aws:iam::123456789012:role/Admin"
-# Everything optional switched on; the image from a URI, since building one needs Docker.
-FULL = {"imageUri": IMAGE_URI, "adminRoleArn": ADMIN_ROLE_ARN, "fsxExportBucket": True}
+# Everything optional switched on; the image from a URI, since building one needs Docker. FSx takes no
+# backups of a file system linked to S3, so the export bucket comes without them.
+FULL = {"imageUri": IMAGE_URI, "adminRoleArn": ADMIN_ROLE_ARN, "fsxExportBucket": True, "fsxBackupRetentionDays": 0}
 # One synthesis per instance type; each also takes one capacity option so no config is synthesized twice.
 VARIANTS = {
     "p5en": {"gpuInstanceType": "p5en.48xlarge", "capacityType": "capacity-reservation",

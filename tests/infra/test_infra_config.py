@@ -18,6 +18,12 @@ from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
         pytest.param({"fsxStorageGib": 3600}, ["fsxStorageGib", "3600", "1200 or a multiple of 2400"], id="fsx-capacity-3600"),
         pytest.param({"fsxStorageGib": 0}, ["fsxStorageGib", "0"], id="fsx-capacity-zero"),
         pytest.param({"fsxThroughputPerTib": 200}, ["fsxThroughputPerTib", "200", "[125, 250, 500, 1000]"], id="fsx-throughput"),
+        pytest.param({"fsxRemovalPolicy": "snapshot"}, ["fsxRemovalPolicy", "snapshot", "['retain', 'destroy']"], id="fsx-removal-snapshot"),
+        pytest.param({"fsxBackupRetentionDays": 91}, ["fsxBackupRetentionDays", "91", "0 to 90 days"], id="fsx-backups-91-days"),
+        pytest.param({"fsxBackupRetentionDays": -1}, ["fsxBackupRetentionDays", "-1", "0 to 90 days"], id="fsx-backups-negative"),
+        pytest.param({"fsxExportBucket": True}, ["fsxBackupRetentionDays", "7", "0 with fsxExportBucket=true"], id="fsx-backups-with-s3-link"),
+        pytest.param({"fsxBackupStartTime": "24:00"}, ["fsxBackupStartTime", "24:00", "HH:MM"], id="fsx-backup-time-24h"),
+        pytest.param({"fsxBackupStartTime": "3:00"}, ["fsxBackupStartTime", "3:00", "HH:MM"], id="fsx-backup-time-unpadded"),
         pytest.param({"gpuNodesMin": 3, "gpuNodesDesired": 2}, ["gpuNodesMin=3", "gpuNodesDesired=2"], id="min-above-desired"),
         pytest.param({"gpuNodesDesired": 5, "gpuNodesMax": 4}, ["gpuNodesDesired=5", "gpuNodesMax=4"], id="desired-above-max"),
         pytest.param({"gpuNodesMin": 0, "gpuNodesDesired": 0}, ["gpuNodesMin", "0", "at least 1"], id="zero-gpu-nodes"),
@@ -54,12 +60,15 @@ def test_unknown_key_is_rejected_with_the_allowed_keys():
 
 
 def test_command_line_strings_are_converted():
-    """`cdk synth -c gpuNodesMax=8 -c fsxExportBucket=true -c apiAllowedCidrs=a,b` arrive as strings."""
+    """`cdk synth -c gpuNodesMax=8 -c fsxExportBucket=true -c fsxBackupRetentionDays=0 -c apiAllowedCidrs=a,b`
+    arrive as strings."""
     config = PlatformConfig.from_context(
-        {"gpuNodesMax": "8", "fsxExportBucket": "true", "apiAllowedCidrs": "203.0.113.0/24,198.51.100.0/24"}
+        {"gpuNodesMax": "8", "fsxExportBucket": "true", "fsxBackupRetentionDays": "0",
+         "apiAllowedCidrs": "203.0.113.0/24,198.51.100.0/24"}
     )
     assert config.gpu_nodes_max == 8
     assert config.fsx_export_bucket is True
+    assert config.fsx_backup_retention_days == 0
     assert config.api_allowed_cidrs == ("203.0.113.0/24", "198.51.100.0/24")
 
 

@@ -6,6 +6,7 @@ import json
 from infra.config import NAMESPACE, PV_NAME, PVC_NAME
 
 LUSTRE_PORT_RANGES = [(988, 988), (1018, 1023)]
+BACKUPS = {"fsxBackupRetentionDays": 30, "fsxBackupStartTime": "22:30"}
 
 
 def _file_system(synth) -> dict:
@@ -29,12 +30,64 @@ def test_encrypted_with_a_rotating_kms_key(full):
     assert full.templates["Storage"]["Resources"][key_id]["Properties"]["EnableKeyRotation"] is True
 
 
-def test_file_system_goes_with_the_stack_and_the_export_bucket_stays(full):
-    """A retained file system would hold ENIs in the VPC and make `cdk destroy --all` fail."""
-    [file_system] = full.resources("Storage", "AWS::FSx::FileSystem").values()
-    assert file_system["DeletionPolicy"] == "Delete"
-    [bucket] = full.resources("Storage", "AWS::S3::Bucket").values()
-    assert bucket["DeletionPolicy"] == "Retain"
+def _policies(synth, stack: str, logical_id: str) -> tuple[str, str]:
+    resource = synth.templates[stack]["Resources"][logical_id]
+    return resource.get("DeletionPolicy", "Delete"), resource.get("UpdateReplacePolicy", "Delete")
+
+
+def _kept_with_the_file_system(synth) -> dict[str, list[str]]:
+    """Stack -> logical ids of what the file system needs after `cdk destroy`: itself, its key, its
+    security group and the group's rule between the file servers; the GPU subnet and VPC it sits in."""
+    [fs_id] = synth.resources("Storage", "AWS::FSx::FileSystem")
+    fs = _file_system(synth)
+    group = fs["SecurityGroupIds"][0]["Fn::GetAtt"][0]
+    servers_rules = [k for k, v in synth.resources("Storage", "AWS::EC2::SecurityGroupIngress").items()
+                     if v["Properties"]["SourceSecurityGroupId"] == {"Fn::GetAtt": [group, "GroupId"]}
+                     and v["Properties"]["GroupId"] == {"Fn::GetAtt": [group, "GroupId"]}]
+    assert len(servers_rules) == 1
+    [vpc] = synth.resources("Network", "AWS::EC2::VPC")
+    return {
+        "Storage": [fs_id, fs["KmsKeyId"]["Ref"], group, *servers_rules],
+        "Network": [vpc, synth.gpu_subnet()],
+    }
+
+
+def test_checkpoints_outlive_the_stack_by_default(defaults):
+    for stack, logical_ids in _kept_with_the_file_system(defaults).items():
+        for logical_id in logical_ids:
+            assert _policies(defaults, stack, logical_id) == ("Retain", "Retain"), (stack, logical_id)
+    # What names the GPU nodes' group goes, so that group and the rest of the network can be deleted.
+    node_group_id = defaults.security_group("Network", "GPU training nodes")
+    node_group = defaults.imported("Network", {"Fn::GetAtt": [node_group_id, "GroupId"]})
+    node_rules = [k for k, v in defaults.resources("Storage", "AWS::EC2::SecurityGroupIngress").items()
+                  if node_group in (v["Properties"]["GroupId"], v["Properties"]["SourceSecurityGroupId"])]
+    assert len(node_rules) == 2 * len(LUSTRE_PORT_RANGES)
+    for logical_id in node_rules:
+        assert _policies(defaults, "Storage", logical_id) == ("Delete", "Delete")
+    other_subnets = set(defaults.resources("Network", "AWS::EC2::Subnet")) - {defaults.gpu_subnet()}
+    assert {_policies(defaults, "Network", s) for s in other_subnets} == {("Delete", "Delete")}
+
+
+def test_destroy_deletes_the_file_system_and_all_kept_for_it(synth):
+    destroy = synth({"fsxRemovalPolicy": "destroy"})
+    for stack, logical_ids in _kept_with_the_file_system(destroy).items():
+        for logical_id in logical_ids:
+            assert _policies(destroy, stack, logical_id) == ("Delete", "Delete"), (stack, logical_id)
+
+
+def test_daily_backups_kept_for_the_configured_days(defaults, synth):
+    lustre = _file_system(defaults)["LustreConfiguration"]
+    assert (lustre["AutomaticBackupRetentionDays"], lustre["DailyAutomaticBackupStartTime"]) == (7, "03:00")
+    lustre = _file_system(synth(BACKUPS))["LustreConfiguration"]
+    assert (lustre["AutomaticBackupRetentionDays"], lustre["DailyAutomaticBackupStartTime"]) == (30, "22:30")
+
+
+def test_file_system_linked_to_the_export_bucket_has_no_backups_and_the_bucket_stays(full):
+    lustre = _file_system(full)["LustreConfiguration"]
+    assert lustre["AutomaticBackupRetentionDays"] == 0
+    assert "DailyAutomaticBackupStartTime" not in lustre
+    [bucket] = full.resources("Storage", "AWS::S3::Bucket")
+    assert _policies(full, "Storage", bucket) == ("Retain", "Retain")
 
 
 def test_in_the_gpu_subnet(full):
