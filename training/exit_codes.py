@@ -8,3 +8,6 @@ CONFIG_ERROR = 3  # the training config is invalid, or its checkpoints cannot be
 # ft_launcher stopped restarting: fault_tolerance.max_restarts restarts in a row made no progress (NVRx
 # 0.7.0's --ft-no-restart-exit-code; its default too)
 NO_PROGRESS = 93
+# SIGTERM: what a process killed by it reports to a shell, and what a rank exits with after a drain
+# (training/drain.py), so that ft_launcher and the Job retry it
+TERMINATED = 143

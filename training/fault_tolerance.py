@@ -34,6 +34,8 @@ _MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # where NVRx puts the rank m
 # (--ft-checkpoint-iteration-file). Counting from 1 makes a fresh run's first cycle count as progress,
 # so a fault before the first checkpoint still spends the budget (NVRx skips its check while it is 0).
 RESUME_STEP_FILE = "resume_step"
+# The path of a node's drain marker (training/drain.py): present when SIGTERM means a drain.
+DRAIN_MARKER_ENV = "TRAINING_DRAIN_MARKER"
 # After its --term-timeout (drain_timeout_s) ft_launcher needs a moment to SIGKILL its ranks and exit
 # before the kubelet's (or the local controller's) SIGKILL: the grace period is the sum.
 LAUNCHER_EXIT_MARGIN_S = 30

@@ -44,8 +44,8 @@ from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError,
 from training.distributed import free_port
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
-from training.fault_tolerance import (drain_grace_period_s, launcher_ft_args, launcher_wrapper, resume_step_file,
-                                      worker_entrypoint)
+from training.fault_tolerance import (DRAIN_MARKER_ENV, drain_grace_period_s, launcher_ft_args, launcher_wrapper,
+                                      resume_step_file, worker_entrypoint)
 from training.faults import FaultSpecError, drain_requests_dir, parse_faults, with_env_faults
 from training.prefork import die_with_parent
 from training.report import ReportError, write_report
@@ -140,8 +140,10 @@ class Cluster:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1",
                # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
-               # simulation; every node here is on localhost (0.4.1 does not check)
-               "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
+               # simulation; every node here is on localhost
+               "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",
+               DRAIN_MARKER_ENV: str(self.drain_marker(node))}
+        self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained
         if self.cfg.fault_tolerance.restart != "injob":
             # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
@@ -217,12 +219,17 @@ class Cluster:
                              detail=f"drain of node {node.index}: SIGTERM to its launcher, SIGKILL after {grace:.0f} s")
             self.say(f"draining node {node.index}: SIGTERM to its launcher (grace period {grace:.0f} s)")
             node.drain_deadline = time.monotonic() + grace
+            self.drain_marker(node).parent.mkdir(parents=True, exist_ok=True)
+            self.drain_marker(node).touch()  # the pod's preStop hook: SIGTERM now means drain
             with contextlib.suppress(*_GONE):
                 node.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
             if node.drain_deadline is not None and time.monotonic() > node.drain_deadline:
                 self.say(f"node {node.index} outlived its grace period: SIGKILL")
                 self.kill_node(node)
+
+    def drain_marker(self, node: Node) -> Path:
+        return self.run_dir / "drain" / f"node{node.index}"
 
     def replace(self, node: Node, rc: int) -> bool:
         """A lost or drained node (its launcher killed by a signal, or exited after a drain): start it

@@ -29,9 +29,9 @@ from training.checkpoint import CheckpointManager, FreshStartRefused
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
 from training.data import Batch, TokenStream
 from training.distributed import DistInfo, init_distributed, teardown
-from training.drain import DRAINED, Drained, DrainSignal, agree_on_save
+from training.drain import Drained, DrainSignal, agree_on_save
 from training.events import EventLog, read_events
-from training.exit_codes import CONFIG_ERROR
+from training.exit_codes import CONFIG_ERROR, TERMINATED
 from training.fault_tolerance import RankMonitor
 from training.faults import FaultInjector, FaultSpecError, parse_faults, with_env_faults
 from training.model import PRESETS, Transformer, build_model
@@ -296,7 +296,7 @@ def _drain(step: int, state: dict[str, Stateful], ckpt: CheckpointManager, drain
         events.emit("drained", step=step, saved_step=ckpt.saved_step)
         log.warning("drain (SIGTERM): %s; leaving with exit code %d for the restart to resume",
                     f"step {step} is committed" if saved else
-                    f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", DRAINED)
+                    f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", TERMINATED)
     raise Drained(f"drained at step {step}")
 
 
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(CONFIG_ERROR)
     except Drained:
         sys.stdout.flush()
-        os._exit(DRAINED)
+        os._exit(TERMINATED)
     except BaseException:  # noqa: BLE001
         # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
         # thread that may be stuck in a collective with a dead peer.

@@ -12,6 +12,7 @@ from k8s.charts.objects import api_object, checkov_skips
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.fault_tolerance import DRAIN_MARKER_ENV
 
 CONTAINER = "trainer"
 # AL2023 nodeadm `localStorage: {strategy: RAID0}` (setup-local-disks raid0) mounts the instance-store
@@ -19,6 +20,10 @@ CONTAINER = "trainer"
 # the pod gets its own subdirectory, never the kubelet's files.
 NODE_SCRATCH_PATH = "/mnt/k8s-disks/0/training-scratch"
 SCRATCH_MOUNT_PATH = "/scratch"
+# Written by the preStop hook, which the kubelet runs before it sends SIGTERM: the ranks then take
+# that SIGTERM for a drain and commit before they leave (training/drain.py). In the pod's own
+# memory-backed /dev/shm, so a replacement pod starts without it.
+DRAIN_MARKER_PATH = "/dev/shm/training-drain"
 
 # checkov findings that are inherent to this training pod, each with its reason.
 JOB_CHECKOV_SKIPS = {
@@ -48,6 +53,7 @@ def _training_env(job: JobConfig) -> list[dict[str, str]]:
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(PurePosixPath(job.train.run_dir) / "nccl_trace_rank_"),
+        DRAIN_MARKER_ENV: DRAIN_MARKER_PATH,
     }
     if job.instance.efa_interfaces:
         env |= {
@@ -118,6 +124,7 @@ def _pod_spec(job: JobConfig) -> dict:
         "resources": {"requests": resources, "limits": resources},
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", f"touch {DRAIN_MARKER_PATH}"]}}},
     }
     return {
         "restartPolicy": "Never",  # the Job replaces failed pods (podFailurePolicy needs Never)
