@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils._pytree import tree_map_only
 
 from training.events import EventLog
 
@@ -101,6 +102,20 @@ def _describe(err: BaseException) -> str:
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
     """Stateful objects replaced by their state dicts (what the async writers stage)."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _cpu_snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with its CPU tensors cloned: a writer that reads them later still writes this step.
+
+    NVRx's persistent worker reads the planned tensors when it preloads and writes them. CUDA
+    tensors are copied to the host in its preload, which `schedule_async_request` waits for. CPU
+    tensors: 0.7.0's FileSystemWriterAsync.prepare_write_data clones them while planning (or copies
+    them into shared-memory snapshots with use_cpu_shm_for_gpu_tensors); 0.4.1 clones only views and
+    hands the live tensor to the worker. AdamW's `step` tensors live on the CPU and the next
+    optimizer step increments them in place: such a save records a later step count than its
+    weights. This copy makes the save hold its step whatever NVRx does; the CPU part of a CUDA
+    state is small (optimizer steps, RNG states)."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.device.type == "cpu" else t, state)
 
 
 class _HookedFileSystemWriter(dcp.FileSystemWriter):
@@ -175,7 +190,7 @@ class _NvrxAsyncWriter:
 
         path.mkdir(parents=True, exist_ok=True)
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            _plain(state), FileSystemWriterAsync(path), process_group=self._pg)
+            _cpu_snapshot(_plain(state)), FileSystemWriterAsync(path), process_group=self._pg)
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
         self._queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn))

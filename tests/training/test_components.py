@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import errno
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint import CheckpointManager, committed_checkpoints
+from training.checkpoint import CheckpointManager, _NvrxAsyncWriter, committed_checkpoints
 from training.config import MODEL_PRESETS
 from training.data import TokenStream, write_token_file
 from training.events import EventLog, read_events
@@ -145,3 +146,69 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
     assert "falling back to step_00000001" in caplog.text
     assert [s for s, _ in committed_checkpoints(m.dir)] == [1]  # the corrupt one is set aside
     assert list(m.dir.glob("corrupt-step_00000002-*"))
+
+
+# ---- NVRx's async writer (CUDA only), with NVRx's pieces replaced by fakes ------------------------
+
+
+class _FakeQueue:
+    """AsyncCallsQueue whose worker writes only when waited for: later than the training steps
+    that follow the save, as NVRx's persistent worker may."""
+
+    def __init__(self, persistent: bool = True) -> None:
+        self.requests: list = []
+        self.closed: list[bool] = []  # the `abort` of each close()
+
+    def schedule_async_request(self, request) -> None:  # noqa: ANN001
+        self.requests.append(request)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False) -> None:
+        while blocking and self.requests:
+            request = self.requests.pop(0)
+            request.async_fn(*request.async_fn_args)
+            for finalize in request.finalize_fns:
+                finalize()
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self.requests)
+
+    def close(self, abort: bool = False) -> None:
+        self.closed.append(abort)
+
+
+class _FakeFileSystemWriterAsync:
+    written: list[dict] = []
+
+    def __init__(self, path: Path) -> None:
+        self.state: dict = {}
+
+    def get_save_function_and_args(self):  # noqa: ANN201
+        return lambda: self.written.append(self.state), None, []
+
+
+@pytest.fixture()
+def fake_nvrx(monkeypatch) -> list[dict]:
+    """NVRx's async checkpointing faked at the names _NvrxAsyncWriter imports; returns the list of
+    state dicts its worker wrote, each as read at write time."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async, state_dict_saver
+
+    def plan(state_dict, writer, process_group=None):  # noqa: ANN001, ANN202
+        writer.state = state_dict
+        return writer, None, None
+
+    monkeypatch.setattr(core, "AsyncCallsQueue", _FakeQueue)
+    monkeypatch.setattr(filesystem_async, "FileSystemWriterAsync", _FakeFileSystemWriterAsync)
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", plan)
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_finalize", lambda *args: None)
+    monkeypatch.setattr(_FakeFileSystemWriterAsync, "written", [])
+    return _FakeFileSystemWriterAsync.written
+
+
+def test_nvrx_writer_writes_the_cpu_state_of_its_step(fake_nvrx, tmp_path):
+    step = torch.tensor(3.0)  # AdamW's step: a CPU tensor, incremented in place by the next step
+    writer = _NvrxAsyncWriter(None)
+    writer.start({"optimizer": {"state": {"w": {"step": step, "exp_avg": torch.ones(2)}}}}, tmp_path / "s3", 3)
+    step += 1  # training goes on while the save is in flight
+    assert writer.done(blocking=True)
+    [written] = fake_nvrx
+    assert written["optimizer"]["state"]["w"]["step"].item() == 3.0
