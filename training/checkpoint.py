@@ -137,6 +137,9 @@ class _AsyncWriter(Protocol):
     def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
+    def close(self, abort: bool) -> None:
+        """Release the writer. abort: the run is dying and peers may be gone, so stop any
+        in-flight save without collectives; otherwise no save is in flight any more."""
 
 
 class _TorchAsyncWriter:
@@ -166,6 +169,12 @@ class _TorchAsyncWriter:
             return False
         self._future.result()  # re-raises a failed save's exception
         return True
+
+    def close(self, abort: bool) -> None:
+        # A thread cannot be stopped: an aborted save fails once the process groups are torn down.
+        # Closing the stager frees its staging copy of the state now, not when a cyclic GC finds it
+        # (every in-process restart builds a new writer).
+        self._stager.close()
 
 
 class _NvrxAsyncWriter:
@@ -198,6 +207,12 @@ class _NvrxAsyncWriter:
     def done(self, blocking: bool) -> bool:
         self._queue.maybe_finalize_async_calls(blocking=blocking)
         return self._queue.get_num_unfinalized_calls() == 0
+
+    def close(self, abort: bool) -> None:
+        # NVRx 0.7.0: abort terminates the persistent worker (SIGTERM, then SIGKILL) and skips the
+        # finalization. Left to garbage collection, the queue's __del__ runs a plain close, whose
+        # blocking finalization waits for the worker and then all-reduces over a torn-down group.
+        self._queue.close(abort=abort)
 
 
 def _make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None,
@@ -370,7 +385,17 @@ class CheckpointManager:
 
     # ---- helpers ---------------------------------------------------------------------------
     def close(self) -> None:
+        """End of the run, on every rank: commit the in-flight save, then release the writer."""
         self.wait()
+        if self._writer is not None:
+            self._writer.close(abort=False)
+
+    def abort(self) -> None:
+        """The run dies (an exception, an in-process restart): stop the in-flight save without a
+        collective; it stays an uncommitted .tmp- dir, removed by the next manager."""
+        self._inflight = None
+        if self._writer is not None:
+            self._writer.close(abort=True)
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:

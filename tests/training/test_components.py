@@ -10,11 +10,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from training import checkpoint
 from training.checkpoint import CheckpointManager, _NvrxAsyncWriter, committed_checkpoints
-from training.config import MODEL_PRESETS
+from training.config import MODEL_PRESETS, load_train_config
 from training.data import TokenStream, write_token_file
+from training.distributed import free_port
 from training.events import EventLog, read_events
+from training.faults import FaultInjected
 from training.model import PRESETS, build_model
+from training.train import run
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -212,3 +216,31 @@ def test_nvrx_writer_writes_the_cpu_state_of_its_step(fake_nvrx, tmp_path):
     assert writer.done(blocking=True)
     [written] = fake_nvrx
     assert written["optimizer"]["state"]["w"]["step"].item() == 3.0
+
+
+@pytest.mark.parametrize("fault, closed", [(None, [False]), ("exception@3", [True])])
+def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx, monkeypatch, tmp_path, fault, closed):
+    """`run` is one in-process restart iteration: dying with a save in flight, it must stop NVRx's
+    worker itself (close(abort=True)), not leave that to the queue's garbage collection."""
+    queues = []
+
+    def nvrx_writer(device, group, hook):  # noqa: ANN001, ANN202 (on CPU too)
+        writer = _NvrxAsyncWriter(group)
+        queues.append(writer._queue)
+        return writer
+
+    monkeypatch.setattr(checkpoint, "_make_async_writer", nvrx_writer)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_train_config(None, [f"run_dir={tmp_path}", "training.device=cpu", "training.steps=4",
+                                   "checkpoint.interval=2", "checkpoint.mode=async",
+                                   *([f"faults={fault}"] if fault else [])])
+    if fault:
+        with pytest.raises(FaultInjected):
+            run(cfg)  # the save of step 2 is still in flight at the fault
+    else:
+        run(cfg)
+        assert [s for s, _ in committed_checkpoints(cfg.checkpoint_dir)] == [4, 2]
+    [queue] = queues
+    assert queue.closed == closed
