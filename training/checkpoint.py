@@ -14,9 +14,11 @@ rename) and fsyncs the parent. A crash at any point before the rename leaves onl
 Async mode: the state is staged (copied) synchronously, then written in the background while
 training goes on; `poll()` (called every step on every rank) commits a finished save. At most one
 save is in flight: the next waits for it (the wait is emitted as ckpt_blocked) or, with
-when_busy=skip, is skipped with a log line. On CPU the background writer is torch's
-`dcp.async_save` (thread executor, own gloo group, so its collectives never interleave with the
-training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
+when_busy=skip, is skipped with a log line. Ranks can see a save finish at different polls (the
+torch writer's check is local), so a save stays in flight until the next `save` or `wait`, where
+all ranks decide together. On CPU the background writer is torch's `dcp.async_save` (thread
+executor, own gloo group, so its collectives never interleave with the training group's); on CUDA
+with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
 
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
 goes on. Loading takes the newest complete checkpoint; if that fails to load, it is set aside
@@ -234,6 +236,7 @@ class _InFlight:
     step: int
     tmp: Path
     started: float
+    settled: bool = False  # this rank saw it end; rank 0 has committed it or reported its failure
 
 
 class CheckpointManager:
@@ -291,19 +294,22 @@ class CheckpointManager:
             self._commit(step, tmp, t0)
 
     def poll(self) -> None:
-        """Commit the in-flight async save if it has finished (non-blocking)."""
-        if self._inflight is not None:
-            self._finish(blocking=False)
+        """Commit the in-flight async save if this rank sees it finished (non-blocking). It still
+        counts as in flight until `save` or `wait`: a peer may not have seen it finish yet."""
+        if self._inflight is not None and not self._inflight.settled:
+            self._settle(blocking=False)
 
     def wait(self) -> None:
         """Block until the in-flight async save is committed or has failed."""
         if self._inflight is not None:
-            self._finish(blocking=True)
+            if not self._inflight.settled:
+                self._settle(blocking=True)
+            self._inflight = None
 
     def _all_done(self) -> bool:
         assert self._writer is not None and self._inflight is not None
         try:
-            done = self._writer.done(blocking=False)
+            done = self._inflight.settled or self._writer.done(blocking=False)
         except _SAVE_ERRORS:  # failed counts as done; `wait` reports it
             done = True
         if not self.distributed:
@@ -312,17 +318,19 @@ class CheckpointManager:
         dist.all_reduce(flag)  # every rank must take the same skip/wait decision
         return int(flag.item()) == 0
 
-    def _finish(self, blocking: bool) -> None:
+    def _settle(self, blocking: bool) -> None:
         assert self._writer is not None and self._inflight is not None
         inflight = self._inflight
         try:
             if not self._writer.done(blocking):
                 return
         except _SAVE_ERRORS as err:
-            self._inflight = None
+            inflight.settled = True
             self._failed(inflight.step, inflight.tmp, err)
             return
-        self._inflight = None
+        inflight.settled = True
+        # Rank 0's save returns only after every rank's write result reached it and .metadata is
+        # written: the save is durable whatever the other ranks have seen.
         self._commit(inflight.step, inflight.tmp, inflight.started)
 
     def _commit(self, step: int, tmp: Path, started: float) -> None:
