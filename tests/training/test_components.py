@@ -1,6 +1,7 @@
 """Single-process checks of the components: model presets, the data stream, the checkpoint manager."""
 from __future__ import annotations
 
+import copy
 import errno
 import threading
 from pathlib import Path
@@ -187,7 +188,7 @@ class _FakeFileSystemWriterAsync:
         self.state: dict = {}
 
     def get_save_function_and_args(self):  # noqa: ANN201
-        return lambda: self.written.append(self.state), None, []
+        return lambda: self.written.append(copy.deepcopy(self.state)), None, []
 
 
 @pytest.fixture()
