@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The bench on one GPU (H100/H200): the 1b preset in one NCCL process (NCCL refuses two ranks on one
-# device), sync vs NVRx async checkpoint blocking (training/checkpoint.py's async_ckpt path), and
-# in-process vs in-job recovery; writes bench/results/<date>_gpu.{json,md,png}, the same schema as
-# `make bench`. About 5-8 minutes on an H200; needs about 35 GB of free disk (15 GB per 1b checkpoint).
+# The checks and the bench on one GPU (H100/H200). First the exact-resume check (bench/resume.py,
+# about a minute): a tiny run with NVRx async checkpoints and an injected exception must end bitwise
+# equal to the same run uninterrupted. Then the bench: the 1b preset in one NCCL process (NCCL
+# refuses two ranks on one device), sync vs NVRx async checkpoint blocking (training/checkpoint.py's
+# async_ckpt path), and in-process vs in-job recovery; writes bench/results/<date>_gpu.{json,md,png},
+# the same schema as `make bench`. About 5-8 minutes on an H200; needs about 35 GB of free disk (15 GB
+# per 1b checkpoint). The last line repeats the check's verdict: "exact resume on CUDA: PASS" or
+# "... FAIL"; the exit status is 1 when the check failed, else the bench's.
 #
 # Needs: torch with CUDA, nvidia-resiliency-ext (ft_launcher, async_ckpt), psutil, pyyaml,
 # matplotlib. PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
 #
 # Without a CUDA device it measures nothing: it prints "no CUDA device" and exits 2, so that no
-# caller mistakes a CPU machine's run for GPU figures. Extra arguments go to `python -m bench.run`.
+# caller mistakes a CPU machine's run for GPU figures. `--resume-only` runs the check alone; other
+# arguments go to `python -m bench.run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
@@ -25,4 +30,14 @@ if ! "$PYTHON" -c 'import nvidia_resiliency_ext.checkpointing.async_ckpt' 2>/dev
     exit 2
 fi
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning}"
-exec "$PYTHON" -m bench.run --gpu "$@"
+resume_status=0
+"$PYTHON" -m bench.resume || resume_status=$?
+if [[ "${1:-}" == --resume-only ]]; then
+    exit "$resume_status"
+fi
+bench_status=0
+"$PYTHON" -m bench.run --gpu "$@" || bench_status=$?
+if (( resume_status == 0 )); then verdict=PASS; else verdict="FAIL (see bench.resume's line above)"; fi
+echo "bench/gpu.sh: exact resume on CUDA: $verdict; bench exit status $bench_status"
+if (( resume_status != 0 )); then exit 1; fi
+exit "$bench_status"

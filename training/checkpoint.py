@@ -20,9 +20,11 @@ checkpoints exist but none loads, training refuses to start at step 0 unless tol
 Async mode: the state is staged (copied) synchronously, then written in the background while
 training goes on; `poll()` (called every step on every rank) commits a finished save. At most one
 save is in flight: the next waits for it (the wait is emitted as ckpt_blocked) or, with
-when_busy=skip, is skipped with a log line. On CPU the background writer is torch's
-`dcp.async_save` (thread executor, own gloo group, so its collectives never interleave with the
-training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
+when_busy=skip, is skipped with a log line. Ranks can see a save finish at different polls (the
+torch writer's check is local), so a save stays in flight until the next `save` or `wait`, where
+all ranks decide together. On CPU the background writer is torch's `dcp.async_save` (thread
+executor, own gloo group, so its collectives never interleave with the training group's); on CUDA
+with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
 
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
 goes on.
@@ -51,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils._pytree import tree_map_only
 
 from training.events import EventLog
 from training.fault_tolerance import RESUME_STEP_FILE, resume_step_file
@@ -116,6 +119,20 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
 
 
+def _cpu_snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with its CPU tensors cloned: a writer that reads them later still writes this step.
+
+    NVRx's persistent worker reads the planned tensors when it preloads and writes them. CUDA
+    tensors are copied to the host in its preload, which `schedule_async_request` waits for. CPU
+    tensors: 0.7.0's FileSystemWriterAsync.prepare_write_data clones them while planning (or copies
+    them into shared-memory snapshots with use_cpu_shm_for_gpu_tensors); 0.4.1 clones only views and
+    hands the live tensor to the worker. AdamW's `step` tensors live on the CPU and the next
+    optimizer step increments them in place: such a save records a later step count than its
+    weights. This copy makes the save hold its step whatever NVRx does; the CPU part of a CUDA
+    state is small (optimizer steps, RNG states)."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.device.type == "cpu" else t, state)
+
+
 class _HookedFileSystemWriter(dcp.FileSystemWriter):
     """FileSystemWriter whose shard writing runs through a WriteHook (fault injection)."""
 
@@ -135,6 +152,9 @@ class _AsyncWriter(Protocol):
     def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
+    def close(self, abort: bool) -> None:
+        """Release the writer. abort: the run is dying and peers may be gone, so stop any
+        in-flight save without collectives; otherwise no save is in flight any more."""
 
 
 class _TorchAsyncWriter:
@@ -165,6 +185,12 @@ class _TorchAsyncWriter:
         self._future.result()  # re-raises a failed save's exception
         return True
 
+    def close(self, abort: bool) -> None:
+        # A thread cannot be stopped: an aborted save fails once the process groups are torn down.
+        # Closing the stager frees its staging copy of the state now, not when a cyclic GC finds it
+        # (every in-process restart builds a new writer).
+        self._stager.close()
+
 
 class _NvrxAsyncWriter:
     """NVRx async checkpointing (CUDA only: it stages with CUDA copies). Planning is collective
@@ -188,7 +214,7 @@ class _NvrxAsyncWriter:
 
         path.mkdir(parents=True, exist_ok=True)
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            _plain(state), FileSystemWriterAsync(path), process_group=self._pg)
+            _cpu_snapshot(_plain(state)), FileSystemWriterAsync(path), process_group=self._pg)
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
         self._queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn))
@@ -196,6 +222,12 @@ class _NvrxAsyncWriter:
     def done(self, blocking: bool) -> bool:
         self._queue.maybe_finalize_async_calls(blocking=blocking)
         return self._queue.get_num_unfinalized_calls() == 0
+
+    def close(self, abort: bool) -> None:
+        # NVRx 0.7.0: abort terminates the persistent worker (SIGTERM, then SIGKILL) and skips the
+        # finalization. Left to garbage collection, the queue's __del__ runs a plain close, whose
+        # blocking finalization waits for the worker and then all-reduces over a torn-down group.
+        self._queue.close(abort=abort)
 
 
 def _make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None,
@@ -274,6 +306,7 @@ class _InFlight:
     step: int
     tmp: Path
     started: float
+    settled: bool = False  # this rank saw it end; rank 0 has committed it or reported its failure
 
 
 class CheckpointManager:
@@ -337,19 +370,22 @@ class CheckpointManager:
             self._commit(step, tmp, t0)
 
     def poll(self) -> None:
-        """Commit the in-flight async save if it has finished (non-blocking)."""
-        if self._inflight is not None:
-            self._finish(blocking=False)
+        """Commit the in-flight async save if this rank sees it finished (non-blocking). It still
+        counts as in flight until `save` or `wait`: a peer may not have seen it finish yet."""
+        if self._inflight is not None and not self._inflight.settled:
+            self._settle(blocking=False)
 
     def wait(self) -> None:
         """Block until the in-flight async save is committed or has failed."""
         if self._inflight is not None:
-            self._finish(blocking=True)
+            if not self._inflight.settled:
+                self._settle(blocking=True)
+            self._inflight = None
 
     def _all_done(self) -> bool:
         assert self._writer is not None and self._inflight is not None
         try:
-            done = self._writer.done(blocking=False)
+            done = self._inflight.settled or self._writer.done(blocking=False)
         except _SAVE_ERRORS:  # failed counts as done; `wait` reports it
             done = True
         if not self.distributed:
@@ -358,18 +394,20 @@ class CheckpointManager:
         dist.all_reduce(flag)  # every rank must take the same skip/wait decision
         return int(flag.item()) == 0
 
-    def _finish(self, blocking: bool) -> None:
+    def _settle(self, blocking: bool) -> None:
         assert self._writer is not None and self._inflight is not None
         inflight = self._inflight
         try:
             if not self._writer.done(blocking):
                 return
         except _SAVE_ERRORS as err:
-            self._inflight = None
+            inflight.settled = True
             self._failed(inflight.step, inflight.tmp, err)
             return
-        self._inflight = None
+        inflight.settled = True
         self._saved(inflight.step, inflight.started)
+        # Rank 0's save returns only after every rank's write result reached it and .metadata is
+        # written: the save is durable whatever the other ranks have seen.
         self._commit(inflight.step, inflight.tmp, inflight.started)
 
     def _saved(self, step: int, started: float) -> None:
@@ -462,7 +500,17 @@ class CheckpointManager:
 
     # ---- helpers ---------------------------------------------------------------------------
     def close(self) -> None:
+        """End of the run, on every rank: commit the in-flight save, then release the writer."""
         self.wait()
+        if self._writer is not None:
+            self._writer.close(abort=False)
+
+    def abort(self) -> None:
+        """The run dies (an exception, an in-process restart): stop the in-flight save without a
+        collective; it stays an uncommitted .tmp- dir, removed by the next manager."""
+        self._inflight = None
+        if self._writer is not None:
+            self._writer.close(abort=True)
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:

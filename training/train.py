@@ -209,39 +209,43 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
     tokens_per_step = t.batch_size * t.seq_len * info.world_size
     monitor.end_setup()
 
-    while train_state.step < t.steps:
-        step = train_state.step + 1
-        injector.maybe_fire(step)
-        with monitor.section("step"):
-            t0 = time.perf_counter()
-            batch = stream.next_batch()
-            mean_loss, drain = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info,
-                                          drain_signal.flag)
-            step_time = time.perf_counter() - t0
-        train_state.step = step
-        monitor.step_done()
-        if restart is not None:
-            restart.step_done(step, state)
-        if lead:
-            events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
-                        tokens=tokens_per_step)
-        if samples is not None:
-            samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
-            samples.flush()
-        progress.update(step, mean_loss, step_time, tokens_per_step)
-        if drain:
-            with monitor.section("checkpoint"):
-                _drain(step, state, ckpt, drain_signal, events, lead)
-        ckpt.poll()
-        if step % cfg.checkpoint.interval == 0:
-            with monitor.section("checkpoint"):
-                ckpt.save(step, state)
+    try:
+        while train_state.step < t.steps:
+            step = train_state.step + 1
+            injector.maybe_fire(step)
+            with monitor.section("step"):
+                t0 = time.perf_counter()
+                batch = stream.next_batch()
+                mean_loss, drain = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info,
+                                              drain_signal.flag)
+                step_time = time.perf_counter() - t0
+            train_state.step = step
+            monitor.step_done()
+            if restart is not None:
+                restart.step_done(step, state)
+            if lead:
+                events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
+                            tokens=tokens_per_step)
+            if samples is not None:
+                samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
+                samples.flush()
+            progress.update(step, mean_loss, step_time, tokens_per_step)
+            if drain:
+                with monitor.section("checkpoint"):
+                    _drain(step, state, ckpt, drain_signal, events, lead)
+            ckpt.poll()
+            if step % cfg.checkpoint.interval == 0:
+                with monitor.section("checkpoint"):
+                    ckpt.save(step, state)
 
-    with monitor.section("checkpoint"):
-        ckpt.close()
-        if cfg.checkpoint.save_final:
-            dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
-                     checkpoint_id=Path(cfg.run_dir) / "final")
+        with monitor.section("checkpoint"):
+            ckpt.close()
+            if cfg.checkpoint.save_final:
+                dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
+                         checkpoint_id=Path(cfg.run_dir) / "final")
+    except BaseException:
+        ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
+        raise
     if samples is not None:
         samples.close()
     if lead:

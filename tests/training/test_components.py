@@ -1,19 +1,25 @@
 """Single-process checks of the components: model presets, the data stream, the checkpoint manager."""
 from __future__ import annotations
 
+import copy
 import errno
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint import CheckpointManager, committed_checkpoints
-from training.config import MODEL_PRESETS
+from training import checkpoint
+from training.checkpoint import CheckpointManager, _NvrxAsyncWriter, committed_checkpoints
+from training.config import MODEL_PRESETS, load_train_config
 from training.data import TokenStream, write_token_file
+from training.distributed import free_port
 from training.events import EventLog, read_events
+from training.faults import FaultInjected
 from training.model import PRESETS, build_model
+from training.train import run
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -145,3 +151,97 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
     assert "falling back to step_00000001" in caplog.text
     assert [s for s, _ in committed_checkpoints(m.dir)] == [1]  # the corrupt one is set aside
     assert list(m.dir.glob("corrupt-step_00000002-*"))
+
+
+# ---- NVRx's async writer (CUDA only), with NVRx's pieces replaced by fakes ------------------------
+
+
+class _FakeQueue:
+    """AsyncCallsQueue whose worker writes only when waited for: later than the training steps
+    that follow the save, as NVRx's persistent worker may."""
+
+    def __init__(self, persistent: bool = True) -> None:
+        self.requests: list = []
+        self.closed: list[bool] = []  # the `abort` of each close()
+
+    def schedule_async_request(self, request) -> None:  # noqa: ANN001
+        self.requests.append(request)
+
+    def maybe_finalize_async_calls(self, blocking: bool = False) -> None:
+        while blocking and self.requests:
+            request = self.requests.pop(0)
+            request.async_fn(*request.async_fn_args)
+            for finalize in request.finalize_fns:
+                finalize()
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self.requests)
+
+    def close(self, abort: bool = False) -> None:
+        self.closed.append(abort)
+
+
+class _FakeFileSystemWriterAsync:
+    written: list[dict] = []
+
+    def __init__(self, path: Path) -> None:
+        self.state: dict = {}
+
+    def get_save_function_and_args(self):  # noqa: ANN201
+        return lambda: self.written.append(copy.deepcopy(self.state)), None, []
+
+
+@pytest.fixture()
+def fake_nvrx(monkeypatch) -> list[dict]:
+    """NVRx's async checkpointing faked at the names _NvrxAsyncWriter imports; returns the list of
+    state dicts its worker wrote, each as read at write time."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async, state_dict_saver
+
+    def plan(state_dict, writer, process_group=None):  # noqa: ANN001, ANN202
+        writer.state = state_dict
+        return writer, None, None
+
+    monkeypatch.setattr(core, "AsyncCallsQueue", _FakeQueue)
+    monkeypatch.setattr(filesystem_async, "FileSystemWriterAsync", _FakeFileSystemWriterAsync)
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", plan)
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_finalize", lambda *args: None)
+    monkeypatch.setattr(_FakeFileSystemWriterAsync, "written", [])
+    return _FakeFileSystemWriterAsync.written
+
+
+def test_nvrx_writer_writes_the_cpu_state_of_its_step(fake_nvrx, tmp_path):
+    step = torch.tensor(3.0)  # AdamW's step: a CPU tensor, incremented in place by the next step
+    writer = _NvrxAsyncWriter(None)
+    writer.start({"optimizer": {"state": {"w": {"step": step, "exp_avg": torch.ones(2)}}}}, tmp_path / "s3", 3)
+    step += 1  # training goes on while the save is in flight
+    assert writer.done(blocking=True)
+    [written] = fake_nvrx
+    assert written["optimizer"]["state"]["w"]["step"].item() == 3.0
+
+
+@pytest.mark.parametrize("fault, closed", [(None, [False]), ("exception@3", [True])])
+def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx, monkeypatch, tmp_path, fault, closed):
+    """`run` is one in-process restart iteration: dying with a save in flight, it must stop NVRx's
+    worker itself (close(abort=True)), not leave that to the queue's garbage collection."""
+    queues = []
+
+    def nvrx_writer(device, group, hook):  # noqa: ANN001, ANN202 (on CPU too)
+        writer = _NvrxAsyncWriter(group)
+        queues.append(writer._queue)
+        return writer
+
+    monkeypatch.setattr(checkpoint, "_make_async_writer", nvrx_writer)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_train_config(None, [f"run_dir={tmp_path}", "training.device=cpu", "training.steps=4",
+                                   "checkpoint.interval=2", "checkpoint.mode=async",
+                                   *([f"faults={fault}"] if fault else [])])
+    if fault:
+        with pytest.raises(FaultInjected):
+            run(cfg)  # the save of step 2 is still in flight at the fault
+    else:
+        run(cfg)
+        assert [s for s, _ in committed_checkpoints(cfg.checkpoint_dir)] == [4, 2]
+    [queue] = queues
+    assert queue.closed == closed

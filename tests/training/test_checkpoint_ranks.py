@@ -1,0 +1,73 @@
+"""The checkpoint manager's collective decisions on two gloo ranks: with when_busy=skip, a rank that
+sees a save finish later than its peer must still take the same save/skip decision at the same
+call, or the ranks' collectives pair up wrongly (a hang, or garbage decisions)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import committed_checkpoints
+from training.distributed import free_port
+from training_helpers import REPO_ROOT
+
+# Each rank saves at every step (its own tensor, full of the step number), with a training step's
+# all-reduce in between; rank 1 sees each finished save only at its third non-blocking check, two
+# polls after rank 0 (which commits as soon as it sees it).
+_RANK = r"""
+import sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from training.checkpoint import CheckpointManager, _TorchAsyncWriter
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+rank = dist.get_rank()
+if rank == 1:
+    real_done, checks = _TorchAsyncWriter.done, {}
+
+    def late_done(self, blocking):
+        finished = real_done(self, blocking)
+        if blocking or not finished:
+            return finished
+        checks[self._future] = checks.get(self._future, 0) + 1
+        return checks[self._future] >= 3
+
+    _TorchAsyncWriter.done = late_done
+m = CheckpointManager(sys.argv[1], mode="async", keep=10, when_busy="skip")
+for step in range(1, 7):
+    m.poll()
+    m.save(step, {f"w{rank}": torch.full((4,), float(step))})
+    dist.all_reduce(torch.ones(1))  # the training step
+    while not m._writer._future.done():  # each save's write ends within a step
+        time.sleep(0.01)
+m.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process DCP load
+def test_skip_when_busy_is_one_decision_of_all_ranks(tmp_path):
+    directory = tmp_path / "ckpt"
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(directory)], cwd=REPO_ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RANK": str(rank), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    # saves 2, 4, 6 skipped on both ranks: rank 1 still had the previous one in flight
+    assert [step for step, _ in committed_checkpoints(directory)] == [5, 3, 1]
+    for step, path in committed_checkpoints(directory):
+        state = {"w0": torch.zeros(4), "w1": torch.zeros(4)}
+        dcp.load(state, checkpoint_id=path)
+        assert all(torch.equal(t, torch.full((4,), float(step))) for t in state.values())
