@@ -12,7 +12,9 @@ depend on the event:
   run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
   attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
   resume          step, source_kind, path          rank 0; source_kind: disk | memory | none
-  step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step
+  step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step; with
+                  [rollback_s]                     in-process restarts, rollback_s: seconds spent keeping
+                                                   the step in memory after it (training/rollback.py)
   ckpt_start      step                             rank 0
   ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
   ckpt_committed  step, path, seconds              rank 0: save visible; seconds from start to commit
