@@ -231,6 +231,17 @@ def test_a_changed_structure_gets_new_buffers():
     assert all(torch.equal(v, torch.full((6,), 3.0)) for v in restored.values.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_copied_into_pinned_buffers():
+    rollback, live = MemoryRollback(), Tensors(**{k: v.cuda() for k, v in _tensors(1, **SHAPES).items()})
+    for n in (1, 2, 3):
+        for v in live.values.values():
+            v.fill_(n)  # queued on the default stream: the save must wait for it
+        rollback.save(n, {"t": live})
+    [held] = [s.state["t"] for s in rollback._snapshots if s.step == 3]
+    assert all(v.is_pinned() and torch.equal(v, torch.full_like(v, 3.0)) for v in held.values())
+
+
 class Interrupt(BaseException):
     """Stands for the Wrapper's asynchronous RankShouldRestart."""
 
