@@ -5,6 +5,6 @@
 
 Modules, one job each: profile (run sizes), floor (process start-up floor), stall (sync vs async
 checkpoint blocking), cluster (local-cluster runs with bench-driven faults), mechanisms (recovery
-mechanisms and their fault runs), checks (figures against reference and targets), results (the JSON),
-table (Markdown), plot (PNG), run (the CLI).
+mechanisms and their fault runs), rollback (the in-memory rollback's cost), checks (figures against
+reference and targets), results (the JSON), table (Markdown), plot (PNG), run (the CLI).
 """

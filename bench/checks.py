@@ -6,7 +6,8 @@ for a plain Kubernetes restart. A reference figure that is a baseline to beat, n
 (synchronous efficiency, the Kubernetes restart), is shown with status BASELINE.
 Targets (the issue): async blocking <= 10% of sync blocking; sync costs at least 10% at the
 measured interval (the condition of the measurement); in-process recovery <= 0.5x in-job with
-<= 1 step lost; in-job recovery <= 2x the floor of this machine.
+<= 1 step lost; in-job recovery <= 2x the floor of this machine; the in-memory rollback after each
+step <= 5% of the step time.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from typing import Callable
 
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
+from bench.rollback import RollbackResult
 from bench.stall import StallResult, leaves_no_cpu_spare
 
 REFERENCE = "AWS post (2-8 p5 nodes)"
 ISSUE = "target"
 REFERENCE_RECOVERY_S = {"inprocess": 10.0, "injob": 17.0, "injob_fresh": 17.0, "k8s_restart": 270.0}
 REFERENCE_EFFICIENCY = {"async": 0.99, "sync": 0.60}
+ROLLBACK_COST = 0.05  # of the step time
 SPARE_CPU_FIGURE = ", one CPU spare for the writer"
 
 
@@ -115,3 +118,8 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
                              f"{'~' if baseline else '<= '}{reference:g} s", REFERENCE,
                              None if baseline else (lambda v, r=reference: v <= r), why(name)))
     return checks
+
+
+def rollback_checks(r: RollbackResult | None, missing: str) -> list[Check]:
+    return [_check("in-memory rollback per step / step time (in-process run)", None if r is None else r.cost_ratio,
+                   "%", f"<= {ROLLBACK_COST:.0%}", ISSUE, lambda v: v <= ROLLBACK_COST, missing)]

@@ -33,6 +33,10 @@ class Profile:
     tail_steps: int  # steps after the last fault
     checkpoint_interval: int
     floor_repeats: int
+    # In-memory rollback: a synthetic shard of this size saved by training/rollback.py, for the host copy
+    # bandwidth (its cost per step comes from the in-process fault run). CPU: a rank's share of the stall's
+    # state; GPU: enough for a steady device-to-host figure.
+    rollback_copy_bytes: int
 
     @property
     def world(self) -> int:
@@ -52,14 +56,16 @@ ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "k8s_restart")
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
-               faults=5, first_fault=15, fault_spacing=25, tail_steps=10, checkpoint_interval=10, floor_repeats=3)
+               faults=5, first_fault=15, fault_spacing=25, tail_steps=10, checkpoint_interval=10, floor_repeats=3,
+               rollback_copy_bytes=512 * MiB)
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: under 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
 # saves in about 0.1 s, so the calibrated interval falls to its minimum and the figures say nothing.
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                 stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
                 mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
-                faults=2, first_fault=15, fault_spacing=15, tail_steps=3, checkpoint_interval=10, floor_repeats=1)
+                faults=2, first_fault=15, fault_spacing=15, tail_steps=3, checkpoint_interval=10, floor_repeats=1,
+                rollback_copy_bytes=128 * MiB)
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node
 # loss and full restarts need several nodes). Few saves: each writes about 15 GB; the first fault
@@ -67,4 +73,5 @@ QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_
 GPU = Profile("gpu", "cuda", state_bytes=0, stall_preset="1b", stall_world=1, stall_interval=5, stall_saves=1,
               matmuls_per_step=0, stall_spare_cpu=False,
               mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
-              faults=3, first_fault=25, fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1)
+              faults=3, first_fault=25, fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1,
+              rollback_copy_bytes=4096 * MiB)

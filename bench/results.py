@@ -17,10 +17,12 @@ from bench.checks import Check
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.profile import Profile
+from bench.rollback import RollbackResult
 from bench.stall import StallResult
 
 SCHEMA = "bench-result/1"
 SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer
+ROLLBACK = "rollback"  # the in-memory rollback's cost (bench/rollback.py)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class BenchResult:
     checkpoint_spare_cpu: StallResult | None  # SPARE_CPU; None where not run or not measured
     floor: FloorResult | None
     recovery: dict[str, MechanismResult]
+    rollback: RollbackResult | None  # ROLLBACK; None where not measured
     unavailable: dict[str, str]  # mechanism or part -> why it was not measured
     checks: tuple[Check, ...]
     schema: str = field(default=SCHEMA)

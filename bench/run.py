@@ -4,8 +4,9 @@
 
 Runs, in this order, on the local emulated cluster (training.local): the floor of this machine,
 the checkpoint stall (sync vs async; in the full CPU profile, where its ranks keep every CPU busy,
-again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do), and
-one fault run per recovery mechanism. Writes
+again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do),
+one fault run per recovery mechanism, and the in-memory rollback's cost per step (from the
+in-process run) and host copy bandwidth. Writes
 <results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
 still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (under 3 minutes on 2 cores).
@@ -21,12 +22,13 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from bench.checks import recovery_checks, spare_cpu_checks, stall_checks
+from bench.checks import recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult, measure_floor
 from bench.mechanisms import MECHANISMS, MechanismResult, Unavailable, measure_mechanism
 from bench.plot import plot_result
 from bench.profile import FULL, GPU, QUICK, Profile
-from bench.results import SPARE_CPU, BenchResult, Machine, write_json
+from bench.results import ROLLBACK, SPARE_CPU, BenchResult, Machine, write_json
+from bench.rollback import RollbackResult, measure_rollback
 from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
 
@@ -69,6 +71,22 @@ def _measure_stall_part(part: str, measure: Callable[[], StallResult],
     return stall
 
 
+def run_rollback(p: Profile, recovery: dict[str, MechanismResult],
+                 unavailable: dict[str, str]) -> RollbackResult | None:
+    if "inprocess" not in recovery:
+        unavailable[ROLLBACK] = f"needs the in-process run ({unavailable.get('inprocess', 'not run')})"
+        return None
+    try:
+        r = measure_rollback(Path(recovery["inprocess"].run_dir), p.rollback_copy_bytes, p.device)
+    except Exception as err:  # noqa: BLE001 - a part that fails is reported, the others still run
+        traceback.print_exc()
+        unavailable[ROLLBACK] = _failure(err)
+        return None
+    say(f"in-memory rollback: {r.save_s * 1e3:.2f} ms per step, {r.cost_ratio:.1%} of the step time; host copy "
+        f"{r.copy_gbps:.1f} GB/s")
+    return r
+
+
 def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
     started = time.monotonic()
     cpus = os.cpu_count() or 1
@@ -100,14 +118,17 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             unavailable[m.name] = _failure(err)
+    say(f"in-memory rollback: cost per step, host copy of {p.rollback_copy_bytes >> 20} MiB")
+    rollback = run_rollback(p, recovery, unavailable)
     machine = Machine.here(p.device)
     checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), cpus),
               *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), cpus,
                                 run=spare_world is not None),
-              *recovery_checks(recovery, unavailable, floor, p.mechanisms))
+              *recovery_checks(recovery, unavailable, floor, p.mechanisms),
+              *rollback_checks(rollback, unavailable.get(ROLLBACK, "not measured")))
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,
-                       unavailable=unavailable, checks=checks)
+                       rollback=rollback, unavailable=unavailable, checks=checks)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

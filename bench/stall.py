@@ -186,7 +186,7 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
     torch.set_num_threads(1)  # one core per rank, as the local cluster's OMP_NUM_THREADS=1
     info = init_distributed(spec.device, timeout_s=600)
     try:
-        state = _synthetic_state(spec.state_bytes // spec.world, rank, info.device)
+        state = synthetic_state(spec.state_bytes // spec.world, rank, info.device)
         a = torch.randn(512, 512, device=info.device)
         interval = _calibrate(spec, root / "stall-calibration", state, a, info.device)
         walls, cpus = _interleaved(spec, interval, run_dirs, state, a, info.device)
@@ -202,7 +202,7 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
         teardown()
 
 
-def _synthetic_state(nbytes: int, rank: int, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+def synthetic_state(nbytes: int, rank: int, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
     # Rank-unique keys: DCP writes each rank's shard (identical keys would be deduplicated as replicas).
     chunks, rest = divmod(nbytes, CHUNK_BYTES)
     sizes = [CHUNK_BYTES] * chunks + ([rest] if rest else [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 from bench.checks import REFERENCE_RECOVERY_S, Check
 from bench.mechanisms import MECHANISMS
 from bench.profile import FULL, QUICK
-from bench.results import SPARE_CPU, BenchResult
+from bench.results import ROLLBACK, SPARE_CPU, BenchResult
 from bench.stall import CALIBRATED_SYNC_COST, StallResult
 
 
@@ -84,6 +84,20 @@ def recovery_table(r: BenchResult) -> list[str]:
     return lines
 
 
+def rollback_table(r: BenchResult) -> list[str]:
+    title = "In-memory rollback (training/rollback.py)"
+    x = r.rollback
+    if x is None:
+        return [f"{title}: not measured ({r.unavailable.get(ROLLBACK, 'unknown reason')})"]
+    shard = f"{x.copy_bytes >> 20} MiB"
+    return [f"{title}: the in-process run's save after each step (rank 0, medians over {x.steps} steps), and a "
+            f"synthetic {shard} shard saved the same way on {r.profile.device} for the copy bandwidth", "",
+            *_header("save per step (state_dict() and copy)", "step time", "save / step time",
+                     f"save of the {shard} shard", "host copy bandwidth"),
+            _row(f"{x.save_s * 1e3:.2f} ms", f"{x.step_s * 1e3:.1f} ms", _fmt(x.cost_ratio, "%"),
+                 f"{x.copy_s * 1e3:.1f} ms", f"{x.copy_gbps:.1f} GB/s")]
+
+
 def checks_table(checks: tuple[Check, ...]) -> list[str]:
     lines = ["Measured vs reference and targets", "", *_header("figure", "measured", "reference / target",
                                                                "source", "status")]
@@ -100,5 +114,5 @@ def format_markdown(r: BenchResult) -> str:
     notes = [f"Quick mode: {p.faults} faults per mechanism (make bench: {FULL.faults}), {p.state_bytes >> 20} MiB of "
              f"state (make bench: {FULL.state_bytes >> 20} MiB), {p.world} ranks (make bench: {FULL.world}); "
              "figures are noisier."] if p.name == QUICK.name else []
-    sections = [[title, *notes], stall_table(r), recovery_table(r), checks_table(r.checks)]
+    sections = [[title, *notes], stall_table(r), recovery_table(r), rollback_table(r), checks_table(r.checks)]
     return "\n\n".join("\n".join(s) for s in sections) + "\n"

@@ -16,7 +16,9 @@ depend on the event:
   state_derived   step, saved_world_size,          rank 0: the checkpoint was resharded to another world
                   world_size, keys                 size; `keys`: per-rank state it lacked, derived
                                                    deterministically instead
-  step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step
+  step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step; with
+                  [rollback_s]                     in-process restarts, rollback_s: seconds spent keeping
+                                                   the step in memory after it (training/rollback.py)
   ckpt_start      step                             rank 0
   ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
   ckpt_committed  step, path, seconds              rank 0: save visible; seconds from start to commit

@@ -7,10 +7,23 @@ The copies live in the process, which an in-process restart keeps; a new process
 starts empty and loads from disk. Two steps are kept: ranks can be one step apart when a fault
 strikes (FSDP2's optimizer step is local, so a rank may finish step N while a peer fails before the
 end of it), and `restore` agrees on the newest step every rank holds.
+
+Cost: each kept step has its own set of host buffers, allocated at its first save and overwritten by
+later ones (fresh memory every step means page faults on every byte, hundreds of MB a step at 8b).
+For CUDA tensors the buffers are pinned and the copies run on a side stream, so a device-to-host
+copy goes at the link's speed without a pageable bounce; on CPU they are plain tensors. A buffer whose tensor
+changed shape or dtype, or appeared (AdamW creates its moments at the first step), is allocated anew.
+
+Publication: a save writes over the older snapshot (or one that holds no complete step), which holds
+no step from the moment the write begins until the copy has completed. An asynchronous restart
+exception landing mid-copy therefore leaves the newest snapshot whole and the one being written
+unused: `restore` never reads a half-written set.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,17 +33,23 @@ from torch.distributed.tensor import DTensor
 KEEP = 2
 
 
-def host_copy(value: Any) -> Any:
-    """A detached host copy: DTensors as their local shard, containers recursed, other leaves as is
-    (state_dict() returns fresh ints/strings)."""
+def copy_into(value: Any, buffers: Any) -> Any:
+    """`value` as host tensors: DTensors as their local shard, containers recursed, other leaves as is
+    (state_dict() returns fresh ints/strings). A tensor is copied into the tensor at the same place in
+    `buffers` (an earlier result, or None) when shape and dtype match, else into a new one. Copies from
+    CUDA are asynchronous on the current stream: synchronize it before reading the result."""
     if isinstance(value, DTensor):
         value = value.to_local()
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        fits = isinstance(buffers, torch.Tensor) and buffers.shape == value.shape and buffers.dtype == value.dtype
+        target = buffers if fits else torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+        return target.copy_(value.detach(), non_blocking=True)
     if isinstance(value, dict):
-        return {k: host_copy(v) for k, v in value.items()}
+        old = buffers if isinstance(buffers, dict) else {}
+        return {k: copy_into(v, old.get(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(host_copy(v) for v in value)
+        old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(value) else (None,) * len(value)
+        return type(value)(copy_into(v, b) for v, b in zip(value, old))
     return value
 
 
@@ -49,34 +68,61 @@ def _fill(template: Any, saved: Any) -> Any:
     return saved
 
 
+@dataclass
+class _Snapshot:
+    step: int | None = None  # None: no complete step here (never written, or being written)
+    state: dict[str, Any] = field(default_factory=dict)  # host copy of each Stateful: the buffers a save reuses
+
+
 class MemoryRollback:
     def __init__(self) -> None:
-        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._snapshots = [_Snapshot() for _ in range(KEEP)]
+        self._stream: torch.cuda.Stream | None = None
 
     @property
     def steps(self) -> list[int]:
-        return sorted(self._snapshots)
+        return sorted(s.step for s in self._snapshots if s.step is not None)
 
     def save(self, step: int, state: dict[str, Stateful]) -> None:
-        snapshot = {key: host_copy(obj.state_dict()) for key, obj in state.items()}
-        # One assignment publishes it: an asynchronous restart exception cannot leave it half-written.
-        self._snapshots[step] = snapshot
-        for old in self.steps[:-KEEP]:
-            del self._snapshots[old]
+        # The oldest snapshot, or one holding no step: never the newest complete one.
+        target = min(self._snapshots, key=lambda s: -1 if s.step is None else s.step)
+        target.step = None  # from here until the copy is complete, restore cannot pick it
+        values = {key: obj.state_dict() for key, obj in state.items()}
+        with self._copying():
+            target.state = copy_into(values, target.state)
+        target.step = step  # one assignment publishes it
+
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """Where CUDA is in use: copies on a side stream that first waits for the step's kernels, and
+        complete when the block ends (an exception inside leaves them pending, into an unpublished set)."""
+        if not torch.cuda.is_initialized():
+            yield
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            yield
+        self._stream.synchronize()
 
     def restore(self, state: dict[str, Stateful]) -> int | None:
         """Load the newest step that every rank holds into `state` and return it; None (and `state`
         untouched) when some rank holds none. Collective: every rank calls it at the same point."""
-        newest = torch.tensor([max(self._snapshots, default=-1)])
+        newest = torch.tensor([max(self.steps, default=-1)])
         if dist.is_initialized():
             dist.all_reduce(newest, op=dist.ReduceOp.MIN)
         step = int(newest.item())
         if step < 0:
             return None
-        if step not in self._snapshots:  # ranks more than one step apart: cannot happen (see module doc)
+        snapshot = next((s for s in self._snapshots if s.step == step), None)
+        if snapshot is None:  # ranks more than one step apart: cannot happen (see module doc)
             raise RuntimeError(f"in-memory rollback: step {step} agreed but this rank holds {self.steps}")
-        snapshot = self._snapshots[step]
+        for newer in (s for s in self._snapshots if s.step is not None and s.step > step):
+            # a step the run goes back on: kept, it would make the next save overwrite `step`, the
+            # only step every rank can resume from until that save completes
+            newer.step = None
         templates = {key: obj.state_dict() for key, obj in state.items()}  # all first, as dcp.load
         for key, obj in state.items():
-            obj.load_state_dict(_fill(templates[key], snapshot[key]))
+            obj.load_state_dict(_fill(templates[key], snapshot.state[key]))
         return step

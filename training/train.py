@@ -221,11 +221,10 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
                 step_time = time.perf_counter() - t0
             train_state.step = step
             monitor.step_done()
-            if restart is not None:
-                restart.step_done(step, state)
+            rollback = {} if restart is None else {"rollback_s": round(restart.step_done(step, state), 5)}
             if lead:
                 events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
-                            tokens=tokens_per_step)
+                            tokens=tokens_per_step, **rollback)
             if samples is not None:
                 samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
                 samples.flush()

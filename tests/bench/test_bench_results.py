@@ -1,4 +1,5 @@
-"""The bench's figures from synthetic inputs: stall analysis, checks, JSON (with plan --from-bench), table, plot."""
+"""The bench's figures from synthetic inputs: stall analysis, rollback cost, checks, JSON (with plan --from-bench),
+table, plot."""
 from __future__ import annotations
 
 import json
@@ -6,14 +7,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from bench_samples import mechanism, sample_result, stall_pass
+from bench_samples import mechanism, sample_result, stall_pass, write_events
 
 from bench import run
-from bench.checks import SPARE_CPU_FIGURE, recovery_checks, spare_cpu_checks, stall_checks
+from bench.checks import SPARE_CPU_FIGURE, recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult
 from bench.plot import plot_result
-from bench.profile import ALL, FULL
+from bench.profile import ALL, FULL, QUICK
 from bench.results import SCHEMA, write_json
+from bench.rollback import cost_per_step, measure_rollback
 from bench.stall import CALIBRATED_SYNC_COST, StallSpec, analyse, calibrated_interval, spare_cpu_world, step_wall_s
 from bench.table import format_markdown
 from training import plan
@@ -63,6 +65,25 @@ def test_calibrated_interval_makes_sync_saves_cost_the_target_share() -> None:
     assert calibrated_interval(step_s=1.0, save_s=0.01) == 5 and calibrated_interval(1e-3, 100.0) == 100
 
 
+def _inprocess_steps(run_dir: Path, rollback_s: list[float], step_s: list[float]) -> Path:
+    records = [{"t": float(i), "event": "step", "step": i, "loss": 0.0, "step_time_s": s, "tokens": 0,
+                **({"rollback_s": r} if r is not None else {})}
+               for i, (r, s) in enumerate(zip(rollback_s, step_s, strict=True), start=1)]
+    return write_events(run_dir, [{"t": 0.0, "event": "resume", "step": 0, "source_kind": "none"}, *records])
+
+
+def test_rollback_cost_comes_from_the_inprocess_runs_step_events(tmp_path: Path) -> None:
+    # the first save also allocates the buffers: the median leaves it out
+    run_dir = _inprocess_steps(tmp_path / "inprocess", [0.05, 0.001, 0.002, 0.0015], [0.04, 0.02, 0.03, 0.025])
+    assert cost_per_step(run_dir) == (pytest.approx(0.00175), pytest.approx(0.0275), 4)
+    r = measure_rollback(run_dir, copy_bytes=4 << 20, device="cpu")  # and a 4 MiB shard really saved
+    assert r.cost_ratio == pytest.approx(0.00175 / 0.0275) and r.steps == 4
+    assert r.copy_s > 0 and r.copy_gbps == pytest.approx((4 << 20) / r.copy_s / 1e9)
+    injob = _inprocess_steps(tmp_path / "injob", [None, None], [0.02, 0.02])
+    with pytest.raises(ValueError, match="no step event has rollback_s"):
+        cost_per_step(injob)
+
+
 def _by_figure(checks) -> dict[str, str]:
     return {c.figure: c.status for c in checks}
 
@@ -81,6 +102,9 @@ def test_checks_pass_and_miss_against_targets() -> None:
     assert bad["in-process steps lost per fault (max)"] == "MISS"
     assert bad["in-job recovery / floor (fresh Python + import torch + join group)"] == "MISS"
     assert bad["k8s_restart median recovery"] == "BASELINE"
+    rollback = sample_result().rollback
+    assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.05), "")] == ["PASS"]
+    assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.08), "")] == ["MISS"]
 
 
 def test_missing_parts_are_not_available_with_the_reason() -> None:
@@ -91,6 +115,7 @@ def test_missing_parts_are_not_available_with_the_reason() -> None:
     assert {c.status for c in stall_checks(None, "disk full", cpus=2)} == {"N/A"}
     assert [(c.status, c.note) for c in spare_cpu_checks(None, "disk full", 2, run=True)] == [("N/A", "disk full")] * 2
     assert spare_cpu_checks(None, "", 2, run=False) == []  # not run (a spare CPU already, or GPU): no check
+    assert [(c.status, c.note) for c in rollback_checks(None, "no in-process run")] == [("N/A", "no in-process run")]
 
 
 def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, capsys) -> None:
@@ -100,6 +125,7 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     assert set(data["recovery"]) == {"injob", "node_replacement", "k8s_restart"}  # unavailable ones stay out
     assert data["unavailable"] == {"inprocess": "training/inprocess.py does not exist"}
     assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
+    assert data["rollback"]["cost_ratio"] == 0.04 and data["rollback"]["copy_gbps"] == 5.37
     save, mechanisms = plan.from_bench(path, "async")
     assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {
         "injob": 7.0, "node_replacement": 20.0, "k8s_restart": 13.0}
@@ -124,6 +150,11 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     failed = format_markdown(replace(result, checkpoint_spare_cpu=None,
                                      unavailable={"checkpoint_spare_cpu": "disk full"}))
     assert f"{spare_title}: not measured (disk full)" in failed
+    assert "| 1.20 ms | 30.0 ms | 4.0% | 25.0 ms | 5.4 GB/s |" in text  # in-memory rollback
+    assert ("| in-memory rollback per step / step time (in-process run) | 4.0% | <= 5% | target | PASS |"
+            in text)
+    no_rollback = format_markdown(replace(result, rollback=None, unavailable={"rollback": "disk full"}))
+    assert "In-memory rollback (training/rollback.py): not measured (disk full)" in no_rollback
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -159,3 +190,17 @@ def test_the_spare_cpu_stall_pass_runs_where_the_first_pass_leaves_no_cpu_spare(
                              f"training efficiency, sync checkpoints{SPARE_CPU_FIGURE}"]
     assert values[f"training efficiency, async checkpoints{SPARE_CPU_FIGURE}"] == 0.9  # the spare pass's, 1 rank
     assert run.run_bench(replace(profile, stall_spare_cpu=False), tmp_path, "x").checkpoint_spare_cpu is None
+
+
+def test_the_rollback_cost_is_measured_on_the_inprocess_run(monkeypatch, tmp_path: Path) -> None:
+    measured = []
+    monkeypatch.setattr(run, "measure_stall", lambda spec, root: sample_result().checkpoint)
+    monkeypatch.setattr(run, "measure_floor", lambda world, repeats: FloorResult(1.0, (1.0,), world))
+    monkeypatch.setattr(run, "measure_mechanism", lambda m, p, run_dir: replace(mechanism(1.0), run_dir=str(run_dir)))
+    monkeypatch.setattr(run, "measure_rollback", lambda *args: measured.append(args) or sample_result().rollback)
+    result = run.run_bench(replace(QUICK, mechanisms=("inprocess", "injob")), tmp_path, "x")
+    assert measured == [(tmp_path / "inprocess", QUICK.rollback_copy_bytes, "cpu")]
+    assert result.rollback == sample_result().rollback
+    without = run.run_bench(replace(QUICK, mechanisms=("injob",)), tmp_path, "y")
+    [check] = [c for c in without.checks if "rollback" in c.figure]
+    assert (without.rollback, check.status, check.note) == (None, "N/A", "needs the in-process run (not run)")

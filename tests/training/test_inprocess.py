@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
+from torch.distributed.checkpoint.stateful import Stateful
 
 from training.config import FaultToleranceConfig, TrainConfigError, load_train_config
 from training.data import TokenStream
@@ -24,7 +25,8 @@ from training.fault_tolerance import RankMonitor, launcher_ft_args
 from training.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.model import PRESETS
 from training.report import build_report
-from training.rollback import KEEP, MemoryRollback, host_copy
+from training import rollback as rollback_module
+from training.rollback import KEEP, MemoryRollback, copy_into
 from training.train import ModelState, OptimizerState, RngState, TrainState, build, train_step
 from training_helpers import assert_bitwise_equal, events_named, load_final_state, run_local
 
@@ -140,7 +142,7 @@ def _training_state(info, seed=0):
 
 
 def _host(state):
-    return {k: host_copy(v.state_dict()) for k, v in state.items()}
+    return {k: copy_into(v.state_dict(), None) for k, v in state.items()}
 
 
 def test_rollback_restores_the_newest_step_into_a_fresh_build(one_rank_group):
@@ -153,10 +155,145 @@ def test_rollback_restores_the_newest_step_into_a_fresh_build(one_rank_group):
     expected = _host(state)
     assert rollback.steps == [2, 3] and KEEP == 2
     step()  # training goes on, then the fault: the restart builds everything anew
-    fresh, _ = _training_state(one_rank_group, seed=1)
+    fresh, step_fresh = _training_state(one_rank_group, seed=1)
     assert rollback.restore(fresh) == 3
     assert fresh["train"].step == 3 and fresh["train"].stream.consumed_samples == 6
     assert_bitwise_equal(_host(fresh), expected)  # model and optimizer shards, data position, RNG
+    step_fresh()  # the restored state trains in place: it must not share the snapshot's buffers
+    again, _ = _training_state(one_rank_group, seed=2)
+    assert rollback.restore(again) == 3
+    assert_bitwise_equal(_host(again), expected)
+
+
+def _buffers(rollback):
+    """step -> the addresses of its snapshot's host buffers."""
+    def addresses(tree):
+        if isinstance(tree, torch.Tensor):
+            return [tree.data_ptr()]
+        items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+        return [a for item in items for a in addresses(item)]
+    return {s.step: addresses(s.state) for s in rollback._snapshots}
+
+
+def test_saves_reuse_the_buffers_of_the_snapshot_they_overwrite(one_rank_group):
+    rollback = MemoryRollback()
+    state, step = _training_state(one_rank_group)
+    seen = {}
+    for n in (1, 2, 3, 4):
+        step()
+        rollback.save(n, state)
+        seen.update(_buffers(rollback))
+    assert seen[3] == seen[1] and seen[4] == seen[2]  # steps 3 and 4 written over 1 and 2
+    assert not set(seen[1]) & set(seen[2])  # the two kept steps never share memory
+    assert len(seen[1]) > 10  # model and optimizer shards, RNG
+
+
+class Tensors(Stateful):
+    """A Stateful whose state_dict() hands out its live tensors, as a model's does."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def state_dict(self):
+        return self.values
+
+    def load_state_dict(self, state):
+        self.values = state
+
+
+def _tensors(n: float, **shapes):
+    return {name: torch.full(shape, float(n)) for name, shape in shapes.items()}
+
+
+SHAPES = {"w": (4, 3), "b": (3,), "m": (5,), "v": (5,)}
+
+
+def test_a_snapshot_is_a_copy_of_the_live_state():
+    rollback, live = MemoryRollback(), Tensors(**_tensors(1, **SHAPES), meta={"name": "x", "n": 1})
+    rollback.save(1, {"t": live})
+    live.values["w"].add_(5)  # an optimizer step, in place
+    live.values["meta"]["n"] = 2
+    assert rollback.restore({"t": live}) == 1
+    assert torch.equal(live.values["w"], torch.ones(4, 3)) and live.values["meta"] == {"name": "x", "n": 1}
+
+
+def test_a_changed_structure_gets_new_buffers():
+    rollback, live = MemoryRollback(), Tensors(w=torch.ones(4))
+    for n in (1, 2):
+        live.values["w"].fill_(n)
+        rollback.save(n, {"t": live})
+    before = _buffers(rollback)
+    live.values = {"w": torch.full((6,), 3.0), "exp_avg": torch.full((6,), 3.0)}  # resized, and a new key
+    rollback.save(3, {"t": live})
+    after = _buffers(rollback)
+    assert after[2] == before[2]  # step 2 kept as it was
+    assert len(after[3]) == 2 and not set(after[3]) & set(before[1])  # step 1's set rebuilt for step 3
+    restored = Tensors(w=torch.zeros(6), exp_avg=torch.zeros(6))
+    assert rollback.restore({"t": restored}) == 3
+    assert all(torch.equal(v, torch.full((6,), 3.0)) for v in restored.values.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_copied_into_pinned_buffers():
+    rollback, live = MemoryRollback(), Tensors(**{k: v.cuda() for k, v in _tensors(1, **SHAPES).items()})
+    for n in (1, 2, 3):
+        for v in live.values.values():
+            v.fill_(n)  # queued on the default stream: the save must wait for it
+        rollback.save(n, {"t": live})
+    [held] = [s.state["t"] for s in rollback._snapshots if s.step == 3]
+    assert all(v.is_pinned() and torch.equal(v, torch.full_like(v, 3.0)) for v in held.values())
+
+
+class Interrupt(BaseException):
+    """Stands for the Wrapper's asynchronous RankShouldRestart."""
+
+
+def _interrupt_copy_after(monkeypatch, tensors: int) -> None:
+    """The save's copy raises once `tensors` tensors have been copied."""
+    real, copied = rollback_module.copy_into, []
+
+    def copy_into(value, buffers):
+        if isinstance(value, torch.Tensor):
+            if len(copied) == tensors:
+                raise Interrupt
+            copied.append(value)
+        return real(value, buffers)
+    monkeypatch.setattr(rollback_module, "copy_into", copy_into)  # the recursion goes through it too
+
+
+def test_an_interrupted_save_leaves_the_published_snapshots_restorable(monkeypatch):
+    rollback, live = MemoryRollback(), Tensors(**_tensors(0, **SHAPES))
+    for n in (1, 2):
+        live.values = _tensors(n, **SHAPES)
+        rollback.save(n, {"t": live})
+    live.values = _tensors(3, **SHAPES)
+    with monkeypatch.context() as m:
+        _interrupt_copy_after(m, tensors=2)
+        with pytest.raises(Interrupt):
+            rollback.save(3, {"t": live})
+    assert rollback.steps == [2]  # step 1's buffers were being overwritten: not restorable any more
+    restored = Tensors(**_tensors(0, **SHAPES))
+    assert rollback.restore({"t": restored}) == 2
+    assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in restored.values.values())
+    rollback.save(3, {"t": live})  # the next save completes into the same buffers
+    assert rollback.steps == [2, 3]
+
+
+def test_a_restore_to_the_older_step_keeps_it_until_a_new_step_is_complete(one_rank_group, monkeypatch):
+    rollback, live = MemoryRollback(), Tensors(**_tensors(0, **SHAPES))
+    for n in (1, 2, 3):
+        live.values = _tensors(n, **SHAPES)
+        rollback.save(n, {"t": live})
+    # a peer failed before completing step 3: every rank agrees on step 2
+    monkeypatch.setattr(rollback_module.dist, "all_reduce", lambda t, op: t.clamp_(max=2))
+    assert rollback.restore({"t": live}) == 2
+    assert rollback.steps == [2]  # step 3 is gone back on
+    live.values = _tensors(30, **SHAPES)  # step 3 again, another way
+    _interrupt_copy_after(monkeypatch, tensors=1)
+    with pytest.raises(Interrupt):
+        rollback.save(3, {"t": live})
+    assert rollback.restore({"t": live}) == 2  # the agreed step survived the interrupted save
+    assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in live.values.values())
 
 
 # ---- runs in the local cluster ------------------------------------------------------------------
