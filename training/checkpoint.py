@@ -484,7 +484,10 @@ class CheckpointManager:
                     "place. A changed model or optimizer config cannot load it; an I/O error or timeout may "
                     "pass on the next attempt") from None
             return Loaded(step, path, found.world_size, missing)
-        if committed or set_aside:
+        if (committed or set_aside) and allow_fresh_start:
+            self._log(f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)}); "
+                      "starting at step 0 as checkpoint.allow_fresh_start=true says")
+        elif committed or set_aside:
             raise FreshStartRefused(
                 f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)}); "
                 "refusing to start at step 0, which would discard their training. Restore a checkpoint into "

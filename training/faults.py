@@ -65,6 +65,7 @@ import psutil
 
 from training.checkpoint import committed_checkpoints
 from training.events import EventLog
+from training.fault_tolerance import DRAIN_MARKER_ENV
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENV_VAR = "TRAINING_FAULTS"
+DRAIN_REQUEST_WAIT_S = 30.0  # a drain fault waits this long for the controller to start the drain
 
 
 class FaultSpecError(ValueError):
@@ -145,12 +147,20 @@ def _lose_node(spec: FaultSpec, paths: RunPaths) -> None:
 
 
 def _request_drain(spec: FaultSpec, paths: RunPaths) -> None:
-    """Ask whoever plays the kubelet (training.local's controller) to drain this node: SIGTERM to its
-    launcher, SIGKILL after the grace period. Training goes on until the signal arrives."""
+    """Ask whoever plays the kubelet (training.local's controller) to drain this node: drain marker,
+    SIGTERM to its launcher, SIGKILL after the grace period. This rank waits for the marker, so the
+    drain lands at this step or the next, as a fault should, not some polls later."""
     requests = drain_requests_dir(paths.run_dir)
     requests.mkdir(parents=True, exist_ok=True)
     (requests / f"node{spec.node}").write_text(spec.text)
     log.warning("fault %s: asked for node %s to be drained", spec.text, spec.node)
+    marker = os.environ.get(DRAIN_MARKER_ENV)
+    deadline = time.monotonic() + DRAIN_REQUEST_WAIT_S
+    while marker is not None and not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if marker is None or not os.path.exists(marker):
+        log.warning("fault %s: nobody drained node %s within %.0f s (only training.local plays the kubelet)",
+                    spec.text, spec.node, DRAIN_REQUEST_WAIT_S)
 
 
 def drain_requests_dir(run_dir: str | os.PathLike) -> Path:

@@ -11,15 +11,19 @@ rendezvous on a free port; node 0 hosts the store (`--rdzv-conf is_host=1`, as p
 every node gets its index in JOB_COMPLETION_INDEX, as the pods do. Launchers run in their own
 sessions; their output goes to <run_dir>/logs/node<i>.log and rank 0's lines are echoed here.
 
-What the controller does when a launcher exits (each time with a fault_detected event, by=controller):
-- killed by a signal (a lost node): its orphaned ranks are killed and the node is started again, at
-  most --node-retries times per node (node_replaced, restart with restart_kind=node). Node 0 takes
-  the c10d store with it, so no other launcher can rejoin: every node is restarted with a fresh
-  rendezvous (new port and id; restart_kind=job), like a Job whose index-0 pod was replaced; the
-  ranks resume from the last checkpoint.
-- exited with an error: ft_launcher gives up only once fault_tolerance.max_restarts restarts in a
-  row made no progress (exit code NO_PROGRESS) or its rendezvous failed, so the job fails, with a
-  message naming the ranks and faults that the event log recorded (e.g. a persistent fault).
+What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
+as the Job and its podFailurePolicy would:
+- killed by a signal (a lost node) or exited with an error (a failed pod, e.g. with restart=inprocess,
+  where the launcher restarts nothing): its orphaned ranks are killed and the node is started again,
+  at most --node-retries times per node (backoffLimitPerIndex; node_replaced, restart with
+  restart_kind=node). Node 0 takes the c10d store with it, so no other launcher can rejoin: every
+  node is restarted with a fresh rendezvous (new port and id; restart_kind=job), like a Job whose
+  index-0 pod was replaced; the ranks resume from the last checkpoint.
+- exited with CONFIG_ERROR or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
+  no progress): the job fails at once, with a message naming the ranks and faults that the event log
+  recorded (e.g. a persistent fault).
+- drained (a `drain` fault: the controller plays the kubelet, with the drain marker, SIGTERM and the
+  grace period): the node is started again, not counted against --node-retries.
 It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
 "worker failed") and records them as fault_detected, so the report measures detection time.
 Ctrl-C (or SIGTERM) stops every launcher and every process they started.
@@ -59,6 +63,7 @@ DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.inte
                   "training.collective_timeout_s=30", "logging.log_interval=20",
                   "fault_tolerance.timeout_safety_factor=10")
 STOP_GRACE_S = 10.0
+FAIL_JOB_EXIT_CODES = (CONFIG_ERROR, NO_PROGRESS)  # the Job's podFailurePolicy: FailJob, no retry
 # NVRx 0.4.1 log lines that report a detected fault: (pattern, kind, detecting party). The rank
 # monitor's logger tags lines with the local rank it watches: [RankMonServer<pid>@<host>:<local rank>].
 _DETECTIONS = (
@@ -197,7 +202,7 @@ class Cluster:
                 continue
             if rc == 0:
                 node.done = True
-            elif rc > 0 and node.drain_deadline is None:
+            elif rc in FAIL_JOB_EXIT_CODES and node.drain_deadline is None:
                 self.give_up(node, rc)
                 return 1
             elif not self.replace(node, rc):
@@ -232,21 +237,27 @@ class Cluster:
         return self.run_dir / "drain" / f"node{node.index}"
 
     def replace(self, node: Node, rc: int) -> bool:
-        """A lost or drained node (its launcher killed by a signal, or exited after a drain): start it
-        again, at most node_retries times."""
-        if node.drain_deadline is not None:
+        """Start a node again, as the Job replaces a pod: one that was lost (its launcher killed by a
+        signal) or failed (exited non-zero: e.g. restart=inprocess, where the launcher restarts
+        nothing) at most node_retries times (backoffLimitPerIndex); a drained one always (a
+        disruption, which the Job's podFailurePolicy ignores)."""
+        drained = node.drain_deadline is not None
+        node.drain_deadline = None
+        if drained:
             detail = f"launcher of drained node {node.index} exited with code {rc}"
         else:
-            detail = f"launcher of node {node.index} was killed by {signal.Signals(-rc).name}"
+            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+            detail = f"launcher of node {node.index} {how}"
             self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
-        node.drain_deadline = None
         kill_processes(node.descendants)  # in a pod these would die with the container
-        if node.retries >= self.node_retries:
-            self.say(f"{detail}; no retries left ({self.node_retries})")
-            return False
-        node.retries += 1
+        if not drained:
+            if node.retries >= self.node_retries:
+                self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
+                         f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
+                return False
+            node.retries += 1
         self._attempts += 1
-        self.events.emit("node_replaced", node=node.index, attempt=node.retries)
+        self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
         if node.index == 0:
             self.say(f"{detail}; it hosted the rendezvous store: restarting every node with a fresh rendezvous "
                      f"({node.retries}/{self.node_retries})")
@@ -269,13 +280,12 @@ class Cluster:
             self.start(node)
 
     def give_up(self, node: Node, rc: int) -> None:
+        """An exit code the Job's podFailurePolicy fails the whole Job on."""
         detail = f"launcher of node {node.index} exited with code {rc}"
         self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
-        ft = self.cfg.fault_tolerance
-        why = (f"{ft.max_restarts} in-job restart(s) in a row made no progress (no newer checkpoint; "
-               "fault_tolerance.max_restarts), so ft_launcher stopped restarting" if rc == NO_PROGRESS else
-               f"ft_launcher gave up: its rendezvous failed, or it has no restarts (restart={ft.restart}, "
-               f"max_restarts={ft.max_restarts}) or spent all {ft.max_restarts_total} (max_restarts_total)")
+        why = (f"{self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress (no newer "
+               "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting" if rc == NO_PROGRESS
+               else "the training config or its checkpoints cannot work: see the error above")
         self.say(f"{detail}: {why}; the job fails. {fault_summary(self.run_dir)}")
 
     def stop_all(self) -> None:
@@ -381,7 +391,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--faults '' runs the demo without faults")
     p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
                    "sets fault_tolerance.max_restarts (none with restart=inprocess)")
-    p.add_argument("--node-retries", type=int, default=2, help="replacements per node after its launcher was killed")
+    p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher was killed "
+                   "or failed (the Job's backoffLimitPerIndex); drains do not count")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc_per_node < 1:

@@ -15,6 +15,7 @@ import pytest
 from training.checkpoint import committed_checkpoints
 from training.config import load_train_config
 from training.events import EventLog, read_events
+from training.exit_codes import NO_PROGRESS
 from training.faults import ENV_VAR, FaultInjected, FaultInjector, FaultSpecError, parse_fault, parse_faults, \
     with_env_faults
 from training.report import build_report
@@ -252,6 +253,68 @@ def test_persistent_fault_ends_the_job_after_the_restart_budget(tmp_path):
     assert run.returncode == 1, run.output[-4000:]
     assert time.monotonic() - started < 120
     assert len(events_named(run.run_dir, "fault_injected")) == max_restarts + 1  # every attempt
-    assert "in-job restart budget (1, fault_tolerance.max_restarts) is spent" in run.output
+    assert (f"exited with code {NO_PROGRESS}: 1 in-job restart(s) in a row made no progress (no newer checkpoint; "
+            "fault_tolerance.max_restarts)") in run.output
     assert f"rank 1: {spec} fired 2 time(s)" in run.output
     assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["failed"]
+
+
+@pytest.mark.slow
+def test_a_long_run_survives_many_faults_with_the_default_budget(tmp_path):
+    """Eight faults, each after a newer checkpoint: the budget counts restarts without progress."""
+    steps, faults = 48, [f"{kind}@{step}:rank={step % 2}" for kind, step in
+                         zip(["exception", "sigkill"] * 4, range(4, 48, 6))]
+    run = run_local(tmp_path / "run", *ONE_NODE, "--steps", str(steps), "--faults", ",".join(faults),
+                    *COMMON[2:], "checkpoint.mode=sync", timeout=360)
+    assert run.returncode == 0, run.output[-4000:]
+    assert load_train_config(None).fault_tolerance.max_restarts == 3  # the default, far below 8
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == faults
+    assert len(events_named(run.run_dir, "attempt_start")) == len(faults) + 1
+    assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["completed"]
+
+
+# The faults of a week on a big cluster in one run, in every restart mode, with the default budgets:
+# each fault fires once and the final state is the uninterrupted run's. Hangs are caught by NVRx's
+# rank monitor (injob) or the in-process Wrapper, whose soft timeout the learned step timeouts must
+# not undercut (inprocess, both); with restart=inprocess a killed process fails its pod, which the
+# Job (the controller) retries.
+MIXED = ("exception@3:rank=1", "sigkill@7:rank=1", "node-loss@11:node=0", "hang@14:rank=1", "corrupt-ckpt@18")
+MIXED_OVERRIDES = {
+    "injob": ("fault_tolerance.timeout_safety_factor=20",),
+    "inprocess": ("fault_tolerance.timeout_safety_factor=5", "fault_tolerance.inprocess_soft_timeout=4",
+                  "fault_tolerance.inprocess_hard_timeout=15"),
+}
+MIXED_OVERRIDES["both"] = MIXED_OVERRIDES["inprocess"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MIXED_OVERRIDES))
+def test_mixed_faults_in_every_restart_mode_resume_exactly(mode, reference, tmp_path, scratch):
+    run = run_local(tmp_path / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync", f"fault_tolerance.restart={mode}",
+                    *MIXED_OVERRIDES[mode], "--faults", ",".join(MIXED), timeout=420)
+    assert run.returncode == 0, run.output[-4000:]
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == list(MIXED)
+    assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["completed"]
+    report = build_report(read_events(run.run_dir))
+    assert [f.kind for f in report.faults if f.step is not None] == [spec.split("@")[0] for spec in MIXED]
+    assert all(f.recovery_s is not None and math.isfinite(f.recovery_s) for f in report.faults)
+    if mode != "injob":  # the Wrapper handled the hang in place, from memory
+        [hang] = [f for f in report.faults if f.kind == "hang"]
+        assert hang.restart_kind == "inprocess" and hang.steps_lost is not None and hang.steps_lost <= 1
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+@pytest.mark.slow
+def test_a_drained_node_commits_the_step_reached_and_loses_none(reference, tmp_path, scratch):
+    """The controller plays the kubelet: drain marker, SIGTERM to node 1's launcher, SIGKILL only
+    after the grace period. Every rank commits the step reached and leaves; the node is replaced."""
+    run = run_local(tmp_path / "run", *TWO_NODES, *COMMON, "checkpoint.mode=async", "--faults", "drain@12:node=1")
+    assert run.returncode == 0, run.output[-4000:]
+    [drained] = events_named(run.run_dir, "drained")
+    assert drained["saved_step"] == drained["step"] in (12, 13)  # the step reached when the signal landed
+    assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, drained["step"]]
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert (fault.kind, fault.steps_lost, fault.resumed_from) == ("drain", 0, drained["step"])
+    assert fault.restart_kind == "node" and math.isfinite(fault.recovery_s)
+    assert "outlived its grace period" not in run.output  # left on its own, well within it
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))

@@ -21,7 +21,7 @@ from training.config import FaultToleranceConfig, TrainConfigError, load_train_c
 from training.data import TokenStream
 from training.distributed import DistInfo
 from training.events import read_events
-from training.fault_tolerance import RankMonitor, launcher_ft_args
+from training.fault_tolerance import HANG_FLOOR_MARGIN_S, RankMonitor, launcher_ft_args, section_timeout_floor
 from training.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.model import PRESETS
 from training.report import build_report
@@ -86,6 +86,22 @@ def test_contradictory_inprocess_config_is_named(overrides, message):
     with pytest.raises(TrainConfigError) as err:
         _cfg(*overrides)
     assert message in str(err.value)
+
+
+def test_learned_timeouts_never_undercut_the_wrappers_hard_timeout():
+    assert section_timeout_floor(_cfg().fault_tolerance) == 90 + HANG_FLOOR_MARGIN_S
+    assert section_timeout_floor(_cfg("fault_tolerance.restart=both").fault_tolerance) == 90 + HANG_FLOOR_MARGIN_S
+    assert section_timeout_floor(_cfg("fault_tolerance.restart=injob").fault_tolerance) == 0
+
+
+def test_restart_budget_counts_restarts_without_progress():
+    budget = _budget()  # 3
+    budget.resumed(0, None)
+    for iteration, step in enumerate([4, 9, 9, 9, 12, 12, 12, 12], start=1):  # 9 then 12: progress
+        budget.resumed(iteration, step)
+    assert budget.without_progress == 3
+    with pytest.raises(inprocess.exception.RestartAbort, match="4 in-process restarts in a row made no progress"):
+        budget.resumed(9, 12)
 
 
 def test_launcher_restarts_per_mode():
@@ -388,13 +404,18 @@ def test_killed_process_falls_back_to_an_injob_restart_from_disk(fault_run, refe
 def test_persistent_fault_ends_the_job_after_the_inprocess_budget_naming_rank_and_fault(tmp_path):
     spec, budget = "exception@3:rank=1:persistent", 2
     started = time.monotonic()
-    run = run_local(tmp_path / "run", *ONE_NODE, *COMMON, "fault_tolerance.restart=inprocess",
+    # --node-retries 0: the Job would retry the failed pod; here the Wrapper's budget alone is measured
+    run = run_local(tmp_path / "run", *ONE_NODE, "--node-retries", "0", *COMMON, "fault_tolerance.restart=inprocess",
                     f"fault_tolerance.inprocess_max_restarts={budget}", "--faults", spec, timeout=180)
     assert run.returncode == 1, run.output[-4000:]
     assert time.monotonic() - started < 150
-    assert len(events_named(run.run_dir, "fault_injected")) == budget + 1  # once per iteration, same process
-    assert _attempt_kinds(run) == ["fresh"] + ["inprocess"] * budget
-    message = (f"in-process restart budget ({budget}, fault_tolerance.inprocess_max_restarts) spent; "
-               f"restart {budget} failed again: rank 1: FaultInjected: injected fault {spec}")
+    # the first restart follows progress (steps 1-2 kept in memory); then `budget` restarts without
+    injected = events_named(run.run_dir, "fault_injected")
+    assert len(injected) == budget + 2 and {e["step"] for e in injected} == {3}  # once per iteration
+    # ... and the iteration that finds the budget spent as it resumes
+    assert _attempt_kinds(run) == ["fresh"] + ["inprocess"] * (budget + 2)
+    message = (f"{budget + 1} in-process restarts in a row made no progress (budget {budget}, "
+               f"fault_tolerance.inprocess_max_restarts); the last failed with: rank 1: FaultInjected: "
+               f"injected fault {spec}")
     assert message in run.output  # rank 0's log line, echoed by the controller
     assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["failed"]

@@ -1,0 +1,184 @@
+"""Resume never discards training: a checkpoint loads at another world size, is set aside only on
+evidence of damage, and training refuses to start from scratch while checkpoints exist."""
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import (CheckpointLoadError, CheckpointManager, Damaged, FreshStartRefused, Held,
+                                 committed_checkpoints, inspect_checkpoint)
+from training.events import EventLog
+from training.fault_tolerance import RESUME_STEP_FILE
+from training_helpers import events_named, run_local
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _manager(tmp_path: Path) -> CheckpointManager:
+    return CheckpointManager(tmp_path / "ckpt", mode="sync", keep=3, events=EventLog(tmp_path, "rank0"))
+
+
+def _saved(tmp_path: Path, *steps: int) -> CheckpointManager:
+    m = _manager(tmp_path)
+    for step in steps:
+        m.save(step, {"w": torch.full((64,), float(step)), "rng_rank0": torch.full((4,), float(step))})
+    return m
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(path.glob("*.distcp"))
+
+
+# ---- what counts as damage -----------------------------------------------------------------------
+
+def test_an_intact_checkpoint_says_what_it_holds(tmp_path):
+    m = _saved(tmp_path, 1)
+    found = inspect_checkpoint(committed_checkpoints(m.dir)[0][1])
+    assert found == Held(frozenset({"w", "rng_rank0"}), world_size=1)
+
+
+@pytest.mark.parametrize("damage, evidence", [
+    (lambda p: [s.write_bytes(s.read_bytes()[:10]) for s in _shards(p)], "is truncated"),
+    (lambda p: [s.unlink() for s in _shards(p)], "is missing"),
+    (lambda p: (p / ".metadata").write_bytes(b"\x80\x04garbage"), "unreadable marker or .metadata"),
+    (lambda p: (p / ".metadata").unlink(), "is missing"),
+    (lambda p: (p / "COMMITTED").write_text("{half"), "unreadable marker or .metadata"),
+])
+def test_damage_is_named_and_sets_the_checkpoint_aside(tmp_path, damage, evidence):
+    m = _saved(tmp_path, 1, 2)
+    newest = committed_checkpoints(m.dir)[0][1]
+    damage(newest)
+    found = inspect_checkpoint(newest)
+    assert isinstance(found, Damaged) and evidence in found.evidence
+    target = {"w": torch.zeros(64), "rng_rank0": torch.zeros(4)}
+    assert _manager(tmp_path).load(target).step == 1  # the previous one
+    assert torch.equal(target["w"], torch.full((64,), 1.0))
+    [fallback] = events_named(tmp_path, "ckpt_fallback")
+    assert fallback["path"] == str(newest) and evidence in fallback["error"]
+    assert [p.name.rsplit("-", 1)[0] for p in m.dir.glob("corrupt-*")] == ["corrupt-step_00000002"]
+
+
+def test_a_transient_load_error_fails_the_attempt_and_leaves_the_checkpoint(tmp_path, monkeypatch):
+    m = _saved(tmp_path, 1, 2)
+
+    def io_error(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(dcp, "load", io_error)
+    with pytest.raises(CheckpointLoadError) as err:
+        _manager(tmp_path).load({"w": torch.zeros(64), "rng_rank0": torch.zeros(4)})
+    assert "step_00000002 is intact but could not be loaded" in str(err.value)
+    assert "Input/output error" in str(err.value) and "left in place" in str(err.value)
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [2, 1]
+    assert not list(m.dir.glob("corrupt-*")) and not events_named(tmp_path, "ckpt_fallback")
+
+
+def test_a_key_the_config_no_longer_has_is_not_damage(tmp_path):
+    m = _saved(tmp_path, 1)
+    with pytest.raises(CheckpointLoadError, match="could not be loaded"):
+        _manager(tmp_path).load({"w": torch.zeros(64), "rng_rank0": torch.zeros(4), "extra": torch.zeros(2)})
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [1]
+
+
+def test_per_rank_state_of_a_larger_world_may_be_missing(tmp_path):
+    _saved(tmp_path, 3)
+    target = {"w": torch.zeros(64), "rng_rank0": torch.zeros(4), "rng_rank1": torch.full((4,), -1.0)}
+    loaded = _manager(tmp_path).load(target, optional=frozenset({"rng_rank1"}))
+    assert (loaded.step, loaded.world_size, loaded.missing) == (3, 1, ("rng_rank1",))
+    assert torch.equal(target["w"], torch.full((64,), 3.0))
+    assert torch.equal(target["rng_rank1"], torch.full((4,), -1.0))  # left for the caller to derive
+
+
+# ---- no silent fresh start -----------------------------------------------------------------------
+
+def test_refuses_to_start_from_scratch_while_checkpoints_exist(tmp_path):
+    m = _saved(tmp_path, 1)
+    for shard in _shards(committed_checkpoints(m.dir)[0][1]):
+        shard.write_bytes(b"")
+    target = {"w": torch.zeros(64), "rng_rank0": torch.zeros(4)}
+    with pytest.raises(FreshStartRefused, match="checkpoint.allow_fresh_start=true"):
+        _manager(tmp_path).load(target)
+    # set aside by that attempt: the next one still refuses, as it names what was set aside
+    with pytest.raises(FreshStartRefused, match="corrupt-step_00000001-"):
+        _manager(tmp_path).load(target)
+    assert _manager(tmp_path).load(target, allow_fresh_start=True) is None
+    assert _manager(tmp_path / "new").load(target) is None  # a new run has nothing to refuse
+
+
+def test_resume_step_file_follows_commits(tmp_path):
+    m = _manager(tmp_path)
+    assert (m.dir / RESUME_STEP_FILE).read_text() == "1\n"  # the first attempt counts as progress
+    m.save(5, {"w": torch.zeros(2)})
+    assert (m.dir / RESUME_STEP_FILE).read_text() == "6\n"
+
+
+# ---- runs at another world size (local cluster) ----------------------------------------------------
+
+BATCH, FIRST, THEN = 2, 20, 30
+COMMON = ("checkpoint.mode=sync", "checkpoint.interval=10", "logging.sample_log=true", "logging.log_interval=10",
+          f"training.batch_size={BATCH}", "training.collective_timeout_s=30",
+          "fault_tolerance.timeout_safety_factor=50")
+
+
+def _ok(run):
+    assert run.returncode == 0, run.output[-4000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """2 nodes x 2 ranks to step 20: checkpoints at 10 and 20."""
+    return _ok(run_local(tmp_path_factory.mktemp("four") / "run", "--nodes", "2", "--nproc-per-node", "2",
+                         "--steps", str(FIRST), *COMMON))
+
+
+def _consumed(run_dir: Path) -> list[int]:
+    return [i for path in sorted((run_dir / "samples").glob("rank*.jsonl"))
+            for line in path.read_text().splitlines() for i in json.loads(line)["indices"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes, per_node", [(1, 2), (3, 2)], ids=["4-to-2-ranks", "2-to-3-nodes-6-ranks"])
+def test_resume_at_another_world_size_keeps_every_step_and_sample(four_ranks, tmp_path, nodes, per_node):
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_ranks.run_dir, run_dir)
+    run = _ok(run_local(run_dir, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
+                        "--steps", str(THEN), *COMMON))
+    world = nodes * per_node
+    [_, resume] = events_named(run_dir, "resume")
+    assert (resume["step"], resume["source_kind"], resume["saved_world_size"]) == (FIRST, "disk", 4)
+    [derived] = events_named(run_dir, "state_derived")
+    assert derived["keys"] == [f"rng_rank{r}" for r in range(4, world)]  # none when shrinking
+    assert f"checkpoint written by 4 ranks, resharded to {world}" in run.output
+    # every sample exactly once across the change, none skipped
+    consumed = _consumed(run_dir)
+    assert sorted(consumed) == list(range(FIRST * 4 * BATCH + (THEN - FIRST) * world * BATCH))
+    assert [e["step"] for e in events_named(run_dir, "step")][-(THEN - FIRST):] == list(range(FIRST + 1, THEN + 1))
+    checkpoints = run_dir / "checkpoints"
+    assert [s for s, _ in committed_checkpoints(checkpoints)] == [30, 20, 10] and not list(checkpoints.glob("corrupt-*"))
+    assert [e["status"] for e in events_named(run_dir, "run_end")] == ["completed", "completed"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(four_ranks, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_ranks.run_dir, run_dir)
+    for _, path in committed_checkpoints(run_dir / "checkpoints"):
+        for shard in _shards(path):
+            shard.write_bytes(b"")
+    refused = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+                        "fault_tolerance.max_restarts=1")
+    assert refused.returncode == 1, refused.output[-4000:]
+    assert "refusing to start at step 0" in refused.output
+    assert "made no progress" in refused.output  # the launcher stopped retrying a refusal
+    assert len(events_named(run_dir, "step")) == FIRST  # not one step trained from scratch
+    fresh = _ok(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+                          "checkpoint.allow_fresh_start=true"))
+    assert "starting at step 0" in fresh.output
+    assert [e["step"] for e in events_named(run_dir, "resume")][-1] == 0
