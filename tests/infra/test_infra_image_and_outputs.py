@@ -1,6 +1,7 @@
 """The training image (Dockerfile, asset wiring, URI path) and the outputs the k8s layer reads."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 
@@ -23,6 +24,8 @@ def test_dockerfile_builds_on_ngc_pytorch_with_pinned_nvrx_and_the_training_pack
     assert "FROM ${BASE_IMAGE}" in lines
     [install] = [line for line in lines if line.startswith("RUN pip install")]
     assert "nvidia-resiliency-ext==0.7.0" in install.split()
+    # the tests exercise the NVRx the image ships
+    assert f"nvidia-resiliency-ext=={importlib.metadata.version('nvidia-resiliency-ext')}" in install.split()
     assert "COPY training/ /workspace/training/" in lines
 
 
