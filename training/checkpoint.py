@@ -481,8 +481,8 @@ class CheckpointManager:
             except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
                 raise CheckpointLoadError(
                     f"checkpoint {path} is intact but could not be loaded ({_describe(err)}); it was left in "
-                    "place. A changed model or optimizer config cannot load it; an I/O error or timeout may "
-                    "pass on the next attempt") from None
+                    "place. An I/O error or timeout may pass on the next attempt; a changed model or optimizer "
+                    "config cannot load it: restore the config it was written with") from None
             return Loaded(step, path, found.world_size, missing)
         if (committed or set_aside) and allow_fresh_start:
             self._log(f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)}); "

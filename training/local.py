@@ -64,11 +64,13 @@ DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.inte
                   "fault_tolerance.timeout_safety_factor=10")
 STOP_GRACE_S = 10.0
 FAIL_JOB_EXIT_CODES = (CONFIG_ERROR, NO_PROGRESS)  # the Job's podFailurePolicy: FailJob, no retry
-# NVRx 0.4.1 log lines that report a detected fault: (pattern, kind, detecting party). The rank
-# monitor's logger tags lines with the local rank it watches: [RankMonServer<pid>@<host>:<local rank>].
+# NVRx 0.7.0 log lines that report a detected fault: (pattern, kind, detecting party). Its logger tags
+# lines with the rank a rank monitor watches, [workload:<rank>(<local rank>) infra:…], and the
+# monitor's messages start with the restart cycle, [Cycle N].
 _DETECTIONS = (
-    (re.compile(r"\[RankMonServer\d+@[^\]]*:(?P<local_rank>\d+)\] (?P<what>(Section '\w+' has been open|"
-                r"Was out of section|Did not get (initial|subsequent) heartbeat).*)"), "hang", "nvrx rank monitor"),
+    (re.compile(r"\[workload:[^(\]]*\((?P<local_rank>\d+)\)[^\]]*\] rank_monitor_server\.py:\d+ (\[Cycle \d+\] )?"
+                r"(?P<what>(Section '\w+' has been open|Was out of section|Did not get (initial|subsequent) heartbeat).*)"),
+     "hang", "nvrx rank monitor"),
     (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
 )
 _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
@@ -201,7 +203,7 @@ class Cluster:
             if rc is None:
                 continue
             if rc == 0:
-                node.done = True
+                node.done, node.drain_deadline = True, None  # finished, even if a drain was under way
             elif rc in FAIL_JOB_EXIT_CODES and node.drain_deadline is None:
                 self.give_up(node, rc)
                 return 1
@@ -284,7 +286,8 @@ class Cluster:
         detail = f"launcher of node {node.index} exited with code {rc}"
         self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         why = (f"{self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress (no newer "
-               "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting" if rc == NO_PROGRESS
+               "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the fault "
+               "named below, then run again to resume from the last checkpoint" if rc == NO_PROGRESS
                else "the training config or its checkpoints cannot work: see the error above")
         self.say(f"{detail}: {why}; the job fails. {fault_summary(self.run_dir)}")
 

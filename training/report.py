@@ -23,8 +23,8 @@ fault nobody injected); it is open until the first step completed after its rest
                     attempt_start. None for a fault known only from its detection.
   recovery time     fault -> first step completed after the restart (the first restart,
                     attempt_start or resume after the fault); without a restart, the first step
-                    that started after the fault completes (e.g. a failed save: training went on),
-                    except for a drain, which training outlives only through a restart.
+                    that started after the fault completes, for a fault training outlives (an
+                    injected disk-full: a failed save; or a fault nobody injected).
                     None when training never went on.
   steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
                     the step every rank left at, `drained`) minus the step
@@ -52,7 +52,7 @@ from training.events import events_dir, read_events
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
-ENDS_THE_ATTEMPT = ("drain",)  # fault kinds that training outlives only through a restart
+OUTLIVED = ("disk-full",)  # injected fault kinds that training outlives without a restart
 
 
 class ReportError(Exception):
@@ -241,6 +241,12 @@ class _OpenFault:
     recovered: Event | None = None  # first step after the restart, or started after the fault
     regained: Event | None = None  # first step past the one reached at the fault
 
+    @property
+    def outlived(self) -> bool:
+        """Whether training may go on past this fault without a restart: a failed save injected, or
+        any fault nobody injected (the log is all there is to go by)."""
+        return self.onset["event"] != "fault_injected" or self.onset.get("kind") in OUTLIVED
+
     def close(self, t0: float, typical_step_s: float) -> Fault:
         injected = self.onset["event"] == "fault_injected"
         kinds = [r.get("restart_kind") for r in (self.detected, self.restarted) if r and r["event"] in RESTARTS]
@@ -289,10 +295,11 @@ def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Faul
             if name == "drained" and fault.restarted is None:  # the step the drain committed and left at
                 fault.position = int(_number(r, "step"))
             # A step completed after the restart recovers the fault, and so does one that started
-            # after the fault without a restart (training went on: a step needs every rank), unless
-            # the fault always ends the attempt (a drain: training goes on until the signal lands).
-            # A step that was in flight when the fault fired proves nothing.
-            if name == "step" and (fault.restarted or (fault.onset.get("kind") not in ENDS_THE_ATTEMPT and
+            # after the fault without a restart (training went on: a step needs every rank) if the
+            # fault is one training can outlive. An injected crash, drain or hang may let a few more
+            # steps through before it bites (a dying background save, a signal on its way): those
+            # prove nothing, nor does a step that was in flight when the fault fired.
+            if name == "step" and (fault.restarted or (fault.outlived and
                                                        r["t"] - _number(r, "step_time_s") >= fault.onset["t"])):
                 fault.recovered = r
                 closed.append(fault)

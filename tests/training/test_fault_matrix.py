@@ -225,7 +225,8 @@ def test_corrupt_newest_checkpoint_falls_back_and_says_so(fault_run):
     run = fault_run("corrupt-ckpt")
     [fallback] = events_named(run.run_dir, "ckpt_fallback")
     assert fallback["path"].endswith("step_00000010")
-    assert "could not be loaded" in run.output and "falling back to step_00000005" in run.output
+    assert "step_00000010 is damaged (shard file" in run.output and "is truncated" in run.output
+    assert "set aside, falling back to step_00000005" in run.output
     assert list((run.run_dir / "checkpoints").glob("corrupt-step_00000010-*"))  # set aside, not retried
 
 
