@@ -18,7 +18,9 @@ Model and optimizer (`InPlaceState`): torch's state-dict helpers cost more per s
 tensor Python work), while the tensors they hand out are the same memory step after step (FSDP2
 shards and AdamW's moments and step counts are updated in place). So a save into a snapshot whose
 `_Plan` still fits copies the live tensors straight into its buffers, with one `torch._foreach_copy_`,
-without calling state_dict(). The plan fits while the Stateful is the one it was made for and every
+without calling state_dict(); `refresh` re-reads the non-tensor leaves that change meanwhile (the
+learning rate). A plan is made from a state_dict() call, each tensor it hands out matched by address
+to one of the Stateful's live tensors. It fits while the Stateful is the one it was made for and every
 tensor it lists is where it was (address, shape, strides, dtype, device), position by position; the
 listing follows the structure (parameter order, each parameter's state in order), so a tensor that
 appears, is replaced, resized or moved to another place changes it. Anything else (a first save, a
