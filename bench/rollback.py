@@ -1,9 +1,8 @@
 """In-memory rollback (training/rollback.py): what keeping every completed step in host memory costs.
 
   cost per step   from the in-process mechanism's fault run: rank 0's `rollback_s` (MemoryRollback.save
-                  after each step: the state_dict() walk and the copy) against its `step_time_s`, medians
-                  over the steps (the first save into each set of buffers also allocates it, once per
-                  process).
+                  after each step) against its `step_time_s`, medians over the steps (the first save into
+                  each set of buffers also allocates it and makes its plan, once per process).
   copy bandwidth  MemoryRollback.save of a synthetic shard of the profile's `rollback_copy_bytes` on its
                   device (CPU: host to host; CUDA: device to pinned host), bytes / median seconds per save
                   once both sets of buffers exist. The fault run's model is too small for that: its save

@@ -92,7 +92,7 @@ def rollback_table(r: BenchResult) -> list[str]:
     shard = f"{x.copy_bytes >> 20} MiB"
     return [f"{title}: the in-process run's save after each step (rank 0, medians over {x.steps} steps), and a "
             f"synthetic {shard} shard saved the same way on {r.profile.device} for the copy bandwidth", "",
-            *_header("save per step (state_dict() and copy)", "step time", "save / step time",
+            *_header("save per step", "step time", "save / step time",
                      f"save of the {shard} shard", "host copy bandwidth"),
             _row(f"{x.save_s * 1e3:.2f} ms", f"{x.step_s * 1e3:.1f} ms", _fmt(x.cost_ratio, "%"),
                  f"{x.copy_s * 1e3:.1f} ms", f"{x.copy_gbps:.1f} GB/s")]

@@ -92,7 +92,7 @@ class Iteration:
         return step
 
     def step_done(self, step: int, state: dict[str, Stateful]) -> float:
-        """Reports progress and keeps the step in memory; returns the seconds that took (state_dict() and copy)."""
+        """Reports progress and keeps the step in memory; returns the seconds the save took."""
         self.call_wrapper.ping()  # manual progress: a rank hung in Python is detected too
         started = time.perf_counter()
         self.rollback.save(step, state)

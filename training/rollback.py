@@ -14,6 +14,20 @@ For CUDA tensors the buffers are pinned and the copies run on a side stream, so 
 copy goes at the link's speed without a pageable bounce; on CPU they are plain tensors. A buffer whose tensor
 changed shape or dtype, or appeared (AdamW creates its moments at the first step), is allocated anew.
 
+Model and optimizer (`InPlaceState`): torch's state-dict helpers cost more per step than the copy (per
+tensor Python work), while the tensors they hand out are the same memory step after step (FSDP2
+shards and AdamW's moments and step counts are updated in place). So a save into a snapshot whose
+`_Plan` still fits copies the live tensors straight into its buffers, with one `torch._foreach_copy_`,
+without calling state_dict(); `refresh` re-reads the non-tensor leaves that change meanwhile (the
+learning rate). A plan is made from a state_dict() call, each tensor it hands out matched by address
+to one of the Stateful's live tensors. It fits while the Stateful is the one it was made for and every
+tensor it lists is where it was (address, shape, strides, dtype, device), position by position; the
+listing follows the structure (parameter order, each parameter's state in order), so a tensor that
+appears, is replaced, resized or moved to another place changes it. Anything else (a first save, a
+changed listing, a tensor state_dict() hands out that the listing lacks) goes through state_dict() and
+makes a new plan; `restore` drops every plan, as loading may replace tensors. A plan holds no live
+tensor: a dead iteration's model is freed as before.
+
 Publication: a save writes over the older snapshot (or one that holds no complete step), which holds
 no step from the moment the write begins until the copy has completed. An asynchronous restart
 exception landing mid-copy therefore leaves the newest snapshot whole and the one being written
@@ -22,8 +36,9 @@ unused: `restore` never reads a half-written set.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -33,23 +48,54 @@ from torch.distributed.tensor import DTensor
 KEEP = 2
 
 
-def copy_into(value: Any, buffers: Any) -> Any:
+@runtime_checkable
+class InPlaceState(Protocol):
+    """A Stateful whose state_dict() is costly and hands out its live tensors (or views of them), which
+    training updates in place: a save copies them again without calling state_dict() (module doc)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Cheaply, in the order of the structure holding them: every tensor whose memory state_dict()
+        hands out (DTensors or local; more is allowed)."""
+
+    def refresh(self, saved: dict[str, Any]) -> None:
+        """Write into `saved`, a copy of an earlier state_dict(), the non-tensor leaves that can change
+        while no tensor moves (an optimizer's learning rate)."""
+
+
+Where = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _where(t: torch.Tensor) -> Where:
+    """Where a tensor's elements are: two tensors alive at the same time and equal here view the same elements."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+def copy_into(value: Any, buffers: Any, copied: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
     """`value` as host tensors: DTensors as their local shard, containers recursed, other leaves as is
     (state_dict() returns fresh ints/strings). A tensor is copied into the tensor at the same place in
-    `buffers` (an earlier result, or None) when shape and dtype match, else into a new one. Copies from
-    CUDA are asynchronous on the current stream: synchronize it before reading the result."""
+    `buffers` (an earlier result, or None) when shape and dtype match, else into a new one; each
+    (source, buffer) pair is appended to `copied` if given. Copies from CUDA are asynchronous on the
+    current stream: synchronize it before reading the result."""
     if isinstance(value, DTensor):
         value = value.to_local()
     if isinstance(value, torch.Tensor):
         fits = isinstance(buffers, torch.Tensor) and buffers.shape == value.shape and buffers.dtype == value.dtype
         target = buffers if fits else torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+        if copied is not None:
+            copied.append((value, target))
         return target.copy_(value.detach(), non_blocking=True)
     if isinstance(value, dict):
         old = buffers if isinstance(buffers, dict) else {}
-        return {k: copy_into(v, old.get(k)) for k, v in value.items()}
+        return {k: copy_into(v, old.get(k), copied) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         old = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(value) else (None,) * len(value)
-        return type(value)(copy_into(v, b) for v, b in zip(value, old))
+        return type(value)(copy_into(v, b, copied) for v, b in zip(value, old))
     return value
 
 
@@ -68,10 +114,47 @@ def _fill(template: Any, saved: Any) -> Any:
     return saved
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How a save refills a snapshot's copy of an InPlaceState without its state_dict(): live tensor
+    `sources[i]` (a position in its live_tensors()) into `buffers[i]`, while the listing is at `where`."""
+    owner: weakref.ref[InPlaceState]  # weak: a plan must not keep a dead iteration's state alive
+    where: list[Where]
+    sources: list[int]
+    buffers: list[torch.Tensor]
+
+    @staticmethod
+    def make(obj: InPlaceState, copied: list[tuple[torch.Tensor, torch.Tensor]]) -> _Plan | None:
+        """The plan for the (source, buffer) pairs of a copy of obj.state_dict() made just now (after
+        it: that call may create state, as torch's helper does for an optimizer); None when some source
+        is not among obj's live tensors."""
+        where = [_where(_local(t)) for t in obj.live_tensors()]
+        position = {w: i for i, w in enumerate(where)}
+        try:
+            sources = [position[_where(source)] for source, _ in copied]
+        except KeyError:
+            return None
+        return _Plan(weakref.ref(obj), where, sources, [buffer for _, buffer in copied])
+
+    def refill(self, obj: Stateful, saved: Any) -> list[torch.Tensor] | None:
+        """When this plan fits `obj` now: its non-tensor leaves refreshed in `saved` (the copy the plan
+        refills), the live tensors to copy into `buffers`; else None."""
+        owner = self.owner()
+        if owner is not obj or owner is None:
+            return None
+        live = [_local(t) for t in owner.live_tensors()]
+        if [_where(t) for t in live] != self.where:
+            return None
+        owner.refresh(saved)
+        return [live[i] for i in self.sources]
+
+
 @dataclass
 class _Snapshot:
     step: int | None = None  # None: no complete step here (never written, or being written)
     state: dict[str, Any] = field(default_factory=dict)  # host copy of each Stateful: the buffers a save reuses
+    # per InPlaceState key: how the next save refills state[key]; only ever refers to state[key]'s buffers
+    plans: dict[str, _Plan] = field(default_factory=dict)
 
 
 class MemoryRollback:
@@ -87,9 +170,26 @@ class MemoryRollback:
         # The oldest snapshot, or one holding no step: never the newest complete one.
         target = min(self._snapshots, key=lambda s: -1 if s.step is None else s.step)
         target.step = None  # from here until the copy is complete, restore cannot pick it
-        values = {key: obj.state_dict() for key, obj in state.items()}
-        with self._copying():
-            target.state = copy_into(values, target.state)
+        sources: list[torch.Tensor] = []  # for the buffers of the plans that fit
+        buffers: list[torch.Tensor] = []
+        values: dict[str, Any] = {}  # state_dict() of the others
+        for key, obj in state.items():
+            plan = target.plans.get(key)
+            if plan is not None and (live := plan.refill(obj, target.state[key])) is not None:
+                sources += live
+                buffers += plan.buffers
+            else:
+                values[key] = obj.state_dict()
+        with self._copying(), torch.no_grad():  # no_grad: some sources are parameters
+            if buffers:
+                torch._foreach_copy_(buffers, sources, non_blocking=True)
+            for key, value in values.items():
+                target.plans.pop(key, None)  # first: interrupted from here on, state[key] has no plan
+                copied: list[tuple[torch.Tensor, torch.Tensor]] = []
+                target.state[key] = copy_into(value, target.state.get(key), copied)
+                obj = state[key]
+                if isinstance(obj, InPlaceState) and (plan := _Plan.make(obj, copied)) is not None:
+                    target.plans[key] = plan
         target.step = step  # one assignment publishes it
 
     @contextlib.contextmanager
@@ -109,6 +209,8 @@ class MemoryRollback:
     def restore(self, state: dict[str, Stateful]) -> int | None:
         """Load the newest step that every rank holds into `state` and return it; None (and `state`
         untouched) when some rank holds none. Collective: every rank calls it at the same point."""
+        for s in self._snapshots:
+            s.plans.clear()  # loading may replace the live tensors (an optimizer's load does)
         newest = torch.tensor([max(self.steps, default=-1)])
         if dist.is_initialized():
             dist.all_reduce(newest, op=dist.ReduceOp.MIN)

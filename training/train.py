@@ -45,6 +45,9 @@ log = logging.getLogger("training.train")
 
 
 class ModelState(Stateful):
+    """Also a training.rollback.InPlaceState: its state dict is the parameters' shards (and persistent
+    buffers), which the optimizer updates in place."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
@@ -54,8 +57,18 @@ class ModelState(Stateful):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state)
 
+    def live_tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def refresh(self, saved: dict[str, Any]) -> None:
+        """Nothing to do: every leaf of a model's state dict is a tensor."""
+
 
 class OptimizerState(Stateful):
+    """Also a training.rollback.InPlaceState: AdamW's per-parameter state is tensors updated in place
+    (moments and step counts, foreach); its other leaves are the param groups' plain hyperparameters,
+    of which train_step changes the learning rate."""
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
@@ -64,6 +77,16 @@ class OptimizerState(Stateful):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        # .get: optimizer.state is a defaultdict, and an entry made here would hide from torch's helper
+        # that the state is not created yet
+        return [t for group in self.optimizer.param_groups for p in group["params"]
+                for t in self.optimizer.state.get(p, {}).values()]
+
+    def refresh(self, saved: dict[str, Any]) -> None:
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            saved_group.update((k, v) for k, v in group.items() if k != "params")  # params: FQNs there
 
 
 class TrainState(Stateful):

@@ -5,10 +5,12 @@ uninterrupted run; with restart=both a killed process falls back to an in-job re
 persistent fault ends the job after the in-process budget, naming the rank and the fault."""
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -152,7 +154,7 @@ def _training_state(info, seed=0):
 
     def step():
         train.step += 1
-        train_step(model, optimizer, stream.next_batch(), 1e-3, 1.0, info)
+        train_step(model, optimizer, stream.next_batch(), 1e-3 * train.step, 1.0, info)  # lr changes, as in warm-up
         torch.rand(1)  # advance the RNG, as dropout would
     return state, step
 
@@ -204,6 +206,93 @@ def test_saves_reuse_the_buffers_of_the_snapshot_they_overwrite(one_rank_group):
     assert len(seen[1]) > 10  # model and optimizer shards, RNG
 
 
+def _held(rollback, step):
+    """The host copy of `step` the rollback holds."""
+    [held] = [s.state for s in rollback._snapshots if s.step == step]
+    return held
+
+
+def _count_state_dict_calls(monkeypatch, state, keys=("model", "optimizer")):
+    calls = []
+    for key in keys:
+        def counted(real=state[key].state_dict, key=key):
+            calls.append(key)
+            return real()
+        monkeypatch.setattr(state[key], "state_dict", counted)
+    return calls
+
+
+def test_later_saves_copy_model_and_optimizer_without_their_state_dict(one_rank_group, monkeypatch):
+    rollback = MemoryRollback()
+    state, step = _training_state(one_rank_group)
+    calls = _count_state_dict_calls(monkeypatch, state)
+    for n in range(1, 6):
+        step()
+        before = len(calls)
+        rollback.save(n, state)
+        assert calls[before:] == (["model", "optimizer"] if n <= KEEP else [])  # once per snapshot, for its plan
+        assert_bitwise_equal(_held(rollback, n), _host(state))  # and the learning rate of step n
+
+
+@pytest.mark.parametrize("change", ["replace", "swap", "reorder"])
+def test_a_save_follows_optimizer_tensors_replaced_or_moved(one_rank_group, change):
+    rollback = MemoryRollback()
+    state, step = _training_state(one_rank_group)
+    for n in (1, 2, 3):  # a plan in each snapshot
+        step()
+        rollback.save(n, state)
+    optimizer = state["optimizer"].optimizer
+    first = optimizer.param_groups[0]["params"][0]
+    moments = optimizer.state[first]
+    assert not torch.equal(moments["exp_avg"].to_local(), moments["exp_avg_sq"].to_local())
+    if change == "replace":  # as a load does: another tensor, the same shape
+        moments["exp_avg"] = moments["exp_avg"] + 1
+    elif change == "swap":  # the same tensors at each other's keys
+        moments["exp_avg"], moments["exp_avg_sq"] = moments["exp_avg_sq"], moments["exp_avg"]
+    else:  # the same tensors at the same keys, listed in another order
+        assert list(moments) == ["step", "exp_avg", "exp_avg_sq"]
+        optimizer.state[first] = {k: moments[k] for k in ("step", "exp_avg_sq", "exp_avg")}
+    for n in (4, 5):  # into each snapshot
+        rollback.save(n, state)
+        assert_bitwise_equal(_held(rollback, n), _host(state))
+
+
+def test_restore_then_saves_then_restore(one_rank_group):
+    rollback = MemoryRollback()
+    state, step = _training_state(one_rank_group)
+    for n in (1, 2, 3):
+        step()
+        rollback.save(n, state)
+    fresh, step_fresh = _training_state(one_rank_group, seed=1)  # the next iteration's objects
+    assert rollback.restore(fresh) == 3
+    for n in (4, 5, 6):
+        step_fresh()
+        rollback.save(n, fresh)
+        assert_bitwise_equal(_held(rollback, n), _host(fresh))
+    assert rollback.restore(fresh) == 6  # into the same objects: the optimizer's load replaces its tensors
+    for n in (7, 8):
+        step_fresh()
+        rollback.save(n, fresh)
+        assert_bitwise_equal(_held(rollback, n), _host(fresh))
+    expected = _host(fresh)
+    again, _ = _training_state(one_rank_group, seed=2)
+    assert rollback.restore(again) == 8
+    assert_bitwise_equal(_host(again), expected)
+
+
+def test_plans_keep_no_state_of_a_dead_iteration_alive(one_rank_group):
+    rollback = MemoryRollback()
+    state, step = _training_state(one_rank_group)
+    for n in (1, 2, 3):
+        step()
+        rollback.save(n, state)
+    optimizer = state["optimizer"].optimizer
+    alive = [weakref.ref(t) for t in (*state["model"].live_tensors(), *state["optimizer"].live_tensors())]
+    del state, step, optimizer
+    gc.collect()
+    assert not any(ref() is not None for ref in alive)
+
+
 class Tensors(Stateful):
     """A Stateful whose state_dict() hands out its live tensors, as a model's does."""
 
@@ -249,15 +338,61 @@ def test_a_changed_structure_gets_new_buffers():
     assert all(torch.equal(v, torch.full((6,), 3.0)) for v in restored.values.values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tensors_are_copied_into_pinned_buffers():
-    rollback, live = MemoryRollback(), Tensors(**{k: v.cuda() for k, v in _tensors(1, **SHAPES).items()})
-    for n in (1, 2, 3):
-        for v in live.values.values():
-            v.fill_(n)  # queued on the default stream: the save must wait for it
+class InPlaceTensors(Tensors):
+    """Tensors as a training.rollback.InPlaceState that lists the values not named in `unlisted`."""
+
+    unlisted: tuple[str, ...] = ()
+
+    def live_tensors(self):
+        return [v for k, v in self.values.items() if k not in self.unlisted]
+
+    def refresh(self, saved):
+        """Nothing to do: every value is a tensor."""
+
+
+@pytest.mark.parametrize("change, planned", [
+    (lambda values: values["w"].add_(1), True),  # in place: what the plan is for
+    (lambda values: values.update(w=values["w"] + 1), False),  # replaced
+    (lambda values: values.update(w=torch.ones(6)), False),  # resized
+    (lambda values: values.update(w=values["w"].double()), False),  # another dtype
+    (lambda values: values.update(exp_avg=torch.ones(2)), False),  # appeared
+], ids=["in-place", "replaced", "resized", "dtype", "appeared"])
+def test_a_plan_follows_every_change_of_the_live_tensors(change, planned, monkeypatch):
+    rollback, live = MemoryRollback(), InPlaceTensors(w=torch.zeros(4), b=torch.zeros(3))
+    calls = _count_state_dict_calls(monkeypatch, {"t": live}, keys=("t",))
+    for n in (1, 2):  # a plan in each snapshot
         rollback.save(n, {"t": live})
-    [held] = [s.state["t"] for s in rollback._snapshots if s.step == 3]
-    assert all(v.is_pinned() and torch.equal(v, torch.full_like(v, 3.0)) for v in held.values())
+    for n in (3, 4):  # into each snapshot
+        change(live.values)
+        rollback.save(n, {"t": live})
+        held = _held(rollback, n)["t"]
+        assert_bitwise_equal(held, live.values)
+        assert all(held[k].dtype == v.dtype for k, v in live.values.items())
+    assert len(calls) == (2 if planned else 4)
+
+
+def test_a_tensor_missing_from_the_listing_sends_every_save_through_state_dict(monkeypatch):
+    rollback, live = MemoryRollback(), InPlaceTensors(w=torch.zeros(4), b=torch.zeros(3))
+    live.unlisted = ("b",)
+    calls = _count_state_dict_calls(monkeypatch, {"t": live}, keys=("t",))
+    for n in (1, 2, 3, 4):
+        live.values["b"].add_(1)
+        rollback.save(n, {"t": live})
+        assert_bitwise_equal(_held(rollback, n)["t"], live.values)
+    assert len(calls) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cls", [Tensors, InPlaceTensors])
+def test_cuda_tensors_are_copied_into_pinned_buffers(cls):
+    cuda = {k: v.cuda() for k, v in _tensors(1, **SHAPES).items()}
+    rollback, live = MemoryRollback(), cls(**cuda, step=torch.ones(()))  # on the CPU, as AdamW's step counts
+    for n in (1, 2, 3, 4):  # the last two by plans, for InPlaceTensors
+        for v in live.values.values():
+            v.fill_(n)  # on CUDA, queued on the default stream: the save must wait for it
+        rollback.save(n, {"t": live})
+    held = _held(rollback, 4)["t"]
+    assert all(torch.equal(held[k], v.cpu()) and held[k].is_pinned() == v.is_cuda for k, v in live.values.items())
 
 
 class Interrupt(BaseException):
@@ -268,12 +403,12 @@ def _interrupt_copy_after(monkeypatch, tensors: int) -> None:
     """The save's copy raises once `tensors` tensors have been copied."""
     real, copied = rollback_module.copy_into, []
 
-    def copy_into(value, buffers):
+    def copy_into(value, buffers, pairs=None):
         if isinstance(value, torch.Tensor):
             if len(copied) == tensors:
                 raise Interrupt
             copied.append(value)
-        return real(value, buffers)
+        return real(value, buffers, pairs)
     monkeypatch.setattr(rollback_module, "copy_into", copy_into)  # the recursion goes through it too
 
 
@@ -293,6 +428,32 @@ def test_an_interrupted_save_leaves_the_published_snapshots_restorable(monkeypat
     assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in restored.values.values())
     rollback.save(3, {"t": live})  # the next save completes into the same buffers
     assert rollback.steps == [2, 3]
+
+
+def test_an_interrupted_planned_save_leaves_the_published_snapshots_restorable(monkeypatch):
+    rollback, live = MemoryRollback(), InPlaceTensors(**_tensors(0, **SHAPES))
+    calls = _count_state_dict_calls(monkeypatch, {"t": live}, keys=("t",))
+
+    def fill(n):
+        for v in live.values.values():
+            v.fill_(n)
+    for n in (1, 2, 3):
+        fill(n)
+        rollback.save(n, {"t": live})  # plans in both snapshots
+    fill(4)
+
+    def interrupted(buffers, sources, non_blocking):
+        buffers[0].copy_(sources[0])
+        raise Interrupt
+    with monkeypatch.context() as m:
+        m.setattr(torch, "_foreach_copy_", interrupted)
+        with pytest.raises(Interrupt):
+            rollback.save(4, {"t": live})
+    assert rollback.steps == [3]  # step 2's buffers were being overwritten
+    assert all(torch.equal(v, torch.full_like(v, 3.0)) for v in _held(rollback, 3)["t"].values())
+    rollback.save(4, {"t": live})  # the next save completes into the same buffers, by the same plan
+    assert rollback.steps == [3, 4] and len(calls) == KEEP
+    assert_bitwise_equal(_held(rollback, 4)["t"], live.values)
 
 
 def test_a_restore_to_the_older_step_keeps_it_until_a_new_step_is_complete(one_rank_group, monkeypatch):
