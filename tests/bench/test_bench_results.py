@@ -137,7 +137,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     result = sample_result()
     text = format_markdown(result)
     assert "| in-process restart | not available: training/inprocess.py does not exist |" in text
-    assert "| plain Kubernetes restart | 2/2 |" in text
+    assert "| plain Kubernetes restart (node 0 lost) | 2/2 |" in text
     assert "Quick mode: 2 faults per mechanism" in text
     assert "| sync | 2.00 s | 2.00, 2.00 | 0.50 s | 0.20 s | 50.0% |" in text
     assert "| async | 0.10 s | 0.10, 0.10 | 0.45 s | 0.10 s | 99.0% |" in text
