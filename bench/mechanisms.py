@@ -13,11 +13,14 @@ completed step) and steps lost, and the run's training and infra goodput.
                     fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
   node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
                     starts a replacement, the surviving nodes restart their workers in-job.
+  drain             drain of the last node: the controller (the kubelet here) writes the drain marker
+                    and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
+                    the controller starts a replacement, training resumes from that step.
   k8s_restart       node-loss of node 0, the rendezvous host: the controller stops every launcher and
                     starts them all again with a fresh rendezvous, as a plain Kubernetes Job restart
                     does; ft_launcher has no in-job restarts; resume from the last checkpoint on disk.
-The faults are training/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`), on the last
-rank / node unless the mechanism needs node 0.
+The faults are training/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
+`drain@STEP:node=N`), on the last rank / node unless the mechanism needs node 0.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class Mechanism:
     name: str  # the key in the results' "recovery" object (training/plan.py reads it)
     label: str
     restart: str  # fault_tolerance.restart
-    fault: str  # a training/faults.py kind: "exception" (on a rank) or "node-loss" (of a node)
+    fault: str  # a training/faults.py kind; one that takes node=N (node-loss, drain) hits a node, others a rank
     in_job_restarts: bool  # ft_launcher may restart workers
     expected_restart_kind: str  # the restart_kind (training/events.py) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
@@ -53,8 +56,10 @@ MECHANISMS = (
     Mechanism("injob", "in-job restart (ft_launcher)", "injob", "exception", True, "injob"),
     Mechanism("injob_fresh", "in-job restart, fresh Python workers", "injob", "exception", True, "injob",
               overrides=("fault_tolerance.prefork_workers=false",)),
-    Mechanism("node_replacement", "node replacement", "injob", "node-loss", True, "node"),
-    Mechanism("k8s_restart", "plain Kubernetes restart", "injob", "node-loss", False, "job", fault_on_host=True),
+    Mechanism("node_replacement", "node lost (SIGKILL), replaced", "injob", "node-loss", True, "node"),
+    Mechanism("drain", "node drained (SIGTERM), replaced", "injob", "drain", True, "node"),
+    Mechanism("k8s_restart", "plain Kubernetes restart (node 0 lost)", "injob", "node-loss", False, "job",
+              fault_on_host=True),
 )
 
 # Async checkpoints, a short gloo timeout (a CPU collective cannot be aborted; it bounds
@@ -95,7 +100,7 @@ def unavailable_reason(m: Mechanism) -> str | None:
 
 
 def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
-    if m.fault == "node-loss":
+    if "node" in KINDS[m.fault].keys:
         target = f"node={0 if m.fault_on_host else profile.nodes - 1}"
     else:
         target = f"rank={0 if m.fault_on_host else profile.world - 1}"

@@ -30,7 +30,7 @@ class Profile:
     faults: int
     first_fault: int  # step of the first fault
     fault_spacing: int  # steps between faults
-    tail_steps: int  # steps after the last fault
+    tail_steps: int  # steps after the last fault: room for a drain, which lands steps after it is asked for
     checkpoint_interval: int
     floor_repeats: int
     # In-memory rollback: a synthetic shard of this size saved by training/rollback.py, for the host copy
@@ -50,13 +50,15 @@ class Profile:
         return self.fault_steps()[-1] + self.tail_steps
 
 
-ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "k8s_restart")
+ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "drain", "k8s_restart")
 # Six saves per mode: on 2 busy cores one async save in three or four can block 4-7x longer than
 # the rest (its staging copy starved of CPU), which moved the median of four from 0.07x to 0.17x.
+# 15 steps after the last fault: a drain landed 1-7 steps after it was asked for here (the controller
+# polls every 0.2 s; a step takes 20-70 ms), and it must land before the run's last step.
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
-               faults=5, first_fault=15, fault_spacing=25, tail_steps=10, checkpoint_interval=10, floor_repeats=3,
+               faults=5, first_fault=15, fault_spacing=25, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
                rollback_copy_bytes=512 * MiB)
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: under 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
@@ -64,7 +66,7 @@ FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_w
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                 stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
                 mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
-                faults=2, first_fault=15, fault_spacing=15, tail_steps=3, checkpoint_interval=10, floor_repeats=1,
+                faults=2, first_fault=15, fault_spacing=15, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
                 rollback_copy_bytes=128 * MiB)
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node

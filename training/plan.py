@@ -34,7 +34,8 @@ survive a lost node), failed saves, slowdown from an asynchronous save finishing
      "recovery": {"inprocess": {"median_recovery_s": 9.8}, "injob": {"median_recovery_s": 17.0},
                   "node_replacement": {"median_recovery_s": 95.0}, "k8s_restart": {"median_recovery_s": 270.0}}}
 S is checkpoint.<--save-mode>_blocking_s (async by default); every mechanism under "recovery" must
-have median_recovery_s. --save-blocking-s and --recovery-s, when given, take precedence over the file.
+have median_recovery_s, and the bench's "drain" is left out: a drain is announced, not a failure, and
+loses no work. --save-blocking-s and --recovery-s, when given, take precedence over the file.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 IN_MEMORY = "inprocess"  # the mechanism that rolls back to the state in memory
+NOT_FAILURES = ("drain",)  # bench mechanisms for announced events, not failures: not planned with
 DAY_S = 86400.0
 
 
@@ -197,7 +199,7 @@ def from_bench(path: Path, save_mode: str) -> tuple[float, tuple[Mechanism, ...]
     return save, tuple(
         Mechanism(name, positive(_lookup(data, path, "recovery", name, "median_recovery_s"),
                                  f"{path}: recovery.{name}.median_recovery_s"))
-        for name in recovery)
+        for name in recovery if name not in NOT_FAILURES)
 
 
 def _lookup(data: Any, path: Path, *keys: str) -> Any:

@@ -54,7 +54,8 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
                         blocking_ratio=0.05, step_wall_off_s=0.1, step_wall_sync_s=0.2, step_wall_async_s=0.101,
                         efficiency_sync=0.5, efficiency_async=0.99, run_dirs={},
                         cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.45)
-    recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "k8s_restart": mechanism(13.0)}
+    recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "drain": mechanism(4.0, steps_lost=0),
+                "k8s_restart": mechanism(13.0)}
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
     spare = replace(stall, state_bytes=128 << 20, world_size=1, sync_blocking_per_save_s=(1.5, 1.5),
                     sync_blocking_s=1.5, efficiency_sync=0.6, efficiency_async=0.9)

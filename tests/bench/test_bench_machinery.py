@@ -1,5 +1,5 @@
 """The quick mode's machinery on tiny sizes: a real two-rank stall pass, each mechanism's faults, and
-one fault run on the local cluster (plain Kubernetes restart: node 0 lost, every node restarted)."""
+fault runs on the local cluster (plain Kubernetes restart: node 0 lost, every node restarted; a drain)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -39,6 +39,7 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "injob": ("exception@15:rank=3", "exception@30:rank=3"),
                      "injob_fresh": ("exception@15:rank=3", "exception@30:rank=3"),
                      "node_replacement": ("node-loss@15:node=1", "node-loss@30:node=1"),
+                     "drain": ("drain@15:node=1", "drain@30:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@30:node=0")}
 
 
@@ -49,3 +50,12 @@ def test_a_plain_restart_run_gives_its_recovery_figures(tmp_path: Path) -> None:
     assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("job",))
     assert r.median_recovery_s > 0 and r.median_detection_s is not None
     assert r.training_goodput <= r.infra_goodput <= 1
+
+
+@pytest.mark.slow
+def test_a_drain_run_commits_the_step_reached_and_replaces_the_node(tmp_path: Path) -> None:
+    m = next(m for m in MECHANISMS if m.name == "drain")
+    r = measure_mechanism(m, replace(TINY, tail_steps=QUICK.tail_steps), tmp_path / m.name)
+    assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("node",))
+    assert r.max_steps_lost == 0
+    assert r.median_recovery_s > 0 and r.median_detection_s is not None

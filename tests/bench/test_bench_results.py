@@ -90,16 +90,19 @@ def _by_figure(checks) -> dict[str, str]:
 
 def test_checks_pass_and_miss_against_targets() -> None:
     floor = FloorResult(4.0, (4.0,), 2)
-    good = _by_figure(recovery_checks({"inprocess": mechanism(3.0, steps_lost=1), "injob": mechanism(7.0)}, {}, floor,
-                                      ALL))
+    good = _by_figure(recovery_checks({"inprocess": mechanism(3.0, steps_lost=1), "injob": mechanism(7.0),
+                                       "drain": mechanism(4.0, steps_lost=0)}, {}, floor, ALL))
     assert good["in-process recovery / in-job recovery"] == "PASS"
-    assert good["in-process steps lost per fault (max)"] == "PASS"
+    assert good["inprocess steps lost per fault (max)"] == "PASS"
+    assert good["drain steps lost per fault (max)"] == "PASS"
     assert good["in-job recovery / floor (fresh Python + import torch + join group)"] == "PASS"
     assert good["injob median recovery"] == "PASS"
     bad = _by_figure(recovery_checks({"inprocess": mechanism(5.0, steps_lost=3), "injob": mechanism(9.0),
-                                      "k8s_restart": mechanism(13.0)}, {}, floor, ALL))
+                                      "drain": mechanism(4.0, steps_lost=1), "k8s_restart": mechanism(13.0)}, {},
+                                     floor, ALL))
     assert bad["in-process recovery / in-job recovery"] == "MISS"
-    assert bad["in-process steps lost per fault (max)"] == "MISS"
+    assert bad["inprocess steps lost per fault (max)"] == "MISS"
+    assert bad["drain steps lost per fault (max)"] == "MISS"
     assert bad["in-job recovery / floor (fresh Python + import torch + join group)"] == "MISS"
     assert bad["k8s_restart median recovery"] == "BASELINE"
     rollback = sample_result().rollback
@@ -111,7 +114,9 @@ def test_missing_parts_are_not_available_with_the_reason() -> None:
     checks = recovery_checks({"injob": mechanism(7.0)}, {"inprocess": "no module"}, None, ("inprocess", "injob"))
     ratio = next(c for c in checks if c.figure == "in-process recovery / in-job recovery")
     assert (ratio.status, ratio.note) == ("N/A", "inprocess: no module")
-    assert not any("k8s_restart" in c.figure for c in checks)  # not in this profile: no check
+    assert not any("k8s_restart" in c.figure or "drain" in c.figure for c in checks)  # not in this profile: no check
+    drain = next(c for c in recovery_checks({}, {"drain": "no replacement"}, None, ("drain",)) if "drain" in c.figure)
+    assert (drain.status, drain.note) == ("N/A", "drain: no replacement")
     assert {c.status for c in stall_checks(None, "disk full", cpus=2)} == {"N/A"}
     assert [(c.status, c.note) for c in spare_cpu_checks(None, "disk full", 2, run=True)] == [("N/A", "disk full")] * 2
     assert spare_cpu_checks(None, "", 2, run=False) == []  # not run (a spare CPU already, or GPU): no check
@@ -122,12 +127,12 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     path = write_json(sample_result(), tmp_path / "r.json")
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA
-    assert set(data["recovery"]) == {"injob", "node_replacement", "k8s_restart"}  # unavailable ones stay out
+    assert set(data["recovery"]) == {"injob", "node_replacement", "drain", "k8s_restart"}  # unavailable ones stay out
     assert data["unavailable"] == {"inprocess": "training/inprocess.py does not exist"}
     assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
     assert data["rollback"]["cost_ratio"] == 0.04 and data["rollback"]["copy_gbps"] == 5.37
     save, mechanisms = plan.from_bench(path, "async")
-    assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {
+    assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {  # a drain is no failure to plan for
         "injob": 7.0, "node_replacement": 20.0, "k8s_restart": 13.0}
     assert plan.main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
     assert "k8s_restart" in capsys.readouterr().out
@@ -137,7 +142,10 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     result = sample_result()
     text = format_markdown(result)
     assert "| in-process restart | not available: training/inprocess.py does not exist |" in text
-    assert "| plain Kubernetes restart | 2/2 |" in text
+    assert "| plain Kubernetes restart (node 0 lost) | 2/2 |" in text
+    assert "| node lost (SIGKILL), replaced | 2/2 | 1.00 s | 20.00 s | - | 4/4 |" in text
+    assert "| node drained (SIGTERM), replaced | 2/2 | 1.00 s | 4.00 s | - | 0/0 |" in text
+    assert "| drain steps lost per fault (max) | 0 steps | <= 0 | target | PASS |" in text
     assert "Quick mode: 2 faults per mechanism" in text
     assert "| sync | 2.00 s | 2.00, 2.00 | 0.50 s | 0.20 s | 50.0% |" in text
     assert "| async | 0.10 s | 0.10, 0.10 | 0.45 s | 0.10 s | 99.0% |" in text
