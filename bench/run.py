@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 from bench.checks import recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult, measure_floor
@@ -32,6 +32,7 @@ from bench.rollback import RollbackResult, measure_rollback
 from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
 
+T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA = 2  # --gpu without a CUDA device: nothing was measured
 
@@ -58,13 +59,21 @@ def run_stall_with_spare_cpu(p: Profile, world: int, runs: Path) -> StallResult:
                                    p.device), runs / "spare-cpu")
 
 
-def _measure_stall_part(part: str, measure: Callable[[], StallResult],
-                        unavailable: dict[str, str]) -> StallResult | None:
+def _attempt(part: str, measure: Callable[[], T], unavailable: dict[str, str]) -> T | None:
+    """measure(), or None with its failure recorded under `part`: a part that fails is reported, the
+    others still run."""
     try:
-        stall = measure()
-    except Exception as err:  # noqa: BLE001 - a part that fails is reported, the others still run
+        return measure()
+    except Exception as err:  # noqa: BLE001
         traceback.print_exc()
         unavailable[part] = _failure(err)
+        return None
+
+
+def _measure_stall_part(part: str, measure: Callable[[], StallResult],
+                        unavailable: dict[str, str]) -> StallResult | None:
+    stall = _attempt(part, measure, unavailable)
+    if stall is None:
         return None
     say(f"blocking per save: sync {stall.sync_blocking_s:.2f} s, async {stall.async_blocking_s:.2f} s; efficiency "
         f"sync {stall.efficiency_sync:.0%}, async {stall.efficiency_async:.0%}")
@@ -76,11 +85,9 @@ def run_rollback(p: Profile, recovery: dict[str, MechanismResult],
     if "inprocess" not in recovery:
         unavailable[ROLLBACK] = f"needs the in-process run ({unavailable.get('inprocess', 'not run')})"
         return None
-    try:
-        r = measure_rollback(Path(recovery["inprocess"].run_dir), p.rollback_copy_bytes, p.device)
-    except Exception as err:  # noqa: BLE001 - a part that fails is reported, the others still run
-        traceback.print_exc()
-        unavailable[ROLLBACK] = _failure(err)
+    r = _attempt(ROLLBACK, lambda: measure_rollback(Path(recovery["inprocess"].run_dir), p.rollback_copy_bytes,
+                                                    p.device), unavailable)
+    if r is None:
         return None
     say(f"in-memory rollback: {r.save_s * 1e3:.2f} ms per step, {r.cost_ratio:.1%} of the step time; host copy "
         f"{r.copy_gbps:.1f} GB/s")

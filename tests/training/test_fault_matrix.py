@@ -19,7 +19,7 @@ from training.exit_codes import NO_PROGRESS
 from training.faults import ENV_VAR, FaultInjected, FaultInjector, FaultSpecError, parse_fault, parse_faults, \
     with_env_faults
 from training.report import build_report
-from training_helpers import assert_bitwise_equal, events_named, load_final_state, run_local
+from training_helpers import assert_bitwise_equal, completed, events_named, load_final_state, run_local
 
 # ---- specs and the injector, in-process ---------------------------------------------------------
 
@@ -137,14 +137,9 @@ CASES = {
 }
 
 
-def _ok(run):
-    assert run.returncode == 0, run.output[-4000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _ok(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
+    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +151,7 @@ def fault_run(tmp_path_factory):
         if name not in runs:
             case = CASES[name]
             env = {ENV_VAR: case.spec} if case.via_env else None
-            runs[name] = _ok(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env))
+            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env))
         return runs[name]
     return get
 

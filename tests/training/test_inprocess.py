@@ -30,7 +30,7 @@ from training.report import build_report
 from training import rollback as rollback_module
 from training.rollback import KEEP, MemoryRollback, copy_into
 from training.train import ModelState, OptimizerState, RngState, TrainState, build, train_step
-from training_helpers import assert_bitwise_equal, events_named, load_final_state, run_local
+from training_helpers import assert_bitwise_equal, completed, events_named, load_final_state, run_local
 
 # ---- the Wrapper adapter and the config ---------------------------------------------------------
 
@@ -489,14 +489,9 @@ RUNS = {
 }
 
 
-def _ok(run):
-    assert run.returncode == 0, run.output[-4000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _ok(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON))
+    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON))
 
 
 @pytest.fixture(scope="module")
@@ -506,7 +501,7 @@ def fault_run(tmp_path_factory):
     def get(name):
         if name not in runs:
             shape, mode, spec = RUNS[name]
-            runs[name] = _ok(run_local(tmp_path_factory.mktemp(name) / "run", *shape, *COMMON,
+            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *shape, *COMMON,
                                        f"fault_tolerance.restart={mode}", "--faults", spec))
         return runs[name]
     return get

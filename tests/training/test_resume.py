@@ -15,7 +15,7 @@ from training.checkpoint import (CheckpointLoadError, CheckpointManager, Damaged
                                  committed_checkpoints, inspect_checkpoint)
 from training.events import EventLog
 from training.fault_tolerance import RESUME_STEP_FILE
-from training_helpers import events_named, run_local
+from training_helpers import completed, events_named, run_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -126,15 +126,10 @@ COMMON = ("checkpoint.mode=sync", "checkpoint.interval=10", "logging.sample_log=
           "fault_tolerance.timeout_safety_factor=50")
 
 
-def _ok(run):
-    assert run.returncode == 0, run.output[-4000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """2 nodes x 2 ranks to step 20: checkpoints at 10 and 20."""
-    return _ok(run_local(tmp_path_factory.mktemp("four") / "run", "--nodes", "2", "--nproc-per-node", "2",
+    return completed(run_local(tmp_path_factory.mktemp("four") / "run", "--nodes", "2", "--nproc-per-node", "2",
                          "--steps", str(FIRST), *COMMON))
 
 
@@ -148,7 +143,7 @@ def _consumed(run_dir: Path) -> list[int]:
 def test_resume_at_another_world_size_keeps_every_step_and_sample(four_ranks, tmp_path, nodes, per_node):
     run_dir = tmp_path / "run"
     shutil.copytree(four_ranks.run_dir, run_dir)
-    run = _ok(run_local(run_dir, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
+    run = completed(run_local(run_dir, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
                         "--steps", str(THEN), *COMMON))
     world = nodes * per_node
     [_, resume] = events_named(run_dir, "resume")
@@ -178,7 +173,7 @@ def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(
     assert "refusing to start at step 0" in refused.output
     assert "made no progress" in refused.output  # the launcher stopped retrying a refusal
     assert len(events_named(run_dir, "step")) == FIRST  # not one step trained from scratch
-    fresh = _ok(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+    fresh = completed(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
                           "checkpoint.allow_fresh_start=true"))
     assert "starting at step 0" in fresh.output
     assert [e["step"] for e in events_named(run_dir, "resume")][-1] == 0

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from training.events import read_events
-from training_helpers import REPO_ROOT, assert_bitwise_equal, load_final_state, run_local
+from training_helpers import REPO_ROOT, assert_bitwise_equal, completed, load_final_state, run_local
 
 pytestmark = pytest.mark.slow
 
@@ -26,29 +26,24 @@ COMMON = ("--steps", str(STEPS), "checkpoint.interval=10", "checkpoint.save_fina
           "fault_tolerance.timeout_safety_factor=50")
 
 
-def _ok(run):
-    assert run.returncode == 0, run.output[-4000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted: 1 node x 2 ranks, sync checkpoints."""
-    return _ok(run_local(tmp_path_factory.mktemp("ref") / "run", "--nodes", "1", "--nproc-per-node", "2",
+    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", "--nodes", "1", "--nproc-per-node", "2",
                          *COMMON, "checkpoint.mode=sync"))
 
 
 @pytest.fixture(scope="module")
 def interrupted_sync(tmp_path_factory):
     """1 node x 2 ranks, sync checkpoints; rank 1 raises at step 17 -> in-job restart from step 10."""
-    return _ok(run_local(tmp_path_factory.mktemp("sync") / "run", "--nodes", "1", "--nproc-per-node", "2",
+    return completed(run_local(tmp_path_factory.mktemp("sync") / "run", "--nodes", "1", "--nproc-per-node", "2",
                          *COMMON, "checkpoint.mode=sync", "--faults", "exception@17:rank=1"))
 
 
 @pytest.fixture(scope="module")
 def interrupted_async(tmp_path_factory):
     """2 nodes x 1 rank, async checkpoints; rank 1 is SIGKILLed at step 23."""
-    return _ok(run_local(tmp_path_factory.mktemp("async") / "run", "--nodes", "2", "--nproc-per-node", "1",
+    return completed(run_local(tmp_path_factory.mktemp("async") / "run", "--nodes", "2", "--nproc-per-node", "1",
                          *COMMON, "checkpoint.mode=async", "--faults", "sigkill@23:rank=1"))
 
 

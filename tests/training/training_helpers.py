@@ -28,6 +28,12 @@ def run_local(run_dir: Path, *args: str, timeout: float = 240, env: dict[str, st
     return LocalRun(run_dir, proc.returncode, proc.stdout + proc.stderr)
 
 
+def completed(run: LocalRun) -> LocalRun:
+    """`run`, asserted to have exited 0 (the tail of its output as the message)."""
+    assert run.returncode == 0, run.output[-4000:]
+    return run
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     mismatch = bitwise_mismatch(a, b)
     assert mismatch is None, mismatch
