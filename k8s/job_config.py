@@ -20,6 +20,7 @@ from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
 _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
 CLUSTER_DOMAIN = "cluster.local"  # the EKS default
+MAX_NODE_FAILURE_TOLERATION_S = 300  # what the DefaultTolerationSeconds admission plugin gives a pod
 
 
 class JobConfigError(ValueError):
@@ -48,6 +49,11 @@ class JobConfig:
     ttl_seconds_after_finished: int = 86400
     termination_grace_s: int | None = None  # None: long enough for an in-flight checkpoint
     shm_fraction: float = 0.25  # /dev/shm size as a part of the pod's memory (it counts against it)
+    # How long a pod stays on a node tainted unreachable or not-ready before it is evicted and
+    # replaced (Kubernetes' default: 300 s). The node controller taints a node only after ~40 s
+    # without status on EKS, so 30 s more replaces a lost node's pod after ~70 s; much less would
+    # evict healthy pods whenever a kubelet misses a few updates (restart, API server hiccup).
+    node_failure_toleration_s: int = 30
     fault_injection: FaultInjectionConfig | None = None
 
     def __post_init__(self) -> None:
@@ -147,6 +153,9 @@ def _validate(j: JobConfig) -> None:
     if not 0 < j.shm_fraction <= 0.5:
         raise JobConfigError(f"shm_fraction={j.shm_fraction} is not allowed: more than 0, at most 0.5 "
                              "(/dev/shm is pod memory that the training process cannot use)")
+    if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
+        raise JobConfigError(f"node_failure_toleration_s={j.node_failure_toleration_s} is not allowed: 0 to "
+                             f"{MAX_NODE_FAILURE_TOLERATION_S} seconds (Kubernetes' default, which it shortens)")
     minimum_grace = j.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
     if j.termination_grace_s is not None and j.termination_grace_s < minimum_grace:
         raise JobConfigError(

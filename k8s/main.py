@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, help="pods (= GPU nodes) in the job; default: gpuNodesDesired")
     p.add_argument("--grace-period", type=int,
                    help="pod termination grace seconds; default: checkpoint section timeout + launcher exit margin")
+    p.add_argument("--node-failure-toleration", type=int, default=JobConfig.node_failure_toleration_s,
+                   help="seconds a pod stays on an unreachable or not-ready node before it is evicted "
+                        "and replaced (default: %(default)s)")
     p.add_argument("--fault-injection", action="store_true", help="also render the chaos-drill CronJob")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
     p.add_argument("--fault-target-index", type=int, help="job index whose pod is deleted; default: the last")
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                            if args.fault_injection else None)
         job = JobConfig(platform=platform, train=load_train_config(args.train_config, args.set),
                         infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
-                        nodes=args.nodes, termination_grace_s=args.grace_period, fault_injection=fault_injection)
+                        nodes=args.nodes, termination_grace_s=args.grace_period,
+                        node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection)
     except (ConfigError, TrainConfigError, JobConfigError, OutputsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,11 @@ SCRATCH_MOUNT_PATH = "/scratch"
 # memory-backed /dev/shm, so a replacement pod starts without it.
 DRAIN_MARKER_PATH = "/dev/shm/training-drain"
 
+# NoExecute taints the node controller puts on a node that stopped reporting: the pod leaves such a
+# node after JobConfig.node_failure_toleration_s. The taint manager marks it DisruptionTarget, so the
+# Job's podFailurePolicy does not count it against the index's retries.
+NODE_FAILURE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
 # checkov findings that are inherent to this training pod, each with its reason.
 JOB_CHECKOV_SKIPS = {
     "CKV_K8S_15": "the tag is fixed per build (CDK asset hash or the given imageUri); "
@@ -134,7 +139,11 @@ def _pod_spec(job: JobConfig) -> dict:
         "terminationGracePeriodSeconds": job.grace_period_s,
         # Requesting all GPUs of the instance type already means one pod per node.
         "nodeSelector": {"node.kubernetes.io/instance-type": job.instance.name, GPU_NODE_LABEL: "true"},
-        "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+        "tolerations": [
+            {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+            *({"key": taint, "operator": "Exists", "effect": "NoExecute",
+               "tolerationSeconds": job.node_failure_toleration_s} for taint in NODE_FAILURE_TAINTS),
+        ],
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,

@@ -130,6 +130,15 @@ def test_pod_tolerates_the_gpu_taint_and_runs_as_the_service_account(render):
     assert r.pod["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("args, seconds", [([], 30), (["--node-failure-toleration", "60"], 60)])
+def test_pod_leaves_an_unreachable_or_not_ready_node_after_a_short_toleration(render, args, seconds):
+    # Not the 300 s the admission plugin adds to pods that do not say: a lost node's pod is replaced sooner.
+    tolerations = render(*args).pod["tolerations"]
+    for taint in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
+        assert {"key": taint, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds} in tolerations
+    assert len(tolerations) == 3  # with the GPU taint's
+
+
 def test_grace_period_covers_the_drain(render):
     r = render("--set", "fault_tolerance.drain_timeout_s=900")
     # ft_launcher waits this long for its ranks to commit after SIGTERM, the kubelet a margin longer
