@@ -1,7 +1,10 @@
 """The training run: headless Service, config maps, and the Indexed Job (one ft_launcher pod per node)."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import PurePosixPath
+from typing import NamedTuple
 
 import yaml
 from cdk8s import Chart
@@ -15,6 +18,7 @@ from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.fault_tolerance import DRAIN_MARKER_ENV
 
 CONTAINER = "trainer"
+CONFIG_COMPONENT = "config"  # the ConfigMaps' app.kubernetes.io/component label: how old ones are found
 # AL2023 nodeadm `localStorage: {strategy: RAID0}` (setup-local-disks raid0) mounts the instance-store
 # RAID0 at /mnt/k8s-disks/0 and bind-mounts kubelet and containerd state from subdirectories of it:
 # the pod gets its own subdirectory, never the kubelet's files.
@@ -41,9 +45,30 @@ JOB_CHECKOV_SKIPS = {
 }
 
 
-def _config_map_names(job: JobConfig) -> tuple[str, str]:
-    """(training config, NVRx fault-tolerance config)."""
-    return f"{job.name}-config", f"{job.name}-ft-config"
+class _ConfigFile(NamedTuple):
+    """A file the container reads, from its own ConfigMap, mounted as its own volume."""
+    volume: str
+    config_map: str
+    path: str
+    text: str
+
+    @property
+    def data(self) -> dict[str, str]:
+        return {PurePosixPath(self.path).name: self.text}
+
+
+def _config_file(job: JobConfig, volume: str, kind: str, path: str, text: str) -> _ConfigFile:
+    # Named after its content and immutable: a running Job's replacement pods read the config it
+    # started with, whatever is applied later; a changed config is a new ConfigMap for a new Job.
+    digest = hashlib.sha256(json.dumps({path: text}, sort_keys=True).encode()).hexdigest()[:10]
+    return _ConfigFile(volume, f"{job.name}-{kind}-{digest}", path, text)
+
+
+def _config_files(job: JobConfig) -> tuple[_ConfigFile, ...]:
+    """The training config and the NVRx fault-tolerance config."""
+    ft_yaml = yaml.safe_dump(nvrx_ft_config(job.train.fault_tolerance), sort_keys=False)
+    return (_config_file(job, "train-config", "config", TRAIN_CONFIG_PATH, job.train.to_yaml()),
+            _config_file(job, "ft-config", "ft-config", FT_CONFIG_PATH, ft_yaml))
 
 
 def _pod_labels(job: JobConfig) -> dict[str, str]:
@@ -104,19 +129,18 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": SCRATCH_MOUNT_PATH},
-        {"name": "train-config", "mountPath": str(PurePosixPath(TRAIN_CONFIG_PATH).parent), "readOnly": True},
-        {"name": "ft-config", "mountPath": str(PurePosixPath(FT_CONFIG_PATH).parent), "readOnly": True},
     ]
-    train_config, ft_config = _config_map_names(job)
+    config_files = _config_files(job)
+    mounts += [{"name": f.volume, "mountPath": str(PurePosixPath(f.path).parent), "readOnly": True}
+               for f in config_files]
     volumes = [
         {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name}},
         # NCCL and the data loaders share memory through /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{job.shm_gib}Gi"}},
         # Survives pod replacement on the same node (node-local checkpoints, caches).
         {"name": "scratch", "hostPath": {"path": NODE_SCRATCH_PATH, "type": "DirectoryOrCreate"}},
-        {"name": "train-config", "configMap": {"name": train_config}},
-        {"name": "ft-config", "configMap": {"name": ft_config}},
     ]
+    volumes += [{"name": f.volume, "configMap": {"name": f.config_map}} for f in config_files]
     resources = _resources(job)
     container = {
         "name": CONTAINER,
@@ -188,12 +212,10 @@ class TrainingChart(Chart):
                 "selector": {"batch.kubernetes.io/job-name": job.name},
                 "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}],
             }})
-        train_config, ft_config = _config_map_names(job)
-        api_object(self, "train-config", api_version="v1", kind="ConfigMap", name=train_config,
-                   namespace=ns, body={"data": {PurePosixPath(TRAIN_CONFIG_PATH).name: job.train.to_yaml()}})
-        ft_yaml = yaml.safe_dump(nvrx_ft_config(job.train.fault_tolerance), sort_keys=False)
-        api_object(self, "ft-config", api_version="v1", kind="ConfigMap", name=ft_config,
-                   namespace=ns, body={"data": {PurePosixPath(FT_CONFIG_PATH).name: ft_yaml}})
+        for f in _config_files(job):
+            api_object(self, f.volume, api_version="v1", kind="ConfigMap", name=f.config_map, namespace=ns,
+                       labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
+                       body={"immutable": True, "data": f.data})
         # Ingress only from the job's own pods (rendezvous, c10d store, NCCL bootstrap sockets);
         # EFA traffic bypasses the kernel and is not subject to it. Enforced where the VPC CNI's
         # network policy agent is on; egress stays open (FSx, ECR, S3).

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,14 @@ class Rendered:
         assert len(found) == 1, f"expected one {kind}, got {len(found)}"
         return found[0]
 
-    def config_map(self, name: str) -> dict[str, str]:
-        (found,) = [o for o in self.objects() if o["kind"] == "ConfigMap" and o["metadata"]["name"] == name]
-        return found["data"]
+    def config_map_object(self, prefix: str) -> dict[str, Any]:
+        """The ConfigMap named `<prefix>-<content hash>`, e.g. prefix fsdp-train-config."""
+        (found,) = [o for o in self.objects() if o["kind"] == "ConfigMap"
+                    and re.fullmatch(rf"{re.escape(prefix)}-[0-9a-f]{{10}}", o["metadata"]["name"])]
+        return found
+
+    def config_map(self, prefix: str) -> dict[str, str]:
+        return self.config_map_object(prefix)["data"]
 
     @property
     def pod(self) -> dict[str, Any]:

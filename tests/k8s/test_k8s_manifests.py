@@ -82,10 +82,32 @@ def test_config_maps_carry_the_training_config_rooted_on_fsx(render):
     assert ft["rank_section_timeouts"]["checkpoint"] == train["fault_tolerance"]["checkpoint_section_timeout"]
     mounts = {m["name"]: m["mountPath"] for m in r.container["volumeMounts"]}
     volumes = {v["name"]: v for v in r.pod["volumes"]}
-    assert volumes["train-config"]["configMap"]["name"] == "fsdp-train-config"
+    assert volumes["train-config"]["configMap"]["name"] == r.config_map_object("fsdp-train-config")["metadata"]["name"]
     assert f"{mounts['train-config']}/config.yaml" == TRAIN_CONFIG_PATH
-    assert volumes["ft-config"]["configMap"]["name"] == "fsdp-train-ft-config"
+    assert volumes["ft-config"]["configMap"]["name"] == r.config_map_object("fsdp-train-ft-config")["metadata"]["name"]
     assert f"{mounts['ft-config']}/ft.yaml" == FT_CONFIG_PATH
+
+
+def _config_map_names(r) -> dict[str, str]:
+    return {prefix: r.config_map_object(prefix)["metadata"]["name"]
+            for prefix in ("fsdp-train-config", "fsdp-train-ft-config")}
+
+
+def test_config_maps_are_immutable_and_named_after_their_content(render):
+    r = render()
+    for name in _config_map_names(r).values():
+        (config_map,) = [o for o in r.objects() if o["metadata"]["name"] == name]
+        # apply cannot change a running Job's config; `-l` finds the old ones to delete
+        assert config_map["immutable"] is True
+        assert config_map["metadata"]["labels"]["app.kubernetes.io/component"] == "config"
+        assert config_map["metadata"]["labels"]["app.kubernetes.io/name"] == "fsdp-train"
+    assert _config_map_names(render()) == _config_map_names(r)  # stable for the same config
+    # A training setting changes the training config's name only; an NVRx timeout both (both files carry it).
+    interval = _config_map_names(render("--set", "checkpoint.interval=50"))
+    assert interval["fsdp-train-config"] != _config_map_names(r)["fsdp-train-config"]
+    assert interval["fsdp-train-ft-config"] == _config_map_names(r)["fsdp-train-ft-config"]
+    timeout = _config_map_names(render("--set", "fault_tolerance.rank_heartbeat_timeout=120"))
+    assert not set(timeout.values()) & set(_config_map_names(r).values())
 
 
 def test_relative_checkpoint_dir_lands_under_the_run_dir_on_fsx(render):
