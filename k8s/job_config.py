@@ -29,12 +29,12 @@ class JobConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FaultInjectionConfig:
-    """A chaos drill: delete one training pod on a schedule (off unless given)."""
+    """A chaos drill: evict one training pod on a schedule (off unless given)."""
 
     schedule: str = "*/30 * * * *"
-    target_index: int | None = None  # None: the last index (not the rendezvous host)
-    # kubectl turns 0 into 1 unless forced, and a forced delete frees the index before the pod is
-    # gone: 1 s (SIGTERM, then SIGKILL) is the closest to a crash; more is a graceful stop.
+    target_index: int | None = None  # None: any index, picked at random by each drill
+    # Seconds the evicted pod gets before SIGKILL: 1 (SIGTERM, then SIGKILL) is the closest to a
+    # crash; more is a graceful stop.
     grace_period_s: int = 1
 
 
@@ -107,13 +107,6 @@ class JobConfig:
         # the node's daemon sets (CNI, device plugins, CSI) a few cores.
         return self.instance.vcpus - max(2, self.instance.vcpus // 24)
 
-    @property
-    def fault_target_index(self) -> int:
-        assert self.fault_injection is not None
-        target = self.fault_injection.target_index
-        return self.nodes - 1 if target is None else target
-
-
 def _ceil(seconds: float) -> int:
     return int(-(-seconds // 1))
 
@@ -168,8 +161,56 @@ def _validate(j: JobConfig) -> None:
         if not _CRON.match(fi.schedule.strip()):
             raise JobConfigError(f"fault_injection.schedule={fi.schedule!r} is not allowed: "
                                  "a cron schedule such as '*/30 * * * *'")
-        if not 0 <= j.fault_target_index < j.nodes:
+        if fi.target_index is not None and not 0 <= fi.target_index < j.nodes:
             raise JobConfigError(f"fault_injection.target_index={fi.target_index} is not allowed: "
                                  f"an index of the job, 0..{j.nodes - 1}")
+        _validate_drill_interval(j, fi.schedule)
         if fi.grace_period_s < 1:
             raise JobConfigError(f"fault_injection.grace_period_s={fi.grace_period_s} is not allowed: 1 or more")
+
+
+def _validate_drill_interval(j: JobConfig, schedule: str) -> None:
+    """An eviction is not counted against the index's retries, but it is one restart of the worker
+    group, and fault_tolerance.max_restarts restarts in a row without a newer checkpoint fail the
+    Job (NO_PROGRESS). The rule: two drills must be at least one restart and one save apart, by the
+    config's own bounds for them (initial_rank_heartbeat_timeout + checkpoint_section_timeout)."""
+    ft = j.train.fault_tolerance
+    needed_s = _ceil(ft.initial_rank_heartbeat_timeout + ft.checkpoint_section_timeout)
+    try:
+        gap_s = _cron_min_gap_s(schedule.strip())
+    except ValueError:
+        raise JobConfigError(f"fault_injection.schedule={schedule!r} is not allowed: "
+                             "a cron schedule such as '*/30 * * * *'") from None
+    if gap_s < needed_s:
+        raise JobConfigError(
+            f"fault_injection.schedule={schedule!r} evicts a pod as often as every {gap_s // 60} min, faster "
+            f"than the Job can recover: at least {_ceil(needed_s / 60)} min between drills "
+            f"(fault_tolerance.initial_rank_heartbeat_timeout + checkpoint_section_timeout = {needed_s} s), "
+            f"or every restart lacks a new checkpoint and fault_tolerance.max_restarts={ft.max_restarts} "
+            "of them in a row fail the Job")
+
+
+def _cron_values(field: str, low: int, high: int) -> set[int]:
+    """The values of one cron field (`*`, `?`, `a`, `a-b`, each with an optional `/step`, comma lists)."""
+    values: set[int] = set()
+    for item in field.split(","):
+        span, slash, step = item.partition("/")
+        if span in ("*", "?"):
+            first, last = low, high
+        else:
+            start, _, end = span.partition("-")
+            first, last = int(start), int(end) if end else (high if slash else int(start))
+        values |= set(range(first, last + 1, int(step) if slash else 1))  # step 0: ValueError
+    if not values or not values <= set(range(low, high + 1)):
+        raise ValueError(field)
+    return values
+
+
+def _cron_min_gap_s(schedule: str) -> int:
+    """The shortest time between two runs of a cron schedule, from its minute and hour fields: the
+    day fields can only leave runs out, which never brings two runs closer."""
+    if schedule.startswith("@"):
+        return 3600 if schedule == "@hourly" else 86400
+    minute, hour = schedule.split()[:2]
+    runs = sorted(h * 60 + m for h in _cron_values(hour, 0, 23) for m in _cron_values(minute, 0, 59))
+    return 60 * min(b - a for a, b in zip(runs, [*runs[1:], runs[0] + 24 * 60]))

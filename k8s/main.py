@@ -73,9 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "and replaced (default: %(default)s)")
     p.add_argument("--fault-injection", action="store_true", help="also render the chaos-drill CronJob")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
-    p.add_argument("--fault-target-index", type=int, help="job index whose pod is deleted; default: the last")
+    p.add_argument("--fault-target-index", type=int, help="job index whose pod is evicted; default: any, at random")
     p.add_argument("--fault-grace-period", type=int, default=FaultInjectionConfig.grace_period_s,
-                   help="seconds the deleted pod gets before SIGKILL (default: %(default)s, like a crash)")
+                   help="seconds the evicted pod gets before SIGKILL (default: %(default)s, like a crash)")
     return p.parse_args(argv)
 
 

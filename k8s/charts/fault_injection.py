@@ -1,10 +1,12 @@
-"""A chaos drill for a real cluster: a CronJob deletes one training pod on a schedule.
+"""A chaos drill for a real cluster: a CronJob evicts one training pod on a schedule.
 
-Deleting a pod is a fault the Job must absorb: ft_launcher on the other nodes restarts the worker
+An evicted pod is a fault the Job must absorb: ft_launcher on the other nodes restarts the worker
 group, the Job starts a replacement pod for that index, and training resumes from the last
-checkpoint. The pod deletion is allowed in this namespace only, to pods only.
+checkpoint. The eviction (k8s/evict.py) is allowed in this namespace only, to pods only.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 from cdk8s import Chart
 from constructs import Construct
@@ -12,11 +14,14 @@ from constructs import Construct
 from k8s.charts.objects import api_object, checkov_skips
 from k8s.job_config import JobConfig
 
-KUBECTL_IMAGE = "registry.k8s.io/kubectl:v1.34.1"  # distroless, entrypoint kubectl
+# The Docker official image through ECR Public (no Docker Hub pull limits); registry.k8s.io/kubectl
+# is distroless and kubectl cannot evict by label selector.
+PYTHON_IMAGE = "public.ecr.aws/docker/library/python:3.13-alpine"
+EVICT_SCRIPT = Path(__file__).resolve().parent.parent / "evict.py"
 
 CHECKOV_SKIPS = {
-    "CKV_K8S_38": "the drill deletes pods through the API: it needs its service account token",
-    "CKV_K8S_43": "an upstream release tag of registry.k8s.io; pin a digest in a mirrored registry if required",
+    "CKV_K8S_38": "the drill evicts pods through the API: it needs its service account token",
+    "CKV_K8S_43": "an official image tag on ECR Public; pin a digest in a mirrored registry if required",
 }
 
 
@@ -29,21 +34,20 @@ class FaultInjectionChart(Chart):
         ns, name = job.namespace, f"{job.name}-chaos"
         api_object(self, "service-account", api_version="v1", kind="ServiceAccount", name=name, namespace=ns)
         api_object(self, "role", api_version="rbac.authorization.k8s.io/v1", kind="Role", name=name, namespace=ns,
-                   body={"rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]}]})
+                   body={"rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                                   {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]}]})
         api_object(self, "role-binding", api_version="rbac.authorization.k8s.io/v1", kind="RoleBinding",
                    name=name, namespace=ns, body={
                        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]})
-        selector = (f"batch.kubernetes.io/job-name={job.name},"
-                    f"batch.kubernetes.io/job-completion-index={job.fault_target_index}")
+        selector = f"batch.kubernetes.io/job-name={job.name}"
+        if fi.target_index is not None:  # else any index, the rendezvous host included
+            selector += f",batch.kubernetes.io/job-completion-index={fi.target_index}"
         container = {
-            "name": "kubectl",
-            "image": KUBECTL_IMAGE,
+            "name": "evict",
+            "image": PYTHON_IMAGE,
             "imagePullPolicy": "Always",
-            "args": ["delete", "pod", "--namespace", ns, "--selector", selector,
-                     f"--grace-period={fi.grace_period_s}", "--wait=false", "--ignore-not-found"],
-            "env": [{"name": "HOME", "value": "/tmp"}],  # kubectl's discovery cache; the root is read-only
-            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+            "command": ["python", "-c", EVICT_SCRIPT.read_text(), ns, selector, str(fi.grace_period_s)],
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "128Mi"}},
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                 "runAsNonRoot": True, "runAsUser": 65532, "capabilities": {"drop": ["ALL"]}},
@@ -62,7 +66,6 @@ class FaultInjectionChart(Chart):
                                "serviceAccountName": name,
                                "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
                                "containers": [container],
-                               "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
                            }},
                        }},
                    }})

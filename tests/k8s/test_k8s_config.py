@@ -31,6 +31,15 @@ import pytest
      "fault_injection.target_index=2 is not allowed: an index of the job, 0..1"),
     (["--fault-injection", "--fault-grace-period", "0"], {}, "fault_injection.grace_period_s=0 is not allowed: 1 or more"),
     (["--fault-injection", "--fault-schedule", "every hour"], {}, "fault_injection.schedule='every hour'"),
+    (["--fault-injection", "--fault-schedule", "*/0 * * * *"], {}, "fault_injection.schedule='*/0 * * * *' is not allowed"),
+    (["--fault-injection", "--fault-schedule", "0,60 * * * *"], {}, "fault_injection.schedule='0,60 * * * *' is not allowed"),
+    # Drills closer than a restart and a save (600 + 600 s by default) leave no checkpoint in between.
+    (["--fault-injection", "--fault-schedule", "*/15 * * * *"], {},
+     "fault_injection.schedule='*/15 * * * *' evicts a pod as often as every 15 min, faster than the Job can "
+     "recover: at least 20 min between drills"),
+    (["--fault-injection", "--fault-schedule", "0,59 * * * *"], {}, "as often as every 1 min"),
+    (["--fault-injection", "--fault-schedule", "0 0,23 * * *", "--set", "fault_tolerance.checkpoint_section_timeout=3600"],
+     {}, "as often as every 60 min, faster than the Job can recover: at least 70 min"),
 ])
 def test_bad_config_fails_with_a_message_naming_it(render_error, args, context, expected):
     assert expected in render_error(*args, context=context)

@@ -194,23 +194,24 @@ def test_fault_injection_is_off_by_default_and_stale_files_are_removed(tmp_path,
     assert "fault injection off" in off.stdout
 
 
-def test_fault_injection_deletes_one_index_with_pod_only_rights(render):
-    r = render("--fault-injection", "--nodes", "3", "--fault-target-index", "2", "--fault-schedule", "*/10 * * * *")
+def test_fault_injection_evicts_one_index_with_eviction_only_rights(render):
+    r = render("--fault-injection", "--nodes", "3", "--fault-target-index", "0", "--fault-schedule", "*/20 * * * *")
     cron, role, binding = r.one("CronJob"), r.one("Role"), r.one("RoleBinding")
-    assert cron["spec"]["schedule"] == "*/10 * * * *"
+    assert cron["spec"]["schedule"] == "*/20 * * * *"
     assert cron["metadata"]["namespace"] == role["metadata"]["namespace"] == NAMESPACE
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "delete"]}]
+    # Evicted, not deleted: the pod gets DisruptionTarget, which the Job's podFailurePolicy ignores.
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                             {"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]}]
     pod = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
                                     "namespace": NAMESPACE}]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    args = pod["containers"][0]["args"]
-    assert args[:2] == ["delete", "pod"]
-    assert "batch.kubernetes.io/job-name=fsdp-train,batch.kubernetes.io/job-completion-index=2" in args
-    # Default target: the last index, not the rendezvous host.
+    python, flag, script, *args = pod["containers"][0]["command"]
+    assert (python, flag) == ("python", "-c") and "/eviction" in script and '"kind": "Eviction"' in script
+    assert args == [NAMESPACE, "batch.kubernetes.io/job-name=fsdp-train,batch.kubernetes.io/job-completion-index=0", "1"]
+    # Default target: any index, the rendezvous host included.
     default = render("--fault-injection").one("CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
-    selector = "batch.kubernetes.io/job-name=fsdp-train,batch.kubernetes.io/job-completion-index=1"
-    assert selector in default["containers"][0]["args"]
+    assert default["containers"][0]["command"][3:] == [NAMESPACE, "batch.kubernetes.io/job-name=fsdp-train", "1"]
 
 
 def test_outputs_file_supplies_image_namespace_and_pvc(render):
