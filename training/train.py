@@ -206,13 +206,7 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
            lead: bool, restart: Iteration | None) -> None:
     t = cfg.training
     if lead:
-        attempt = _attempt_number(cfg.run_dir)
-        nodes = info.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-        events.emit("run_start", world_size=info.world_size, nodes=nodes, config=cfg.to_dict())
-        kind = "fresh" if attempt == 0 else "inprocess" if restart is not None and restart.number else "injob"
-        events.emit("attempt_start", attempt=attempt, restart_kind=kind)
-        if attempt:
-            events.emit("restart", attempt=attempt, restart_kind=kind)
+        _announce_attempt(cfg, info, events, restart)
     torch.manual_seed(t.seed)
     model, optimizer = build(cfg, info)
     stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=info.rank, world_size=info.world_size,
@@ -227,9 +221,7 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
                              when_busy=cfg.checkpoint.when_busy, events=events, device=info.device,
                              write_hook=injector.around_write)
     _resume(cfg, info, state, ckpt, rng, events, restart)
-    progress = Progress(t.steps, cfg.logging.log_interval, enabled=lead)
-    samples = _sample_log(cfg, info.rank)
-    tokens_per_step = t.batch_size * t.seq_len * info.world_size
+    after_step = _AfterStep(cfg, info, monitor, state, events if lead else None, restart)
     monitor.end_setup()
 
     try:
@@ -243,15 +235,7 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
                                               drain_signal.flag)
                 step_time = time.perf_counter() - t0
             train_state.step = step
-            monitor.step_done()
-            rollback = {} if restart is None else {"rollback_s": round(restart.step_done(step, state), 5)}
-            if lead:
-                events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
-                            tokens=tokens_per_step, **rollback)
-            if samples is not None:
-                samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
-                samples.flush()
-            progress.update(step, mean_loss, step_time, tokens_per_step)
+            after_step(step, batch, mean_loss, step_time)
             if drain:
                 with monitor.section("checkpoint"):
                     _drain(step, state, ckpt, drain_signal, events, lead)
@@ -268,11 +252,50 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
     except BaseException:
         ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
         raise
-    if samples is not None:
-        samples.close()
+    finally:
+        after_step.close()
     if lead:
         events.emit("run_end", step=train_state.step, status="completed")
         log.info("done: %d steps", train_state.step)
+
+
+def _announce_attempt(cfg: TrainConfig, info: DistInfo, events: EventLog, restart: Iteration | None) -> None:
+    """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
+    attempt = _attempt_number(cfg.run_dir)
+    nodes = info.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    events.emit("run_start", world_size=info.world_size, nodes=nodes, config=cfg.to_dict())
+    kind = "fresh" if attempt == 0 else "inprocess" if restart is not None and restart.number else "injob"
+    events.emit("attempt_start", attempt=attempt, restart_kind=kind)
+    if attempt:
+        events.emit("restart", attempt=attempt, restart_kind=kind)
+
+
+class _AfterStep:
+    """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
+    in-process restarts, rank 0's step event (`events`: None on other ranks) and progress line, the
+    sample log."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, state: dict[str, Stateful],
+                 events: EventLog | None, restart: Iteration | None) -> None:
+        self.monitor, self.state, self.events, self.restart = monitor, state, events, restart
+        self.tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * info.world_size
+        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=events is not None)
+        self.samples = _sample_log(cfg, info.rank)
+
+    def __call__(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
+        self.monitor.step_done()
+        rollback = {} if self.restart is None else {"rollback_s": round(self.restart.step_done(step, self.state), 5)}
+        if self.events is not None:
+            self.events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
+                             tokens=self.tokens_per_step, **rollback)
+        if self.samples is not None:
+            self.samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
+            self.samples.flush()
+        self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
+
+    def close(self) -> None:
+        if self.samples is not None:
+            self.samples.close()
 
 
 def _resume(cfg: TrainConfig, info: DistInfo, state: dict[str, Stateful], ckpt: CheckpointManager, rng: RngState,
