@@ -11,10 +11,8 @@ Stores, all on MASTER_ADDR and hosted by global rank 0's process only (so emulat
 host never collide): MASTER_PORT is the launcher's (c10d rendezvous), MASTER_PORT+1 the Wrapper's,
 MASTER_PORT+2 the application's (process groups under `iteration<N>/`, the fault log).
 
-Version adapter: kwargs are passed only where the installed Wrapper's signature has them
-(rank_filter never: deprecated in 0.4.1, removed in 0.7.0; monitor_process_pidfile only from 0.5).
-On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: 0.7.0 then adds NVML GPU/NIC
-health checks to every restart, which fail without a GPU.
+On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: with it, NVRx 0.7.0 adds NVML
+GPU/NIC health checks to every restart, which fail without a GPU.
 
 The launcher's rank monitor: `run` connects a new RankMonitorClient per iteration and disconnects
 on the way out; while disconnected the rank is not watched, so a restart in progress is never a
@@ -26,7 +24,6 @@ No `from __future__ import annotations` here: the Wrapper finds the parameter to
 CallWrapper into by the annotation *object*.
 """
 import contextlib
-import inspect
 import logging
 import os
 import time
@@ -54,7 +51,7 @@ log = logging.getLogger(__name__)
 
 WRAPPER_PORT_OFFSET, APP_PORT_OFFSET = 1, 2
 # Fixed intervals (s). The monitor process must poll faster than the progress watchdog reports:
-# its loop skips the timeout checks while timestamps keep arriving (NVRx 0.4.1 to 0.7.0).
+# its loop skips the timeout checks while timestamps keep arriving (NVRx 0.7.0).
 MONITOR_PROCESS_INTERVAL = 0.5
 PROGRESS_WATCHDOG_INTERVAL = 1.0
 # Both below add directly to every in-process recovery (0.5 s each made it 1.7 s instead of 0.9 s
@@ -149,14 +146,14 @@ class RestartBudget(inprocess.initialize.Initialize):
                 f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(iteration - 1)}")
 
 
-def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool, initialize: inprocess.initialize.Initialize,
-                   accepted: set[str]) -> dict[str, Any]:
-    """The Wrapper's kwargs for this config, limited to the names in `accepted` (its signature)."""
+def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool,
+                   initialize: inprocess.initialize.Initialize) -> dict[str, Any]:
+    """The Wrapper's kwargs for this config."""
     ft = cfg.fault_tolerance
     hard = timedelta(seconds=ft.inprocess_hard_timeout)
     barrier = hard + timedelta(seconds=BARRIER_MARGIN)
     logs = Path(cfg.run_dir).resolve() / "logs"
-    kwargs: dict[str, Any] = dict(
+    return dict(
         store_kwargs={"port": master_port + WRAPPER_PORT_OFFSET},
         initialize=initialize,
         abort=ProcessGroupAbort({master_port, master_port + WRAPPER_PORT_OFFSET, master_port + APP_PORT_OFFSET},
@@ -173,12 +170,8 @@ def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool, initial
         last_call_wait=timedelta(seconds=LAST_CALL_WAIT),
         termination_grace_time=timedelta(seconds=TERMINATION_GRACE),
         monitor_process_logfile=str(logs / "inprocess_monitor_rank{rank}.log"),
-        monitor_process_pidfile=str(logs / "inprocess_monitor_rank{rank}.pid"),  # 0.5+
+        monitor_process_pidfile=str(logs / "inprocess_monitor_rank{rank}.pid"),
     )
-    dropped = sorted(set(kwargs) - accepted)
-    if dropped:
-        log.debug("this NVRx Wrapper does not take %s", dropped)
-    return {k: v for k, v in kwargs.items() if k in accepted}
 
 
 @contextlib.contextmanager
@@ -194,9 +187,7 @@ def _hidden_env(name: str, hide: bool) -> Iterator[None]:
 def make_wrapper(cfg: TrainConfig, initialize: inprocess.initialize.Initialize,
                  wrapper_cls: type = inprocess.Wrapper) -> Any:
     on_cuda = choose_device(cfg.training.device).type == "cuda"
-    accepted = set(inspect.signature(wrapper_cls.__init__).parameters)
-    kwargs = wrapper_kwargs(cfg, master_port=int(os.environ["MASTER_PORT"]), on_cuda=on_cuda,
-                            initialize=initialize, accepted=accepted)
+    kwargs = wrapper_kwargs(cfg, master_port=int(os.environ["MASTER_PORT"]), on_cuda=on_cuda, initialize=initialize)
     Path(cfg.run_dir, "logs").mkdir(parents=True, exist_ok=True)
     with _hidden_env("LOCAL_RANK", hide=not on_cuda):
         return wrapper_cls(**kwargs)

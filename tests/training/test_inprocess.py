@@ -44,10 +44,8 @@ def _budget():
 
 
 def test_wrapper_kwargs_fit_the_installed_signature():
-    accepted = set(inspect.signature(inprocess.Wrapper.__init__).parameters)
-    kwargs = wrapper_kwargs(_cfg(), master_port=29500, on_cuda=False, initialize=_budget(), accepted=accepted)
-    assert set(kwargs) <= accepted and "rank_filter" not in kwargs  # removed in 0.7.0
-    assert ("monitor_process_pidfile" in kwargs) == ("monitor_process_pidfile" in accepted)  # 0.5+ only
+    kwargs = wrapper_kwargs(_cfg(), master_port=29500, on_cuda=False, initialize=_budget())
+    assert set(kwargs) <= set(inspect.signature(inprocess.Wrapper.__init__).parameters)
     assert kwargs["store_kwargs"] == {"port": 29501}
     assert kwargs["abort"].keep_ports == {29500, 29501, 29502}  # launcher, Wrapper and app stores survive
     assert kwargs["health_check"] is None  # no CUDA/NVML check on a CPU machine
@@ -57,12 +55,11 @@ def test_wrapper_kwargs_fit_the_installed_signature():
     inprocess.Wrapper(**kwargs)  # the installed NVRx accepts them
 
 
-def test_make_wrapper_hides_local_rank_on_cpu_and_passes_new_kwargs(monkeypatch, tmp_path):
+def test_make_wrapper_hides_local_rank_on_cpu(monkeypatch, tmp_path):
     seen = {}
 
-    class Wrapper070:  # 0.7.0's signature: no rank_filter, a pidfile
-        def __init__(self, *, store_kwargs=None, initialize=None, abort=None, health_check=None,
-                     soft_timeout=None, hard_timeout=None, monitor_process_pidfile=None, **rest):
+    class Wrapper070:  # records what the Wrapper would see
+        def __init__(self, *, monitor_process_pidfile=None, **rest):
             seen.update(local_rank=os.environ.get("LOCAL_RANK"), pidfile=monitor_process_pidfile)
 
     monkeypatch.setenv("LOCAL_RANK", "1")
