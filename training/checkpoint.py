@@ -452,7 +452,7 @@ class CheckpointManager:
         the directory never held a committed checkpoint.
 
         A checkpoint is set aside (`corrupt-…`, ckpt_fallback) and the previous one tried only on
-        evidence of damage (`damage`). Any other failure raises CheckpointLoadError and leaves the
+        evidence of damage (`inspect_checkpoint`). Any other failure raises CheckpointLoadError and leaves the
         checkpoint in place. `optional` names keys of `state` that a checkpoint written at another
         world size may lack (per-rank state): they are left as they are and reported in `missing`.
         If committed checkpoints exist (or were set aside) and none loads, FreshStartRefused, unless
@@ -484,14 +484,13 @@ class CheckpointManager:
                     "place. An I/O error or timeout may pass on the next attempt; a changed model or optimizer "
                     "config cannot load it: restore the config it was written with") from None
             return Loaded(step, path, found.world_size, missing)
-        if (committed or set_aside) and allow_fresh_start:
-            self._log(f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)}); "
-                      "starting at step 0 as checkpoint.allow_fresh_start=true says")
-        elif committed or set_aside:
-            raise FreshStartRefused(
-                f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)}); "
-                "refusing to start at step 0, which would discard their training. Restore a checkpoint into "
-                "that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
+        if committed or set_aside:
+            none = f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(set_aside)})"
+            if not allow_fresh_start:
+                raise FreshStartRefused(
+                    f"{none}; refusing to start at step 0, which would discard their training. Restore a "
+                    "checkpoint into that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
+            self._log(f"{none}; starting at step 0 as checkpoint.allow_fresh_start=true says")
         return None
 
     def _broadcast(self, compute: Callable[[], T]) -> T:

@@ -88,15 +88,15 @@ def worker_entrypoint(ft: FaultToleranceConfig) -> list[str]:
     return ["-m", "training.prefork", "worker", "training.train"] if ft.prefork_workers else ["-m", "training.train"]
 
 
+# Above the Wrapper's hard timeout: its monitor process still needs to kill the rank and report.
+HANG_FLOOR_MARGIN_S = 10.0
+
+
 def section_timeout_floor(ft: FaultToleranceConfig) -> float:
     """The least a section timeout of the rank monitor may be. With in-process restarts the Wrapper
     must handle a hang first: a calculated (or checkpointed) timeout below its hard timeout would let
     the launcher kill the hung rank and turn an in-place recovery into an in-job restart."""
     return 0.0 if ft.restart == "injob" else ft.inprocess_hard_timeout + HANG_FLOOR_MARGIN_S
-
-
-# Above the Wrapper's hard timeout: its monitor process still needs to kill the rank and report.
-HANG_FLOOR_MARGIN_S = 10.0
 
 
 class RankMonitor:
