@@ -117,6 +117,11 @@ class FaultToleranceConfig:
     # in-flight save, and the step reached if a save fits, before ft_launcher (--term-timeout) and
     # then Kubernetes (the pod's grace period, this plus a margin) kill them (training/drain.py).
     drain_timeout_s: float = 120.0
+    # How long a rendezvous round may gather its nodes (NVRx's join timeout, launchers and store alike).
+    # Without a hot spare the survivors of a lost node wait here for its replacement, which on EKS is a
+    # new p5 that boots, joins and pulls the image (bench/projection.py: about 11 min); a first start
+    # pulls the image on every node. Past it a launcher gives up and its pod is retried.
+    rendezvous_join_timeout_s: float = 1800.0
     inprocess_max_restarts: int = 3  # per process: the Wrapper's restarts in a row without progress
     inprocess_soft_timeout: float = 60.0
     inprocess_hard_timeout: float = 90.0
@@ -322,6 +327,9 @@ def _validate(c: TrainConfig) -> None:
         )
     if not ft.drain_timeout_s > 0:
         fail("fault_tolerance.drain_timeout_s", ft.drain_timeout_s, "greater than 0 seconds")
+    if not ft.rendezvous_join_timeout_s >= 60:
+        fail("fault_tolerance.rendezvous_join_timeout_s", ft.rendezvous_join_timeout_s,
+             "at least 60 seconds (a round must outlast a node's restart)")
     if ft.inprocess_max_restarts < 0:
         fail("fault_tolerance.inprocess_max_restarts", ft.inprocess_max_restarts, "0 or more")
     if not 0 < ft.inprocess_soft_timeout < ft.inprocess_hard_timeout:

@@ -43,7 +43,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
@@ -84,12 +84,28 @@ def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["t"])
 
 
+def run_completed(run_dir: str | os.PathLike, steps: int) -> bool:
+    """Whether rank 0 recorded the run's completion: a completed run_end at `steps` or beyond (a run
+    directory may hold an earlier, shorter run that a longer one resumed from)."""
+    directory = events_dir(run_dir)
+    for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else ():
+        with path.open() as f:  # a two-week log is large: parse only the run_end lines
+            for r in _parse(line for line in f if '"run_end"' in line):
+                if r["event"] == "run_end" and r.get("status") == "completed" and r.get("step", 0) >= steps:
+                    return True
+    return False
+
+
 def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
     with path.open() as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "t" in record and "event" in record:
-                yield record
+        yield from _parse(f)
+
+
+def _parse(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "t" in record and "event" in record:
+            yield record

@@ -11,3 +11,7 @@ NO_PROGRESS = 93
 # SIGTERM: what a process killed by it reports to a shell, and what a rank exits with after a drain
 # (training/drain.py), so that ft_launcher and the Job retry it
 TERMINATED = 143
+# The node's launcher ended cleanly but the run has not completed (no run_end event of a completed run):
+# ft_launcher 0.7.0 exits 0 when a standby leaves, or when every rank left cleanly after SIGTERM, which
+# an Indexed Job would take for a completed index and never run again. EX_TEMPFAIL: retry the pod.
+INCOMPLETE = 75

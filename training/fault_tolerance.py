@@ -76,6 +76,25 @@ def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[st
     ]
 
 
+def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes: int, spares: int) -> list[str]:
+    """The rendezvous flags of the store (nvrx-control) and of every node's ft_launcher: `nodes`
+    training nodes and up to `spares` hot spares. NVRx 0.7.0's barrier rendezvous keeps the world at
+    `nodes`; the others wait as standby and take a failed node's place in the next round."""
+    return [f"--nnodes={nodes}:{nodes + spares}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}", f"--rdzv-conf=join_timeout={ft.rendezvous_join_timeout_s:g},is_host=false"]
+
+
+def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, spares: int,
+                  bin_dir: str = "") -> list[str]:
+    """The rendezvous store, off the training nodes: NVRx 0.7.0's `nvrx-control` owns the TCPStore and
+    closes every round, so every node's ft_launcher is a client (is_host=false) and losing any node,
+    index 0 too, costs the same. The store listens on `port` of every interface of its host (its own
+    client connects over loopback). It exits when the rendezvous shuts down: the run ended, or a
+    launcher stopped for good."""
+    return [os.path.join(bin_dir, "nvrx-control"), *rendezvous_args(ft, f"127.0.0.1:{port}", run_id, nodes, spares),
+            "--ft-enable-log-server=false"]  # the launchers write their own logs
+
+
 def launcher_wrapper(ft: FaultToleranceConfig, python: str) -> list[str]:
     """What ft_launcher's command line starts with: with prefork_workers, `python -m
     training.prefork launch`, which starts the node's worker template and then execs ft_launcher."""

@@ -5,20 +5,23 @@ plays the Kubernetes Indexed Job.
         [--config FILE] [--faults exception@30:rank=1,sigkill@60:rank=3] [section.key=value …]
     python -m training.local --demo        # what `make demo` runs
 
-Each node runs the pods' command, `ft_launcher … -m training.train --config FILE` (by default through
-training.prefork: the launcher starts a worker template, its workers are forked from it), with c10d
-rendezvous on a free port; node 0 hosts the store (`--rdzv-conf is_host=1`, as pod index 0), and
-every node gets its index in JOB_COMPLETION_INDEX, as the pods do. Launchers run in their own
-sessions; their output goes to <run_dir>/logs/node<i>.log and rank 0's lines are echoed here.
+Each node runs the pods' command, `python -m training.launch … ft_launcher … -m training.train --config
+FILE` (by default through training.prefork: the launcher starts a worker template, its workers are
+forked from it), and gets its index in JOB_COMPLETION_INDEX, as the pods do. The rendezvous store is
+its own process, as on the cluster: NVRx's `nvrx-control` on a free port, which every launcher joins
+as a client, so losing node 0 costs what losing any node costs. With --spares S, S more nodes start
+and wait as hot spares (NVRx's standby participants): a failed node's place goes to a spare in the
+next rendezvous round, and its replacement becomes the new spare. Launchers run in their own
+sessions; their output goes to <run_dir>/logs/node<i>.log (the store's to store.log) and rank 0's
+lines are echoed here.
 
 What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
 as the Job and its podFailurePolicy would:
 - killed by a signal (a lost node) or exited with an error (a failed pod, e.g. with restart=inprocess,
-  where the launcher restarts nothing): its orphaned ranks are killed and the node is started again,
-  at most --node-retries times per node (backoffLimitPerIndex; node_replaced, restart with
-  restart_kind=node). Node 0 takes the c10d store with it, so no other launcher can rejoin: every
-  node is restarted with a fresh rendezvous (new port and id; restart_kind=job), like a Job whose
-  index-0 pod was replaced; the ranks resume from the last checkpoint.
+  where the launcher restarts nothing, or INCOMPLETE): its orphaned ranks are killed and the node is
+  started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule
+  and start the new pod; bench/projection.py names its parts on EKS), at most --node-retries times per
+  node (backoffLimitPerIndex; node_replaced, restart with restart_kind=node).
 - exited with CONFIG_ERROR or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
   no progress): the job fails at once, with a message naming the ranks and faults that the event log
   recorded (e.g. a persistent fault).
@@ -49,7 +52,8 @@ from training.distributed import free_port
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.fault_tolerance import (DRAIN_MARKER_ENV, drain_grace_period_s, launcher_ft_args, launcher_wrapper,
-                                      resume_step_file, worker_entrypoint)
+                                      rendezvous_args, resume_step_file, store_command, worker_entrypoint)
+from training.launch import launch_command
 from training.faults import FaultSpecError, drain_requests_dir, parse_faults, with_env_faults
 from training.prefork import die_with_parent
 from training.report import ReportError, write_report
@@ -84,6 +88,7 @@ class Node:
     retries: int = 0
     done: bool = False
     drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
+    start_at: float | None = None  # replaced: the new launcher starts at this time (monotonic)
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
     _log_offset: int = 0
@@ -114,43 +119,57 @@ class Node:
 
 class Cluster:
     def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
-                 node_retries: int) -> None:
+                 node_retries: int, spares: int = 0, replacement_delay_s: float = 0.0) -> None:
         self.cfg, self.config_path = cfg, config_path
         self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
+        self.training_nodes, self.spares, self.replacement_delay_s = nodes, spares, replacement_delay_s
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes)]
+        self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
-        self.new_rendezvous()
+        self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
+        self.store: psutil.Popen | None = None
         self._stop_requested = False
         self._attempts = 0
 
-    def new_rendezvous(self) -> None:
-        self.port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
+    def start_store(self) -> None:
+        """The rendezvous store, as the cluster's store Deployment runs it: before any node, and again
+        whenever it exits."""
+        with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
+            command = store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
+                                    self.spares, bin_dir=str(Path(sys.executable).parent))
+            self.store = psutil.Popen(command,
+                                      cwd=REPO_ROOT, env=self.env(), stdout=log_file, stderr=log_file,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
     def launcher_command(self, node: Node) -> list[str]:
         ft = self.cfg.fault_tolerance
         return [
+            *launch_command(str(self.config_path)),
             *launcher_wrapper(ft, sys.executable),
             str(Path(sys.executable).parent / "ft_launcher"),
-            f"--nnodes={len(self.nodes)}", f"--nproc-per-node={self.nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf=is_host={1 if node.index == 0 else 0}",
+            *rendezvous_args(self.cfg.fault_tolerance, f"127.0.0.1:{self.store_port}", self.run_id,
+                             self.training_nodes, self.spares),
+            f"--nproc-per-node={self.nproc_per_node}",
             "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
             *launcher_ft_args(ft, str(resume_step_file(self.cfg.checkpoint_dir))),
             *worker_entrypoint(ft), "--config", str(self.config_path),
         ]
 
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+                "PYTHONUNBUFFERED": "1",
+                # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
+                # simulation; every node here is on localhost
+                "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
+
     def start(self, node: Node) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
-               "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               "PYTHONUNBUFFERED": "1",
-               # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
-               # simulation; every node here is on localhost
-               "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",
+        env = {**self.env(), "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
                DRAIN_MARKER_ENV: str(self.drain_marker(node))}
         self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained
+        node.start_at = None
         if self.cfg.fault_tolerance.restart != "injob":
             # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
@@ -167,13 +186,16 @@ class Cluster:
 
     def run(self) -> int:
         """Run to completion; returns 0 when every node finished, 1 on failure, 130 when stopped."""
-        self.events.emit("job_start", nodes=len(self.nodes), nproc_per_node=self.nproc_per_node)
+        self.events.emit("job_start", nodes=self.training_nodes, nproc_per_node=self.nproc_per_node,
+                         spares=self.spares)
+        self.start_store()
         for node in self.nodes:
             self.start(node)
         try:
             status = self._supervise()
         finally:
             self.stop_all()
+            self.stop_store()
             for node in self.nodes:
                 self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
         if status != 0:
@@ -187,6 +209,9 @@ class Cluster:
                 node.refresh_descendants()
                 self.read_output(node, detect=True)
             self.serve_drains()
+            for node in self.nodes:
+                if node.start_at is not None and time.monotonic() >= node.start_at:
+                    self.start(node)
             status = self._handle_exits()
             if status is not None:
                 return status
@@ -196,21 +221,23 @@ class Cluster:
 
     def _handle_exits(self) -> int | None:
         """Act on launchers that exited; returns the job's status once it is decided, else None."""
-        # Poll node 0 last: a launcher that exits because node 0's store died is then never seen
-        # before node 0's own death, which calls for a whole-job restart instead.
-        polled = [(n, n.proc.poll()) for n in reversed(self.nodes) if not n.done and n.proc is not None]
-        for node, rc in reversed(polled):
+        if self.store is not None and self.store.poll() is not None:
+            # It ends when the rendezvous shuts down: the run's end, or a launcher that stopped for good
+            # (no in-job restarts); then every node's pod is replaced and joins a new rendezvous.
+            self.say(f"the rendezvous store exited with code {self.store.returncode}; starting it again, "
+                     "as its Deployment does")
+            self.start_store()
+        for node in self.nodes:
+            rc = node.proc.poll() if not node.done and node.start_at is None and node.proc is not None else None
             if rc is None:
                 continue
-            if rc == 0:
-                node.done, node.drain_deadline = True, None  # finished, even if a drain was under way
+            if rc == 0:  # training.launch exits 0 only once the run completed
+                node.done, node.drain_deadline = True, None
             elif rc in FAIL_JOB_EXIT_CODES and node.drain_deadline is None:
                 self.give_up(node, rc)
                 return 1
             elif not self.replace(node, rc):
                 return 1
-            elif node.index == 0:
-                return None  # every node was restarted: the other exits polled are stale
         return 0 if all(n.done for n in self.nodes) else None
 
     def serve_drains(self) -> None:
@@ -260,26 +287,11 @@ class Cluster:
             node.retries += 1
         self._attempts += 1
         self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
-        if node.index == 0:
-            self.say(f"{detail}; it hosted the rendezvous store: restarting every node with a fresh rendezvous "
-                     f"({node.retries}/{self.node_retries})")
-            self.restart_job()
-        else:
-            self.say(f"{detail}; starting a replacement ({node.retries}/{self.node_retries})")
-            self.events.emit("restart", attempt=self._attempts, restart_kind="node")
-            self.start(node)
+        when = f" in {self.replacement_delay_s:g} s" if self.replacement_delay_s else ""
+        self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
+        self.events.emit("restart", attempt=self._attempts, restart_kind="node")
+        node.start_at = time.monotonic() + self.replacement_delay_s
         return True
-
-    def restart_job(self) -> None:
-        """Without node 0's c10d store no launcher can rejoin (nor leave cleanly): kill them all and
-        start every node in a new rendezvous, as the Job does once its other pods fail too."""
-        for node in self.nodes:
-            self.kill_node(node)
-            node.done = False
-        self.new_rendezvous()
-        self.events.emit("restart", attempt=self._attempts, restart_kind="job")
-        for node in self.nodes:
-            self.start(node)
 
     def give_up(self, node: Node, rc: int) -> None:
         """An exit code the Job's podFailurePolicy fails the whole Job on."""
@@ -303,6 +315,13 @@ class Cluster:
                 node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         for node in self.nodes:
             self.kill_node(node)
+
+    def stop_store(self) -> None:
+        """After every node stopped: no one is left to read the store's final state."""
+        if self.store is not None:
+            with contextlib.suppress(*_GONE):
+                os.killpg(self.store.pid, signal.SIGKILL)
+                self.store.wait(timeout=5)
 
     def kill_node(self, node: Node) -> None:
         node.refresh_descendants()
@@ -372,7 +391,7 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
         overrides.append("faults=[" + ",".join(specs) + "]")
     cfg = with_env_faults(load_train_config(args.config, overrides))
-    parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes)
+    parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -384,7 +403,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ConfigArgumentParser(prog="python -m training.local", description=__doc__.split("\n\n")[0])
     p.add_argument("--demo", action="store_true", help="2 nodes x 2 ranks, tiny model, async checkpoints, "
                    f"two injected faults ({', '.join(DEMO_FAULTS)})")
-    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=2, help="training nodes (the world size is nodes x nproc-per-node)")
+    p.add_argument("--spares", type=int, default=0, help="hot spare nodes: they wait as standby and take a "
+                   "failed node's place in the next rendezvous round")
+    p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="from a node's loss to its replacement's start: Kubernetes' part of a node replacement "
+                   "(default 0; bench/projection.py has EKS's)")
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="training.steps (default: the config's; demo: 200)")
     p.add_argument("--run-dir", default=None, help="default: runs/local-<time>")
@@ -400,6 +424,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc_per_node < 1:
         p.error("--nodes and --nproc-per-node must be at least 1")
+    if args.spares < 0 or args.replacement_delay < 0:
+        p.error("--spares and --replacement-delay must be 0 or more")
     if args.demo:
         args.steps = args.steps or 200
         if args.faults is None:
@@ -415,10 +441,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainConfigError, FaultSpecError, OSError) as err:
         print(f"training.local: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
-    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries)
+    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
+                      args.replacement_delay)
     signal.signal(signal.SIGINT, cluster.request_stop)
     signal.signal(signal.SIGTERM, cluster.request_stop)
-    cluster.say(f"{args.nodes} node(s) x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, "
+    spares = f" + {args.spares} spare(s)" if args.spares else ""
+    cluster.say(f"{args.nodes} node(s){spares} x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, "
                 f"checkpoints {cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; "
                 f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/")
     started = time.monotonic()

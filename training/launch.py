@@ -1,0 +1,83 @@
+"""A node's entry point: the training pod's PID 1, and each emulated node's process in training.local.
+
+    python -m training.launch --config FILE -- ft_launcher ARG …
+
+1. Pre-flight: the training config must load, or the node exits CONFIG_ERROR (ft_launcher would
+   exit 1 whatever its ranks exit with, and the Job would retry a config that cannot work).
+2. Runs the command (ft_launcher, or `python -m training.prefork launch ft_launcher …`) as its
+   child, passes on the termination signals the kubelet (or the local controller) sends, and reaps
+   every process that ends up orphaned under it, as a container's PID 1 must.
+3. Exits 0 exactly when the run completed (a completed run_end in the event log,
+   training.events.run_completed), whatever ft_launcher exited with: a node that starts or fails
+   after the run's end has nothing left to do, and the Indexed Job needs every index to succeed.
+   Otherwise it exits as ft_launcher did, but never 0: ft_launcher 0.7.0 also exits 0 when a hot
+   spare leaves and when every rank left cleanly after SIGTERM, which the Job would count as a
+   completed index and never run again; that becomes INCOMPLETE, which the Job retries.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+from training.config import ConfigArgumentParser, TrainConfigError, load_train_config
+from training.events import run_completed
+from training.exit_codes import CONFIG_ERROR, INCOMPLETE
+
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def launch_command(config_path: str, python: str = sys.executable) -> list[str]:
+    """What comes before the launcher's own command line."""
+    return [python, "-m", "training.launch", "--config", config_path, "--"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ConfigArgumentParser(prog="python -m training.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the training config the command trains with")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG …]: ft_launcher's command line")
+    args = p.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("no command after --: expected ft_launcher's command line")
+    return args
+
+
+def run(command: list[str]) -> int:
+    """Run `command`, passing on PASSED_ON signals; its exit code (128 + N when killed by signal N)."""
+    child = subprocess.Popen(command)
+    for sig in PASSED_ON:
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    while True:
+        pid, status = os.waitpid(-1, 0)  # any child: orphans re-parented to PID 1 are reaped too
+        if pid == child.pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_train_config(args.config)
+    except (TrainConfigError, OSError) as err:
+        print(f"training.launch: invalid training config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    if run_completed(cfg.run_dir, cfg.training.steps):  # e.g. a lost node's replacement, started late
+        print(f"training.launch: the run in {cfg.run_dir} has completed: nothing to do", flush=True)
+        return 0
+    code = run(args.command)
+    if run_completed(cfg.run_dir, cfg.training.steps):  # whatever became of this node, the run is done
+        return 0
+    if code == 0:
+        print(f"training.launch: {args.command[0]} exited 0 but the run in {cfg.run_dir} has not completed "
+              f"{cfg.training.steps} steps (a standby left, or the ranks stopped on SIGTERM): exit {INCOMPLETE}, "
+              "to be run again", file=sys.stderr, flush=True)
+        return INCOMPLETE
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
