@@ -7,7 +7,9 @@ for a plain Kubernetes restart. A reference figure that is a baseline to beat, n
 Targets (the issue): async blocking <= 10% of sync blocking; sync costs at least 10% at the
 measured interval (the condition of the measurement); in-process recovery <= 0.5x in-job with
 <= 1 step lost; in-job recovery <= 2x the floor of this machine; a drain loses no step (it commits
-the step reached); the in-memory rollback after each step <= 5% of the step time.
+the step reached); the in-memory rollback after each step <= 5% of the step time; losing node 0 costs
+what losing another node costs (within 1.5x either way: the rendezvous store is off the nodes); a
+hot spare's takeover <= 1.5x an in-job restart.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ REFERENCE_EFFICIENCY = {"async": 0.99, "sync": 0.60}
 # Steps lost per fault, at most: in-memory rollback loses the step in flight; a drain commits the step reached.
 MAX_STEPS_LOST = {"inprocess": 1, "drain": 0}
 ROLLBACK_COST = 0.05  # of the step time
+SAME_COST = 1.5  # node 0 vs another node: at most this ratio either way
+SPARE_VS_INJOB = 1.5
 SPARE_CPU_FIGURE = ", one CPU spare for the writer"
 
 
@@ -111,6 +115,17 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
                injob / floor.median_s if injob is not None and floor is not None else None, "x", "<= 2", ISSUE,
                lambda v: v <= 2, why("injob") if injob is None else "floor not measured"),
     ]
+    if "node_zero" in mechanisms:
+        zero, other = median("node_zero"), median("node_replacement")
+        checks.append(_check("node 0 loss recovery / other node loss recovery",
+                             zero / other if zero is not None and other is not None else None, "x",
+                             f"{1 / SAME_COST:.2f}-{SAME_COST:g}", ISSUE, lambda v: 1 / SAME_COST <= v <= SAME_COST,
+                             why("node_zero", "node_replacement")))
+    if "hot_spare" in mechanisms:
+        spare = median("hot_spare")
+        checks.append(_check("hot spare recovery / in-job recovery",
+                             spare / injob if spare is not None and injob is not None else None, "x",
+                             f"<= {SPARE_VS_INJOB:g}", ISSUE, lambda v: v <= SPARE_VS_INJOB, why("hot_spare", "injob")))
     for name, most in ((n, m) for n, m in MAX_STEPS_LOST.items() if n in mechanisms):
         checks.append(_check(f"{name} steps lost per fault (max)",
                              float(recovery[name].max_steps_lost) if name in recovery else None, "steps",

@@ -16,13 +16,14 @@ class ClusterSpec:
     overrides: tuple[str, ...]  # section.key=value; fault_tolerance.max_restarts sets ft_launcher's budget
     faults: tuple[str, ...] = ()  # training/faults.py specs
     node_retries: int = 0  # replacements per node after its launcher was killed
+    spares: int = 0  # hot spare nodes
 
 
 def run_cluster(spec: ClusterSpec) -> int:
     """Run to completion; returns the controller's status (0: every node finished)."""
     args = parse_args(["--nodes", str(spec.nodes), "--nproc-per-node", str(spec.nproc_per_node),
                        "--steps", str(spec.steps), "--run-dir", str(spec.run_dir), "--faults", ",".join(spec.faults),
-                       "--node-retries", str(spec.node_retries), *spec.overrides])
+                       "--node-retries", str(spec.node_retries), "--spares", str(spec.spares), *spec.overrides])
     cfg, config_path = build_config(args)
-    cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries)
+    cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares)
     return cluster.run()

@@ -13,12 +13,17 @@ completed step) and steps lost, and the run's training and infra goodput.
                     fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
   node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
                     starts a replacement, the surviving nodes restart their workers in-job.
+  node_zero         the same on node 0: the rendezvous store is its own process (nvrx-control, a
+                    Deployment on the cluster), so node 0 is no different from any other node.
+  hot_spare         node-loss of the last training node with one hot spare: the spare, on standby
+                    in the rendezvous, takes the lost node's place in the next round; the
+                    replacement becomes the new spare.
   drain             drain of the last node: the controller (the kubelet here) writes the drain marker
                     and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
                     the controller starts a replacement, training resumes from that step.
-  k8s_restart       node-loss of node 0, the rendezvous host: the controller stops every launcher and
-                    starts them all again with a fresh rendezvous, as a plain Kubernetes Job restart
-                    does; ft_launcher has no in-job restarts; resume from the last checkpoint on disk.
+  k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
+                    every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
+                    restart does; resume from the last checkpoint on disk.
 The faults are training/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
 `drain@STEP:node=N`), on the last rank / node unless the mechanism needs node 0.
 """
@@ -46,6 +51,7 @@ class Mechanism:
     in_job_restarts: bool  # ft_launcher may restart workers
     expected_restart_kind: str  # the restart_kind (training/events.py) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
+    spares: int = 0  # hot spare nodes
     needs_module: str | None = None
     overrides: tuple[str, ...] = ()  # training config overrides of this mechanism
 
@@ -57,8 +63,12 @@ MECHANISMS = (
     Mechanism("injob_fresh", "in-job restart, fresh Python workers", "injob", "exception", True, "injob",
               overrides=("fault_tolerance.prefork_workers=false",)),
     Mechanism("node_replacement", "node lost (SIGKILL), replaced", "injob", "node-loss", True, "node"),
+    Mechanism("node_zero", "node 0 lost (SIGKILL), replaced", "injob", "node-loss", True, "node",
+              fault_on_host=True),
+    Mechanism("hot_spare", "node lost (SIGKILL), hot spare takes over", "injob", "node-loss", True, "node",
+              spares=1),
     Mechanism("drain", "node drained (SIGTERM), replaced", "injob", "drain", True, "node"),
-    Mechanism("k8s_restart", "plain Kubernetes restart (node 0 lost)", "injob", "node-loss", False, "job",
+    Mechanism("k8s_restart", "plain Kubernetes restart (every pod replaced)", "injob", "node-loss", False, "node",
               fault_on_host=True),
 )
 
@@ -116,7 +126,7 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
         overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
-        faults=fault_specs(m, profile), node_retries=retries)
+        faults=fault_specs(m, profile), node_retries=retries, spares=m.spares)
 
 
 def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:

@@ -17,8 +17,10 @@ from bench.checks import Check
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.profile import Profile
+from bench.projection import Projection
 from bench.rollback import RollbackResult
 from bench.stall import StallResult
+from training.k8s_delays import EKS, KubernetesDelays
 
 SCHEMA = "bench-result/1"
 SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer
@@ -61,6 +63,9 @@ class BenchResult:
     rollback: RollbackResult | None  # ROLLBACK; None where not measured
     unavailable: dict[str, str]  # mechanism or part -> why it was not measured
     checks: tuple[Check, ...]
+    # A lost p5 node on EKS, projected from `recovery` and `delays` (bench/projection.py): not measured.
+    projections: tuple[Projection, ...] = ()
+    delays: KubernetesDelays = EKS
     schema: str = field(default=SCHEMA)
 
     def to_dict(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ Runs, in this order, on the local emulated cluster (training.local): the floor o
 the checkpoint stall (sync vs async; in the full CPU profile, where its ranks keep every CPU busy,
 again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do),
 one fault run per recovery mechanism, and the in-memory rollback's cost per step (from the
-in-process run) and host copy bandwidth. Writes
+in-process run) and host copy bandwidth; then projects a lost p5 node on EKS from those runs and
+Kubernetes' delays (bench/projection.py, labelled a projection). Writes
 <results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
 still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (under 3 minutes on 2 cores).
@@ -27,10 +28,12 @@ from bench.floor import FloorResult, measure_floor
 from bench.mechanisms import MECHANISMS, MechanismResult, Unavailable, measure_mechanism
 from bench.plot import plot_result
 from bench.profile import FULL, GPU, QUICK, Profile
+from bench.projection import project
 from bench.results import ROLLBACK, SPARE_CPU, BenchResult, Machine, write_json
 from bench.rollback import RollbackResult, measure_rollback
 from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
+from training.k8s_delays import EKS
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -135,7 +138,8 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
               *rollback_checks(rollback, unavailable.get(ROLLBACK, "not measured")))
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,
-                       rollback=rollback, unavailable=unavailable, checks=checks)
+                       rollback=rollback, unavailable=unavailable, checks=checks,
+                       projections=project(EKS, recovery), delays=EKS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from bench.checks import REFERENCE_RECOVERY_S, Check
 from bench.mechanisms import MECHANISMS
 from bench.profile import FULL, QUICK
+from bench.projection import REFERENCE_PLAIN_RESTART_S
 from bench.results import ROLLBACK, SPARE_CPU, BenchResult
 from bench.stall import CALIBRATED_SYNC_COST, StallResult
 
@@ -98,6 +99,21 @@ def rollback_table(r: BenchResult) -> list[str]:
                  f"{x.copy_s * 1e3:.1f} ms", f"{x.copy_gbps:.1f} GB/s")]
 
 
+def projection_table(r: BenchResult) -> list[str]:
+    title = "Projection, not a measurement: a lost p5 node on EKS (bench/projection.py)"
+    if not r.projections:
+        return [f"{title}: needs the in-job run and the node-loss runs, not measured here"]
+    delays = ", ".join(f"{name} {value:g} s" for name, value in vars(r.delays).items())
+    lines = [f"{title}. Each recovery is the sum of its parts: Kubernetes' and EKS's delays "
+             f"(training/k8s_delays.py: {delays}) and what this run measured. Reference: the AWS post's plain "
+             f"Kubernetes restart, ~{REFERENCE_PLAIN_RESTART_S:g} s.", "",
+             *_header("scenario", "projected recovery", "parts (s)")]
+    for p in r.projections:
+        parts = "; ".join(f"{what} {seconds:.1f}" for what, seconds in p.parts)
+        lines.append(_row(p.scenario, f"{p.total_s:.0f} s", parts))
+    return lines
+
+
 def checks_table(checks: tuple[Check, ...]) -> list[str]:
     lines = ["Measured vs reference and targets", "", *_header("figure", "measured", "reference / target",
                                                                "source", "status")]
@@ -114,5 +130,6 @@ def format_markdown(r: BenchResult) -> str:
     notes = [f"Quick mode: {p.faults} faults per mechanism (make bench: {FULL.faults}), {p.state_bytes >> 20} MiB of "
              f"state (make bench: {FULL.state_bytes >> 20} MiB), {p.world} ranks (make bench: {FULL.world}); "
              "figures are noisier."] if p.name == QUICK.name else []
-    sections = [[title, *notes], stall_table(r), recovery_table(r), rollback_table(r), checks_table(r.checks)]
+    sections = [[title, *notes], stall_table(r), recovery_table(r), rollback_table(r), projection_table(r),
+                checks_table(r.checks)]
     return "\n\n".join("\n".join(s) for s in sections) + "\n"

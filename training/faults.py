@@ -13,9 +13,10 @@ environment variable, comma-separated, added to the config's list at every worke
                                  rank's own heartbeat / out-of-section timeouts are the backstop);
                                  these must be shorter than training.collective_timeout_s so that
                                  NVRx, not gloo, detects the hang
-    node-loss@50:node=1          node 1's ft_launcher and every process it started are SIGKILLed
-                                 (fired by the node's local rank 0); the Job / local controller
-                                 replaces the node. node=0 loses the rendezvous host (c10d store)
+    node-loss@50:node=1          node 1's pod (training.launch, ft_launcher and every process they
+                                 started) is SIGKILLed (fired by the node's local rank 0, so a hot
+                                 spare's index fires once it trains); the Job / local controller
+                                 replaces the node, a spare takes its place if there is one
     drain@50:node=1              node 1 is drained, as `kubectl drain` or a spot/capacity-block end
                                  would: training.local's controller (the kubelet here) sends SIGTERM
                                  to its launcher and SIGKILL after the grace period; every rank
@@ -128,16 +129,20 @@ def _hang(spec: FaultSpec, paths: RunPaths) -> None:
 
 
 def _lose_node(spec: FaultSpec, paths: RunPaths) -> None:
-    """SIGKILL this node's ft_launcher first (so it cannot restart anything), then every process it
-    started, this one last: what a lost machine or a deleted pod leaves behind."""
+    """SIGKILL this node's top process first (the pod's PID 1, training.launch, or else ft_launcher; so
+    that nothing can restart anything), then every process under it, this one last: what a lost
+    machine or a deleted pod leaves behind."""
     me = psutil.Process()
-    launcher = next((p for p in me.parents() if any("ft_launcher" in part for part in p.cmdline())), None)
-    if launcher is None:
-        raise FaultInjected(f"injected fault {spec.text}: no ft_launcher among this rank's parent processes")
-    others = [p for p in launcher.children(recursive=True) if p.pid != me.pid]
-    # Inside a container the launcher may be PID 1, which ignores SIGKILL sent from inside its own
-    # PID namespace; its SIGTERM handler stops it instead, and the pod fails all the same.
-    launcher.send_signal(signal.SIGTERM if launcher.pid == 1 else signal.SIGKILL)
+    node = [p for p in me.parents() if any(part in ("training.launch", "ft_launcher") or part.endswith("/ft_launcher")
+                                            for part in p.cmdline())]
+    if not node:
+        raise FaultInjected(f"injected fault {spec.text}: neither training.launch nor ft_launcher among this rank's "
+                            "parent processes")
+    top = node[-1]  # the outermost
+    others = [p for p in top.children(recursive=True) if p.pid != me.pid]
+    # Inside a container PID 1 ignores SIGKILL sent from inside its own PID namespace; SIGTERM stops it
+    # instead (training.launch passes it on to ft_launcher), and the pod fails all the same.
+    top.send_signal(signal.SIGTERM if top.pid == 1 else signal.SIGKILL)
     for p in others:
         try:
             p.kill()

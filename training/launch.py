@@ -5,8 +5,9 @@
 1. Pre-flight: the training config must load, or the node exits CONFIG_ERROR (ft_launcher would
    exit 1 whatever its ranks exit with, and the Job would retry a config that cannot work).
 2. Runs the command (ft_launcher, or `python -m training.prefork launch ft_launcher …`) as its
-   child, passes on the termination signals the kubelet (or the local controller) sends, and reaps
-   every process that ends up orphaned under it, as a container's PID 1 must.
+   child, with the pod's index as NVRx's infrastructure rank (launcher_env), passes on the
+   termination signals the kubelet (or the local controller) sends, and reaps every process that
+   ends up orphaned under it, as a container's PID 1 must.
 3. Exits 0 exactly when the run completed (a completed run_end in the event log,
    training.events.run_completed), whatever ft_launcher exited with: a node that starts or fails
    after the run's end has nothing left to do, and the Indexed Job needs every index to succeed.
@@ -26,6 +27,7 @@ from training.config import ConfigArgumentParser, TrainConfigError, load_train_c
 from training.events import run_completed
 from training.exit_codes import CONFIG_ERROR, INCOMPLETE
 
+JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # what an Indexed Job gives each pod (training.local too)
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -46,9 +48,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def launcher_env(environ: dict[str, str]) -> dict[str, str]:
+    """ft_launcher's environment: NVRx's rendezvous orders the nodes present when it closes a round by
+    their infrastructure rank (outside SLURM read from GROUP_RANK), and in the next round waits a
+    moment for the previous round's active ranks before it takes spares. The pod's index
+    (JOB_COMPLETION_INDEX) is that rank: stable across a pod's restarts, unique in the Job."""
+    index = environ.get(JOB_INDEX_ENV)
+    return {**environ, "GROUP_RANK": index} if index is not None else dict(environ)
+
+
 def run(command: list[str]) -> int:
     """Run `command`, passing on PASSED_ON signals; its exit code (128 + N when killed by signal N)."""
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, env=launcher_env(dict(os.environ)))
     for sig in PASSED_ON:
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     while True:

@@ -11,7 +11,9 @@ forked from it), and gets its index in JOB_COMPLETION_INDEX, as the pods do. The
 its own process, as on the cluster: NVRx's `nvrx-control` on a free port, which every launcher joins
 as a client, so losing node 0 costs what losing any node costs. With --spares S, S more nodes start
 and wait as hot spares (NVRx's standby participants): a failed node's place goes to a spare in the
-next rendezvous round, and its replacement becomes the new spare. Launchers run in their own
+next rendezvous round, and its replacement becomes the new spare. Spares start once every training node has joined the
+first round, so that `node=N` faults with N < --nodes hit a training node (NVRx makes whoever is
+there first active). Launchers run in their own
 sessions; their output goes to <run_dir>/logs/node<i>.log (the store's to store.log) and rank 0's
 lines are echoed here.
 
@@ -77,6 +79,7 @@ _DETECTIONS = (
      "hang", "nvrx rank monitor"),
     (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
 )
+_ACTIVE_RANK = "Assigned active rank"  # NVRx 0.7.0's rendezvous, when a launcher will train
 _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
 
 
@@ -89,6 +92,7 @@ class Node:
     done: bool = False
     drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
     start_at: float | None = None  # replaced: the new launcher starts at this time (monotonic)
+    joined: bool = False  # its launcher was given an active rank at least once
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
     _log_offset: int = 0
@@ -189,7 +193,7 @@ class Cluster:
         self.events.emit("job_start", nodes=self.training_nodes, nproc_per_node=self.nproc_per_node,
                          spares=self.spares)
         self.start_store()
-        for node in self.nodes:
+        for node in self.nodes[:self.training_nodes]:
             self.start(node)
         try:
             status = self._supervise()
@@ -212,6 +216,9 @@ class Cluster:
             for node in self.nodes:
                 if node.start_at is not None and time.monotonic() >= node.start_at:
                     self.start(node)
+            if self.nodes[-1].proc is None and all(n.joined for n in self.nodes[:self.training_nodes]):
+                for spare in self.nodes[self.training_nodes:]:
+                    self.start(spare)
             status = self._handle_exits()
             if status is not None:
                 return status
@@ -337,6 +344,7 @@ class Cluster:
         for line in node.new_output_lines():
             if "[rank0]" in line:
                 print(line, flush=True)
+            node.joined = node.joined or _ACTIVE_RANK in line
             for pattern, kind, party in _DETECTIONS if detect else ():
                 m = pattern.search(line)
                 if m:

@@ -9,9 +9,11 @@ from bench.checks import recovery_checks, rollback_checks, spare_cpu_checks, sta
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.profile import QUICK
+from bench.projection import project
 from bench.results import BenchResult, Machine
 from bench.rollback import RollbackResult
 from bench.stall import StallResult
+from training.k8s_delays import EKS
 
 T0 = 1_767_000_000.0
 
@@ -54,8 +56,8 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
                         blocking_ratio=0.05, step_wall_off_s=0.1, step_wall_sync_s=0.2, step_wall_async_s=0.101,
                         efficiency_sync=0.5, efficiency_async=0.99, run_dirs={},
                         cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.45)
-    recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "drain": mechanism(4.0, steps_lost=0),
-                "k8s_restart": mechanism(13.0)}
+    recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "hot_spare": mechanism(10.0),
+                "drain": mechanism(4.0, steps_lost=0), "k8s_restart": mechanism(13.0)}
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
     spare = replace(stall, state_bytes=128 << 20, world_size=1, sync_blocking_per_save_s=(1.5, 1.5),
                     sync_blocking_s=1.5, efficiency_sync=0.6, efficiency_async=0.9)
@@ -66,4 +68,5 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
     machine = Machine(cpus=2, load_avg_1m=1.0, python="3.11", torch="2.13.0", nvrx="0.4.1", device="x86_64")
     return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
                        checkpoint=stall, checkpoint_spare_cpu=spare, floor=floor, recovery=recovery,
-                       rollback=rollback, unavailable=unavailable, checks=checks)
+                       rollback=rollback, unavailable=unavailable, checks=checks,
+                       projections=project(EKS, recovery))

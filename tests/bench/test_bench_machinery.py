@@ -1,5 +1,5 @@
 """The quick mode's machinery on tiny sizes: a real two-rank stall pass, each mechanism's faults, and
-fault runs on the local cluster (plain Kubernetes restart: node 0 lost, every node restarted; a drain)."""
+fault runs on the local cluster (plain Kubernetes restart: node 0 lost, every node's pod replaced; a drain)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,6 +10,7 @@ import pytest
 from bench.mechanisms import MECHANISMS, Mechanism, Unavailable, fault_specs, measure_mechanism
 from bench.profile import QUICK
 from bench.stall import StallSpec, measure_stall
+from training.events import read_events
 
 TINY = replace(QUICK, faults=1, first_fault=6, tail_steps=2, checkpoint_interval=4)
 
@@ -39,6 +40,8 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "injob": ("exception@15:rank=3", "exception@30:rank=3"),
                      "injob_fresh": ("exception@15:rank=3", "exception@30:rank=3"),
                      "node_replacement": ("node-loss@15:node=1", "node-loss@30:node=1"),
+                     "node_zero": ("node-loss@15:node=0", "node-loss@30:node=0"),
+                     "hot_spare": ("node-loss@15:node=1", "node-loss@30:node=1"),  # a training node, not the spare
                      "drain": ("drain@15:node=1", "drain@30:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@30:node=0")}
 
@@ -47,9 +50,12 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
 def test_a_plain_restart_run_gives_its_recovery_figures(tmp_path: Path) -> None:
     m = next(m for m in MECHANISMS if m.name == "k8s_restart")
     r = measure_mechanism(m, TINY, tmp_path / m.name)
-    assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("job",))
+    assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("node",))
     assert r.median_recovery_s > 0 and r.median_detection_s is not None
     assert r.training_goodput <= r.infra_goodput <= 1
+    # without in-job restarts every launcher stopped: both nodes' pods were replaced
+    replaced = [e["node"] for e in read_events(r.run_dir) if e["event"] == "node_replaced"]
+    assert sorted(replaced) == [0, 1]
 
 
 @pytest.mark.slow

@@ -105,6 +105,14 @@ def test_checks_pass_and_miss_against_targets() -> None:
     assert bad["drain steps lost per fault (max)"] == "MISS"
     assert bad["in-job recovery / floor (fresh Python + import torch + join group)"] == "MISS"
     assert bad["k8s_restart median recovery"] == "BASELINE"
+    nodes = _by_figure(recovery_checks({"injob": mechanism(3.0), "node_replacement": mechanism(3.0),
+                                        "node_zero": mechanism(4.0), "hot_spare": mechanism(4.5)}, {}, floor, ALL))
+    assert nodes["node 0 loss recovery / other node loss recovery"] == "PASS"
+    assert nodes["hot spare recovery / in-job recovery"] == "PASS"
+    nodes = _by_figure(recovery_checks({"injob": mechanism(3.0), "node_replacement": mechanism(3.0),
+                                        "node_zero": mechanism(10.0), "hot_spare": mechanism(4.6)}, {}, floor, ALL))
+    assert nodes["node 0 loss recovery / other node loss recovery"] == "MISS"  # node 0 still special
+    assert nodes["hot spare recovery / in-job recovery"] == "MISS"
     rollback = sample_result().rollback
     assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.05), "")] == ["PASS"]
     assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.08), "")] == ["MISS"]
@@ -127,13 +135,16 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     path = write_json(sample_result(), tmp_path / "r.json")
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA
-    assert set(data["recovery"]) == {"injob", "node_replacement", "drain", "k8s_restart"}  # unavailable ones stay out
+    assert set(data["recovery"]) == {"injob", "node_replacement", "hot_spare", "drain", "k8s_restart"}  # unavailable ones stay out
+    assert [p["mechanism"] for p in data["projections"]] == ["hot_spare", "node_replacement", "node_replacement",
+                                                              "node_replacement", "k8s_restart"]
+    assert data["delays"]["toleration_s"] == 30
     assert data["unavailable"] == {"inprocess": "training/inprocess.py does not exist"}
     assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
     assert data["rollback"]["cost_ratio"] == 0.04 and data["rollback"]["copy_gbps"] == 5.37
     save, mechanisms = plan.from_bench(path, "async")
     assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {  # a drain is no failure to plan for
-        "injob": 7.0, "node_replacement": 20.0, "k8s_restart": 13.0}
+        "injob": 7.0, "node_replacement": 20.0, "hot_spare": 10.0, "k8s_restart": 13.0}
     assert plan.main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
     assert "k8s_restart" in capsys.readouterr().out
 
@@ -142,7 +153,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     result = sample_result()
     text = format_markdown(result)
     assert "| in-process restart | not available: training/inprocess.py does not exist |" in text
-    assert "| plain Kubernetes restart (node 0 lost) | 2/2 |" in text
+    assert "| plain Kubernetes restart (every pod replaced) | 2/2 |" in text
     assert "| node lost (SIGKILL), replaced | 2/2 | 1.00 s | 20.00 s | - | 4/4 |" in text
     assert "| node drained (SIGTERM), replaced | 2/2 | 1.00 s | 4.00 s | - | 0/0 |" in text
     assert "| drain steps lost per fault (max) | 0 steps | <= 0 | target | PASS |" in text
@@ -164,6 +175,8 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     no_rollback = format_markdown(replace(result, rollback=None, unavailable={"rollback": "disk full"}))
     assert "In-memory rollback (training/rollback.py): not measured (disk full)" in no_rollback
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
+    assert "Projection, not a measurement: a lost p5 node on EKS" in text
+    assert "| hot spare (spare node and standby pod): this repository's default | 50 s |" in text
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

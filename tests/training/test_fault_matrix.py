@@ -98,6 +98,7 @@ def test_persistent_fault_fires_on_every_attempt(tmp_path):
 # ---- the matrix in the local cluster -------------------------------------------------------------
 
 STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
+REPLACEMENT_DELAY_S = 30  # with a hot spare: far longer than the spare needs to take over
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
           "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
@@ -128,6 +129,9 @@ CASES = {
     # sync saves: step 10 is committed before the fault for sure (an async one may still be in flight)
     "node-loss": Case(TWO_NODES, "sync", "node-loss@12:node=1", 10),
     "node-loss-host": Case(TWO_NODES, "sync", "node-loss@12:node=0", 10),
+    # the spare (node 2) takes node 1's place; node 1's replacement starts only after the run's end
+    "node-loss-spare": Case((*TWO_NODES, "--spares", "1", "--replacement-delay", str(REPLACEMENT_DELAY_S)), "sync",
+                            "node-loss@12:node=1", 10),
     # rank 1 dies writing the save of step 10: back to step 5
     "ckpt-crash": Case(ONE_NODE, "async", "ckpt-crash@10:rank=1", 5),
     # step 10, the newest committed at step 13, is truncated: it fails to load, back to step 5
@@ -195,14 +199,44 @@ def test_node_loss_replaces_that_node(fault_run):
     assert [e["detail"] for e in _detections(run, "controller")] == ["launcher of node 1 was killed by SIGKILL"]
 
 
+def _run_ids(run, node):
+    """The rendezvous ids of every launcher the node started (ft_launcher logs its config once per start)."""
+    return re.findall(r"run_id\s*:\s*(\S+)", (run.run_dir / "logs" / f"node{node}.log").read_text())
+
+
 @pytest.mark.slow
-def test_losing_the_rendezvous_host_restarts_the_job_with_a_fresh_rendezvous(fault_run):
+def test_losing_node_0_replaces_only_node_0(fault_run):
     run = fault_run("node-loss-host")
     assert [(e["node"], e["attempt"]) for e in events_named(run.run_dir, "node_replaced")] == [(0, 1)]
-    assert [e["restart_kind"] for e in events_named(run.run_dir, "restart") if e["source"] == "controller"] == ["job"]
-    # node 1's launcher was restarted too, in a new rendezvous
-    run_ids = re.findall(r"run_id\s*:\s*(\S+)", (run.run_dir / "logs" / "node1.log").read_text())
-    assert len(run_ids) == 2 and run_ids[0] != run_ids[1]
+    assert [e["restart_kind"] for e in events_named(run.run_dir, "restart") if e["source"] == "controller"] == ["node"]
+    # the store outlived node 0: node 1's launcher stayed and both joined the one rendezvous
+    assert len(_run_ids(run, 1)) == 1 and set(_run_ids(run, 0)) == set(_run_ids(run, 1))
+
+
+@pytest.mark.slow
+def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_its_replacement(fault_run):
+    run = fault_run("node-loss-spare")
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert fault.recovery_s < REPLACEMENT_DELAY_S
+    spare_log = (run.run_dir / "logs" / "node2.log").read_text()
+    rounds = [int(r) for r in re.findall(r"Assigned active rank \d+ \(round=(\d+)\)", spare_log)]
+    assert rounds and min(rounds) >= 1  # it stood by while the first round trained, then took node 1's place
+    finished = max(e["t"] for e in events_named(run.run_dir, "run_end"))
+    [replaced] = events_named(run.run_dir, "node_replaced")
+    assert finished < replaced["t"] + REPLACEMENT_DELAY_S  # the run ended before node 1's replacement started
+    assert "the run in" in (run.run_dir / "logs" / "node1.log").read_text().splitlines()[-1]  # ... which had nothing to do
+
+
+@pytest.mark.slow
+def test_the_replacement_of_a_lost_node_becomes_the_new_spare(tmp_path, reference, scratch):
+    """Two losses: the spare replaces node 1, node 1's replacement then stands by and replaces node 2."""
+    specs = "node-loss@8:node=1,node-loss@16:node=2"
+    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync",
+                              "--faults", specs))
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == specs.split(",")
+    assert [e["node"] for e in events_named(run.run_dir, "node_replaced")] == [1, 2]
+    assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, 5, 15]
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 
 @pytest.mark.slow

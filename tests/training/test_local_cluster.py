@@ -37,9 +37,10 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     pytest.fail(f"no step {step} within {timeout} s: {proc.communicate()[0][-3000:]}")
 
 
-def _launcher(controller: subprocess.Popen, node: int) -> psutil.Process:
-    wanted = f"--rdzv-conf=is_host={1 if node == 0 else 0}"
-    return next(p for p in psutil.Process(controller.pid).children() if wanted in p.cmdline())
+def _node(controller: subprocess.Popen, node: int) -> psutil.Process:
+    """The node's top process (a pod's PID 1: training.launch)."""
+    return next(p for p in psutil.Process(controller.pid).children()
+                if p.environ().get("JOB_COMPLETION_INDEX") == str(node))
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -57,11 +58,11 @@ def test_controller_replaces_a_dead_node(tmp_path):
                   "checkpoint.interval=5", "training.collective_timeout_s=20",
                   "fault_tolerance.timeout_safety_factor=50")
     _wait_for_step(run_dir, 8, proc)
-    victim = _launcher(proc, 1)
+    victim = _node(proc, 1)
     # both launchers share this host: NVRx 0.7.0's rendezvous closes for good unless told it is a simulation
-    assert {_launcher(proc, n).environ().get("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE") for n in (0, 1)} == {"1"}
+    assert {_node(proc, n).environ().get("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE") for n in (0, 1)} == {"1"}
     orphans = victim.children(recursive=True)
-    victim.kill()  # node loss: the launcher dies, its ranks would be orphaned
+    victim.kill()  # node loss: the pod's PID 1 dies, its launcher and ranks would be orphaned
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-4000:]
     events = read_events(run_dir)
@@ -78,7 +79,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
                   "fault_tolerance.timeout_safety_factor=50")
     _wait_for_step(run_dir, 3, proc)
     tree = psutil.Process(proc.pid).children(recursive=True)
-    assert len(tree) >= 6  # 2 launchers, 2 ranks, 2 rank monitors at least
+    assert len(tree) >= 9  # the store; 2 nodes, each training.launch, ft_launcher, a rank and a rank monitor at least
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out[-3000:]

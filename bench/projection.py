@@ -1,0 +1,60 @@
+"""A lost p5 node on EKS, projected: each scenario's recovery as a sum of named parts, some measured
+here on the local cluster, the rest Kubernetes' and EKS's delays (training/k8s_delays.py). A
+projection, not a measurement: the parameters are stated beside the result.
+
+What the local cluster measures and EKS adds to it: every scenario ends with the in-job restart of
+every node's workers on p5 (`gpu_restart_s`, the AWS post's figure), plus what the scenario costs
+here beyond a plain in-job restart (the rendezvous with a spare, waiting for a replaced pod,
+restarting every launcher): the local recovery of that mechanism minus the local in-job recovery.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.mechanisms import MechanismResult
+from training.k8s_delays import KubernetesDelays
+
+REFERENCE_PLAIN_RESTART_S = 270.0  # the AWS post, plain Kubernetes restart on 2-8 p5 nodes
+
+
+@dataclass(frozen=True)
+class Projection:
+    scenario: str
+    mechanism: str  # the local mechanism whose extra over an in-job restart is part of the sum
+    parts: tuple[tuple[str, float], ...]  # (what, seconds), in order
+
+    @property
+    def total_s(self) -> float:
+        return sum(seconds for _, seconds in self.parts)
+
+
+def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[Projection, ...]:
+    """The scenarios whose local mechanism was measured (and the in-job restart it is compared to)."""
+    if "injob" not in recovery:
+        return ()
+    injob = recovery["injob"].median_recovery_s
+
+    def local_extra(name: str) -> tuple[str, float]:
+        return (f"{name} beyond an in-job restart, measured here",
+                max(0.0, recovery[name].median_recovery_s - injob))
+
+    detect = ("survivors detect the lost peer (NVRx step section timeout)", d.lost_peer_detection_s)
+    evict = ("node NotReady, toleration, pod replaced", d.node_not_ready_s + d.toleration_s + d.pod_replacement_s)
+    restart = ("workers of every node restart on p5 (AWS post, in-job)", d.gpu_restart_s)
+    new_node = ("a new p5 node boots and joins, in parallel with the eviction", max(0.0, d.node_boot_join_s - evict[1]))
+    pull = ("image pulled onto a node without it, container started", d.image_pull_cold_s + d.container_start_s)
+    scenarios = (
+        ("hot spare (spare node and standby pod): this repository's default", "hot_spare",
+         (detect, restart)),
+        ("spare node, no standby pod: the replaced pod starts on it", "node_replacement",
+         (detect, evict, pull, restart)),
+        ("no spare: the node group replaces the lost instance", "node_replacement",
+         (detect, evict, new_node, pull, restart)),
+        ("no spare, node hangs (EKS auto repair after 30 min NotReady)", "node_replacement",
+         (detect, ("EKS node auto repair waits", d.node_repair_wait_s), ("the replacement boots and joins",
+          d.node_boot_join_s), pull, restart)),
+        ("plain Kubernetes restart (no ft_launcher restarts), spare node", "k8s_restart",
+         (detect, evict, pull, restart)),
+    )
+    return tuple(Projection(label, name, (*parts, local_extra(name)))
+                 for label, name, parts in scenarios if name in recovery)

@@ -1,0 +1,95 @@
+"""The node entry point (training.launch): 0 means the run completed, whatever ft_launcher exits with;
+signals reach the launcher; the pod's index becomes NVRx's infrastructure rank."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from training.events import EventLog
+from training.exit_codes import CONFIG_ERROR, INCOMPLETE
+from training_helpers import REPO_ROOT
+
+STEPS = 10
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"run_dir: {tmp_path / 'run'}\ntraining:\n  steps: {STEPS}\n")
+    return path
+
+
+def _launch(config, *command, env=None, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "training.launch", "--config", str(config), "--", *command],
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _exit(config, *command, env=None) -> tuple[int, str]:
+    proc = _launch(config, *command, env=env)
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+def _run_end(config, step, status="completed"):
+    EventLog(config.parent / "run", "rank0").emit("run_end", step=step, status=status)
+
+
+def test_a_clean_exit_without_the_runs_completion_is_retried(config):
+    code, out = _exit(config, "true")
+    assert code == INCOMPLETE and f"has not completed {STEPS} steps" in out
+
+
+def test_a_completed_run_exits_0_even_when_the_launcher_fails(config):
+    _run_end(config, STEPS)
+    assert _exit(config, sys.executable, "-c", "import sys; sys.exit(1)")[0] == 0
+
+
+def test_a_node_started_after_the_runs_end_has_nothing_to_do(config, tmp_path):
+    _run_end(config, STEPS)
+    marker = tmp_path / "ran"
+    code, out = _exit(config, "touch", str(marker))
+    assert code == 0 and not marker.exists() and "has completed: nothing to do" in out
+
+
+def test_an_earlier_shorter_run_in_the_same_directory_is_not_this_runs_end(config):
+    _run_end(config, STEPS - 5)
+    _run_end(config, STEPS, status="failed")
+    assert _exit(config, "true")[0] == INCOMPLETE
+
+
+@pytest.mark.parametrize("command, code", [
+    ((sys.executable, "-c", "import sys; sys.exit(7)"), 7),
+    ((sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), 128 + 9),
+])
+def test_a_failure_exits_as_the_launcher_did(config, command, code):
+    assert _exit(config, *command)[0] == code
+
+
+def test_sigterm_reaches_the_launcher(config, tmp_path):
+    ready = tmp_path / "ready"
+    child = (f"import signal, sys, time, pathlib\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
+             f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(60)\n")
+    proc = _launch(config, sys.executable, "-c", child)
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 42
+
+
+def test_the_pods_index_is_the_launchers_infrastructure_rank(config):
+    assert _exit(config, "sh", "-c", 'exit "$GROUP_RANK"', env={"JOB_COMPLETION_INDEX": "5"})[0] == 5
+
+
+def test_an_invalid_config_fails_before_the_launcher_starts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  steps: -1\n")
+    code, out = _exit(bad, "true")
+    assert code == CONFIG_ERROR and "training.steps" in out
