@@ -6,18 +6,26 @@ PY := $(VENV)/bin/python
 CHECKOV_VENV := $(VENV)/tools/checkov
 # NVRx as the training image pins it. Its wheels are cp312/cp314 only, but every module is pure Python
 # apart from the CUPTI extension (straggler detection, unused here): the cp312 wheel's files go into a
-# folder that a .pth file puts on this venv's path, and ft_launcher is its console script.
+# folder that a .pth file puts on this venv's path; its console scripts ft_launcher and nvrx-control
+# (the rendezvous store) are written as the wheel's entry points declare them.
 NVRX_VERSION := 0.7.0
 NVRX_DIR := $(abspath $(VENV))/nvrx-$(NVRX_VERSION)
 export JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION := 1
 export JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION := 20
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
+# $(call console_script,NAME,MODULE): .venv/bin/NAME runs nvidia_resiliency_ext.fault_tolerance.MODULE:main
+define console_script
+	printf '#!%s\nimport sys\nfrom nvidia_resiliency_ext.fault_tolerance.$(2) import main\nsys.exit(main())\n' \
+		$(abspath $(PY)) > $(VENV)/bin/$(1)
+	chmod +x $(VENV)/bin/$(1)
+endef
+
 .PHONY: setup demo test synth manifests bench clean
 
 setup: $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt Makefile  # a changed recipe (e.g. a new console script) reinstalls
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip uninstall --quiet --yes nvidia-resiliency-ext pynvml  # an older NVRx, its pynvml shim
@@ -25,9 +33,8 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
 		--platform manylinux_2_39_x86_64 --target $(NVRX_DIR) nvidia-resiliency-ext==$(NVRX_VERSION)
 	$(PY) -c "import site, sys; open(site.getsitepackages()[0] + '/nvrx.pth', 'w').write(sys.argv[1] + '\\n')" $(NVRX_DIR)
-	printf '#!%s\nimport sys\nfrom nvidia_resiliency_ext.fault_tolerance.launcher import main\nsys.exit(main())\n' \
-		$(abspath $(PY)) > $(VENV)/bin/ft_launcher
-	chmod +x $(VENV)/bin/ft_launcher
+	$(call console_script,ft_launcher,launcher)
+	$(call console_script,nvrx-control,control_plane)
 	$(PY) -c "import importlib.metadata as m, sys; v = m.version('nvidia-resiliency-ext'); sys.exit(0 if v == '$(NVRX_VERSION)' else 'NVRx ' + v + ' is not $(NVRX_VERSION)')"
 	@# A CUDA torch in .venv means the pin was bypassed: stop rather than test the wrong build.
 	$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.startswith('2.13.0') and torch.version.cuda is None else 'torch ' + v + ' is not the 2.13.0 CPU build')"
