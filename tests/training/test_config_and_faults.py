@@ -16,6 +16,8 @@ from training.faults import KINDS, FaultSpecError, parse_fault, parse_faults
     (["checkpoint.save_final=maybe"], "checkpoint.save_final='maybe': expected true or false"),
     (["logging.sampel_log=true"], "unknown key(s) ['logging.sampel_log']"),
     (["model.preset=70b"], "one of ['tiny', 'small', '1b', '8b']"),
+    (["fault_tolerance.rendezvous_join_timeout_s=10"],
+     "fault_tolerance.rendezvous_join_timeout_s=10.0 is not allowed: at least 60 seconds"),
 ])
 def test_bad_config_values_are_named(overrides, message):
     with pytest.raises(TrainConfigError) as err:
@@ -88,7 +90,8 @@ def test_local_cli_exits_with_config_error_before_starting_anything(tmp_path, ca
 
 
 @pytest.mark.parametrize("main, argv", [(train.main, ["--bogus"]), (local.main, ["--nodes", "0"]),
-                                        (local.main, ["--nodes", "two"])])
+                                        (local.main, ["--nodes", "two"]), (local.main, ["--spares", "-1"]),
+                                        (local.main, ["--replacement-delay", "-5"])])
 def test_bad_cli_flags_exit_with_config_error(main, argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
