@@ -24,6 +24,7 @@ CHECKPOINT_MOUNT_PATH = "/fsx"
 RENDEZVOUS_PORT = 29500
 GPU_TAINT_KEY = "nvidia.com/gpu"
 GPU_NODE_LABEL = "platform.training/gpu-node"
+SYSTEM_NODE_LABEL = "platform.training/system-node"
 
 CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
 FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
