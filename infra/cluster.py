@@ -18,6 +18,11 @@ KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
     "1.34": KubectlV34Layer,
 }
 
+# The system nodes also run the rendezvous store, from the training image (NGC PyTorch: ~10 GB to pull,
+# ~25 GB unpacked): EKS's default 20 GiB root volume cannot hold it; 200 GiB holds two of its
+# versions (the running one and the next) beside the add-ons' images.
+SYSTEM_ROOT_VOLUME_GIB = 200
+
 # The FSx CSI controller's service account, as the EKS add-on names it.
 FSX_CSI_SERVICE_ACCOUNT = "fsx-csi-controller-sa"
 
@@ -104,6 +109,7 @@ class EksCluster(Construct):
             desired_size=props.system_nodes,
             max_size=props.system_nodes,
             subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS),
+            disk_size=SYSTEM_ROOT_VOLUME_GIB,
             labels={SYSTEM_NODE_LABEL: "true"},
         )
         for spec in ADDONS:
