@@ -9,6 +9,7 @@ from aws_cdk import RemovalPolicy, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws
 from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
 from constructs import Construct
 
+from infra.config import SYSTEM_NODE_LABEL
 from infra.nag import acknowledge, acknowledge_node_role, managed_policy_rule
 
 # kubectl talks to a control plane one minor version older or newer than itself (version skew policy).
@@ -16,6 +17,11 @@ KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
     "1.33": KubectlV34Layer,
     "1.34": KubectlV34Layer,
 }
+
+# The system nodes also run the rendezvous store, from the training image (NGC PyTorch: ~10 GB to pull,
+# ~25 GB unpacked): EKS's default 20 GiB root volume cannot hold it; 200 GiB holds two of its
+# versions (the running one and the next) beside the add-ons' images.
+SYSTEM_ROOT_VOLUME_GIB = 200
 
 # The FSx CSI controller's service account, as the EKS add-on names it.
 FSX_CSI_SERVICE_ACCOUNT = "fsx-csi-controller-sa"
@@ -92,7 +98,9 @@ class EksCluster(Construct):
                     )
                 ],
             )
-        # Add-ons and controllers land here; the GPU nodes are tainted for training pods only.
+        # Add-ons, controllers and the training's rendezvous store land here (the store selects the
+        # label: on-demand nodes, the default, that outlive any GPU node); the GPU nodes are tainted
+        # for training pods only.
         self.system_nodegroup = self.cluster.add_nodegroup_capacity(
             "SystemNodes",
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD,
@@ -101,6 +109,8 @@ class EksCluster(Construct):
             desired_size=props.system_nodes,
             max_size=props.system_nodes,
             subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS),
+            disk_size=SYSTEM_ROOT_VOLUME_GIB,
+            labels={SYSTEM_NODE_LABEL: "true"},
         )
         for spec in ADDONS:
             self._add_addon(spec)

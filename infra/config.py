@@ -11,7 +11,7 @@ import ipaddress
 import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, get_args, get_origin, get_type_hints
 
 from infra.instances import INSTANCE_TYPES, InstanceFacts, instance_facts
 
@@ -24,6 +24,7 @@ CHECKPOINT_MOUNT_PATH = "/fsx"
 RENDEZVOUS_PORT = 29500
 GPU_TAINT_KEY = "nvidia.com/gpu"
 GPU_NODE_LABEL = "platform.training/gpu-node"
+SYSTEM_NODE_LABEL = "platform.training/system-node"
 
 CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
 FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
@@ -59,6 +60,9 @@ class PlatformConfig:
     gpu_nodes_min: int = 2
     gpu_nodes_desired: int = 2
     gpu_nodes_max: int = 4
+    # Hot spare GPU nodes beyond gpu_nodes_desired (the training size); None: one where gpuNodesMax
+    # leaves room for it (see spare_nodes).
+    gpu_nodes_spare: int | None = None
     capacity_type: str = "on-demand"
     capacity_reservation_id: str | None = None
     system_instance_type: str = "m6i.xlarge"
@@ -84,6 +88,19 @@ class PlatformConfig:
         return instance_facts(self.gpu_instance_type)
 
     @property
+    def spare_nodes(self) -> int:
+        """Standby nodes, each running a pod whose ft_launcher takes a lost node's place in the next
+        rendezvous round instead of waiting minutes for a replacement node to boot."""
+        if self.gpu_nodes_spare is not None:
+            return self.gpu_nodes_spare
+        return 1 if self.gpu_nodes_desired + 1 <= self.gpu_nodes_max else 0
+
+    @property
+    def gpu_nodes_running(self) -> int:
+        """The GPU node group's desired size: the training nodes and their spares."""
+        return self.gpu_nodes_desired + self.spare_nodes
+
+    @property
     def uses_reserved_capacity(self) -> bool:
         return self.capacity_type != "on-demand"
 
@@ -104,12 +121,13 @@ class PlatformConfig:
                 raise ConfigError(f"unknown config key(s) {unknown}; allowed: {sorted(known)}")
             mapping = lookup
             lookup = mapping.get
+        hints = get_type_hints(cls)
         values: dict[str, Any] = {}
         for f in fields(cls):
             key = cls.context_key(f.name)
             raw = lookup(key)
             if raw is not None:
-                values[f.name] = _coerce(key, raw, f.default)
+                values[f.name] = _coerce(key, raw, _value_type(hints[f.name]))
         return cls(**values)
 
     def to_context(self) -> dict[str, Any]:
@@ -120,19 +138,27 @@ class PlatformConfig:
         return out
 
 
-def _coerce(key: str, raw: Any, default: Any) -> Any:
+def _value_type(hint: Any) -> type:
+    """The type of a field's set value: `int | None` -> int, `tuple[str, ...]` -> tuple."""
+    args = get_args(hint)
+    if type(None) in args:
+        (hint,) = [a for a in args if a is not type(None)]
+    return get_origin(hint) or hint
+
+
+def _coerce(key: str, raw: Any, kind: type) -> Any:
     """Convert a context value (JSON from cdk.json, or a string from `-c`) to the field's type."""
-    if isinstance(default, bool):
+    if kind is bool:
         if isinstance(raw, bool):
             return raw
         if str(raw).lower() in ("true", "false"):
             return str(raw).lower() == "true"
         raise ConfigError(f"{key}={raw!r}: expected true or false")
-    if isinstance(default, int):
+    if kind is int:
         if isinstance(raw, bool) or not (isinstance(raw, int) or re.fullmatch(r"-?\d+", str(raw))):
             raise ConfigError(f"{key}={raw!r}: expected a whole number")
         return int(raw)
-    if isinstance(default, tuple):
+    if kind is tuple:
         if isinstance(raw, str):
             raw = json.loads(raw) if raw.strip().startswith("[") else [p.strip() for p in raw.split(",") if p.strip()]
         if not isinstance(raw, (list, tuple)) or not all(isinstance(v, str) for v in raw):
@@ -171,6 +197,15 @@ def _validate(c: PlatformConfig) -> None:
         raise ConfigError(
             f"GPU node counts must satisfy gpuNodesMin <= gpuNodesDesired <= gpuNodesMax; got "
             f"gpuNodesMin={c.gpu_nodes_min}, gpuNodesDesired={c.gpu_nodes_desired}, gpuNodesMax={c.gpu_nodes_max}"
+        )
+    if c.gpu_nodes_spare is not None and c.gpu_nodes_spare < 0:
+        fail("gpu_nodes_spare", c.gpu_nodes_spare,
+             "0 or more hot spare nodes, or leave it unset (1 where gpuNodesMax allows)")
+    if c.gpu_nodes_running > c.gpu_nodes_max:
+        raise ConfigError(
+            f"gpuNodesSpare={c.gpu_nodes_spare} does not fit: gpuNodesDesired + gpuNodesSpare = {c.gpu_nodes_running} "
+            f"exceeds gpuNodesMax={c.gpu_nodes_max} (the node group runs both); allowed: at most "
+            f"{c.gpu_nodes_max - c.gpu_nodes_desired}"
         )
     if c.capacity_type not in CAPACITY_TYPES:
         fail("capacity_type", c.capacity_type, f"one of {list(CAPACITY_TYPES)}")

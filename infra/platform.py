@@ -97,7 +97,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             efa_security_group=network.efa_security_group,
             instance=config.instance,
             min_size=config.gpu_nodes_min,
-            desired_size=config.gpu_nodes_desired,
+            desired_size=config.gpu_nodes_running,  # the training nodes and their hot spares
             max_size=config.gpu_nodes_max,
             capacity_type=config.capacity_type,
             capacity_reservation_id=config.capacity_reservation_id,

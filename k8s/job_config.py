@@ -16,7 +16,8 @@ from k8s.outputs import InfraOutputs
 from training.config import TrainConfig
 from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
 
-# A pod's hostname is "<job>-<index>" (at most 63) and the chaos CronJob is "<job>-chaos" (at most 52).
+# A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
+# the store "<job>-rendezvous" (at most 51).
 _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
 CLUSTER_DOMAIN = "cluster.local"  # the EKS default
@@ -44,7 +45,8 @@ class JobConfig:
     train: TrainConfig
     infra: InfraOutputs
     name: str = "fsdp-train"
-    nodes: int | None = None  # None: the node group's desired size
+    nodes: int | None = None  # None: gpuNodesDesired, the training size
+    spares: int | None = None  # hot spare pods beyond nodes; None: the platform's (gpuNodesSpare)
     backoff_limit_per_index: int = 3  # pod failures per index before that index (and so the job) fails
     ttl_seconds_after_finished: int = 86400
     termination_grace_s: int | None = None  # None: long enough for an in-flight checkpoint
@@ -59,6 +61,8 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.nodes is None:
             object.__setattr__(self, "nodes", self.platform.gpu_nodes_desired)
+        if self.spares is None:
+            object.__setattr__(self, "spares", self.platform.spare_nodes)
         object.__setattr__(self, "train", _with_fsx_paths(self.train, self.name))
         _validate(self)
 
@@ -83,9 +87,18 @@ class JobConfig:
         return self.restart_mode in ("inprocess", "both")
 
     @property
+    def pods(self) -> int:
+        """The Job's indexes: every training node's pod and every hot spare's."""
+        return self.nodes + self.spares
+
+    @property
+    def store_name(self) -> str:
+        """The rendezvous store's Deployment and Service."""
+        return f"{self.name}-rendezvous"
+
+    @property
     def rendezvous_endpoint(self) -> str:
-        # Indexed Job pods are named <job>-<index> and, with subdomain=<service>, resolvable here.
-        return f"{self.name}-0.{self.service_name}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{RENDEZVOUS_PORT}"
+        return f"{self.store_name}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{RENDEZVOUS_PORT}"
 
     @property
     def term_timeout_s(self) -> int:
@@ -135,6 +148,12 @@ def _validate(j: JobConfig) -> None:
     if j.nodes > j.platform.gpu_nodes_max:
         raise JobConfigError(f"nodes={j.nodes} exceeds gpuNodesMax={j.platform.gpu_nodes_max}: "
                              "the pods of the extra indexes could never be scheduled")
+    if j.spares < 0:
+        raise JobConfigError(f"spares={j.spares} is not allowed: 0 or more hot spare pods")
+    if j.pods > j.platform.gpu_nodes_max:
+        raise JobConfigError(f"nodes={j.nodes} + spares={j.spares} = {j.pods} exceeds gpuNodesMax="
+                             f"{j.platform.gpu_nodes_max}: every pod needs a GPU node of its own; allowed: "
+                             f"at most {j.platform.gpu_nodes_max - j.nodes} spares with these nodes")
     for path, key in ((j.train.run_dir, "run_dir"), (j.train.checkpoint_dir, "checkpoint.dir")):
         if not _on_fsx(path):
             raise JobConfigError(f"{key}={path!r} is not allowed on the cluster: it must be under "
@@ -161,9 +180,9 @@ def _validate(j: JobConfig) -> None:
         if not _CRON.match(fi.schedule.strip()):
             raise JobConfigError(f"fault_injection.schedule={fi.schedule!r} is not allowed: "
                                  "a cron schedule such as '*/30 * * * *'")
-        if fi.target_index is not None and not 0 <= fi.target_index < j.nodes:
+        if fi.target_index is not None and not 0 <= fi.target_index < j.pods:
             raise JobConfigError(f"fault_injection.target_index={fi.target_index} is not allowed: "
-                                 f"an index of the job, 0..{j.nodes - 1}")
+                                 f"an index of the job, 0..{j.pods - 1}")
         _validate_drill_interval(j, fi.schedule)
         if fi.grace_period_s < 1:
             raise JobConfigError(f"fault_injection.grace_period_s={fi.grace_period_s} is not allowed: 1 or more")

@@ -65,7 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="training config override, e.g. fault_tolerance.restart=both")
     p.add_argument("--job-name", default="fsdp-train")
-    p.add_argument("--nodes", type=int, help="pods (= GPU nodes) in the job; default: gpuNodesDesired")
+    p.add_argument("--nodes", type=int, help="training pods (= GPU nodes) in the job; default: gpuNodesDesired")
+    p.add_argument("--spares", type=int,
+                   help="hot spare pods (standby GPU nodes) beyond --nodes; default: the platform's, gpuNodesSpare "
+                        "(unset: 1 where gpuNodesMax leaves room)")
     p.add_argument("--grace-period", type=int,
                    help="pod termination grace seconds; default: checkpoint section timeout + launcher exit margin")
     p.add_argument("--node-failure-toleration", type=int, default=JobConfig.node_failure_toleration_s,
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                            if args.fault_injection else None)
         job = JobConfig(platform=platform, train=load_train_config(args.train_config, args.set),
                         infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
-                        nodes=args.nodes, termination_grace_s=args.grace_period,
+                        nodes=args.nodes, spares=args.spares, termination_grace_s=args.grace_period,
                         node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection)
     except (ConfigError, TrainConfigError, JobConfigError, OutputsError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink()
     build_app(job, args.outdir).synth()
     print(f"infra outputs: {job.infra.source}")
-    print(f"job {job.name}: {job.nodes} x {job.instance.name}, restart={job.restart_mode}, "
+    print(f"job {job.name}: {job.nodes} x {job.instance.name} + {job.spares} spare, restart={job.restart_mode}, "
           f"fault injection {'on' if fault_injection else 'off'}")
     for path in sorted(args.outdir.glob("*.k8s.yaml")):
         print(f"wrote {path}")

@@ -1,8 +1,8 @@
 """A chaos drill for a real cluster: a CronJob evicts one training pod on a schedule.
 
-An evicted pod is a fault the Job must absorb: ft_launcher on the other nodes restarts the worker
-group, the Job starts a replacement pod for that index, and training resumes from the last
-checkpoint. The eviction (k8s/evict.py) is allowed in this namespace only, to pods only.
+An evicted pod is a fault the Job must absorb: the worker group restarts, with a hot spare in the
+lost node's place where there is one, the Job starts a replacement pod for that index, and
+training resumes from the last checkpoint. The eviction (k8s/evict.py) is allowed in this namespace only, to pods only.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from cdk8s import Chart
 from constructs import Construct
 
-from k8s.charts.objects import api_object, checkov_skips
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 
 # The Docker official image through ECR Public (no Docker Hub pull limits); registry.k8s.io/kubectl
@@ -41,7 +41,7 @@ class FaultInjectionChart(Chart):
                        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]})
         selector = f"batch.kubernetes.io/job-name={job.name}"
-        if fi.target_index is not None:  # else any index, the rendezvous host included
+        if fi.target_index is not None:  # else any index, a standby's included
             selector += f",batch.kubernetes.io/job-completion-index={fi.target_index}"
         container = {
             "name": "evict",
@@ -49,8 +49,8 @@ class FaultInjectionChart(Chart):
             "imagePullPolicy": "Always",
             "command": ["python", "-c", EVICT_SCRIPT.read_text(), ns, selector, str(fi.grace_period_s)],
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "128Mi"}},
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                "runAsNonRoot": True, "runAsUser": 65532, "capabilities": {"drop": ["ALL"]}},
+            "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True,
+                                "runAsNonRoot": True, "runAsUser": 65532},
         }
         api_object(self, "cronjob", api_version="batch/v1", kind="CronJob", name=name, namespace=ns,
                    annotations=checkov_skips(CHECKOV_SKIPS), body={"spec": {
@@ -64,7 +64,7 @@ class FaultInjectionChart(Chart):
                            "template": {"spec": {
                                "restartPolicy": "Never",
                                "serviceAccountName": name,
-                               "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                               "securityContext": dict(POD_SECURITY_CONTEXT),
                                "containers": [container],
                            }},
                        }},

@@ -6,6 +6,11 @@ from typing import Any, Mapping
 from cdk8s import ApiObject, JsonPatch
 from constructs import Construct
 
+# Every pod of the charts: the container runtime's default seccomp profile.
+POD_SECURITY_CONTEXT: Mapping[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+# Every container of the charts: no privilege escalation, no Linux capabilities.
+CONTAINER_SECURITY_CONTEXT: Mapping[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
 
 def api_object(scope: Construct, id: str, *, api_version: str, kind: str, name: str,
                namespace: str | None = None, body: Mapping[str, Any] | None = None,

@@ -1,4 +1,5 @@
-"""The training run: headless Service, config maps, and the Indexed Job (one ft_launcher pod per node)."""
+"""The training run: the rendezvous store (Deployment and Service), a headless Service, config maps,
+and the Indexed Job (one ft_launcher pod per node, training or standing by)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,14 +11,16 @@ import yaml
 from cdk8s import Chart
 from constructs import Construct
 
-from infra.config import CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, RENDEZVOUS_PORT, SERVICE_ACCOUNT
-from k8s.charts.objects import api_object, checkov_skips
+from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, RENDEZVOUS_PORT, SERVICE_ACCOUNT,
+                          SYSTEM_NODE_LABEL)
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
-from training.fault_tolerance import DRAIN_MARKER_ENV
+from training.fault_tolerance import DRAIN_MARKER_ENV, store_command
 
 CONTAINER = "trainer"
+STORE_COMPONENT = "rendezvous"  # the store's app.kubernetes.io/component label, container and port name
 CONFIG_COMPONENT = "config"  # the ConfigMaps' app.kubernetes.io/component label: how old ones are found
 # AL2023 nodeadm `localStorage: {strategy: RAID0}` (setup-local-disks raid0) mounts the instance-store
 # RAID0 at /mnt/k8s-disks/0 and bind-mounts kubelet and containerd state from subdirectories of it:
@@ -42,6 +45,13 @@ JOB_CHECKOV_SKIPS = {
     "CKV_K8S_23": "the NGC PyTorch image runs as root and the FSx root and node scratch directories are root-owned",
     "CKV_K8S_40": "the NGC PyTorch image runs as root and the FSx root and node scratch directories are root-owned",
     "CKV_K8S_43": "the ImageUri output tags the CDK asset by its content hash; its digest is not known when rendering",
+}
+STORE_CHECKOV_SKIPS = {
+    "CKV_K8S_11": "a CPU limit would only throttle the store during a rendezvous round, "
+                  "while every launcher waits on it",
+    **{check: JOB_CHECKOV_SKIPS[check] for check in ("CKV_K8S_15", "CKV_K8S_43")},
+    **dict.fromkeys(("CKV_K8S_23", "CKV_K8S_40"),
+                    "the store runs the training image, whose NGC PyTorch base runs as root"),
 }
 
 
@@ -73,6 +83,16 @@ def _config_files(job: JobConfig) -> tuple[_ConfigFile, ...]:
 
 def _pod_labels(job: JobConfig) -> dict[str, str]:
     return {"app.kubernetes.io/name": job.name, "app.kubernetes.io/component": CONTAINER}
+
+
+def _store_labels(job: JobConfig) -> dict[str, str]:
+    # Another component than the training pods': the Job's NetworkPolicy does not select the store.
+    return {"app.kubernetes.io/name": job.name, "app.kubernetes.io/component": STORE_COMPONENT}
+
+
+def _node_failure_tolerations(job: JobConfig) -> list[dict]:
+    return [{"key": taint, "operator": "Exists", "effect": "NoExecute",
+             "tolerationSeconds": job.node_failure_toleration_s} for taint in NODE_FAILURE_TAINTS]
 
 
 def _training_env(job: JobConfig) -> list[dict[str, str]]:
@@ -149,9 +169,8 @@ def _pod_spec(job: JobConfig) -> dict:
         "command": container_command(job.train.fault_tolerance),
         "args": launcher_args(job),
         "env": _training_env(job),
-        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
         "resources": {"requests": resources, "limits": resources},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", f"touch {DRAIN_MARKER_PATH}"]}}},
     }
@@ -165,10 +184,9 @@ def _pod_spec(job: JobConfig) -> dict:
         "nodeSelector": {"node.kubernetes.io/instance-type": job.instance.name, GPU_NODE_LABEL: "true"},
         "tolerations": [
             {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
-            *({"key": taint, "operator": "Exists", "effect": "NoExecute",
-               "tolerationSeconds": job.node_failure_toleration_s} for taint in NODE_FAILURE_TAINTS),
+            *_node_failure_tolerations(job),
         ],
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": dict(POD_SECURITY_CONTEXT),
         "containers": [container],
         "volumes": volumes,
     }
@@ -177,9 +195,12 @@ def _pod_spec(job: JobConfig) -> dict:
 def _job_spec(job: JobConfig) -> dict:
     return {
         "completionMode": "Indexed",
-        "completions": job.nodes,
-        "parallelism": job.nodes,
-        # Every index holds a shard: one index out of retries fails the Job (and stops its pods).
+        # Spares are indexes too: each runs a standby ft_launcher that takes a lost node's place in the
+        # next rendezvous round, and the lost node's replacement pod becomes the new standby.
+        "completions": job.pods,
+        "parallelism": job.pods,
+        # Every index must succeed, a standby's too (training.launch exits 0 once the run completed):
+        # one out of retries fails the Job at once and stops its pods.
         "backoffLimitPerIndex": job.backoff_limit_per_index,
         "maxFailedIndexes": 0,
         # A replacement starts only once the old pod is gone: no two pods share a hostname.
@@ -200,23 +221,95 @@ def _job_spec(job: JobConfig) -> dict:
     }
 
 
+def _store_container(job: JobConfig) -> dict:
+    port = {"port": STORE_COMPONENT}
+    return {
+        "name": STORE_COMPONENT,
+        "image": job.infra.image_uri,  # nvrx-control is the image's NVRx console script
+        "imagePullPolicy": "IfNotPresent",
+        "command": store_command(job.train.fault_tolerance, RENDEZVOUS_PORT, job.name, job.nodes, job.spares),
+        "ports": [{"name": STORE_COMPONENT, "containerPort": RENDEZVOUS_PORT}],
+        # A TCPStore of a few dozen nodes holds kilobytes: the Python process (torch imported) is the cost.
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "readinessProbe": {"tcpSocket": port, "periodSeconds": 5},
+        # Lenient: a restart loses the rendezvous state (see _store_pod_spec).
+        "livenessProbe": {"tcpSocket": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def _store_pod_spec(job: JobConfig) -> dict:
+    """nvrx-control owns the c10d store and closes every rendezvous round; every ft_launcher is its
+    client (is_host=false), so losing any GPU node, index 0's too, costs the same one restart.
+
+    The store keeps the rendezvous state in memory: restarted mid-run it has lost it, the launchers
+    fail and their pods are retried (counted against backoffLimitPerIndex). Hence the stable
+    on-demand system nodes, never a GPU node (no GPU toleration), and a short stay on a lost node,
+    like the training pods'.
+    """
+    return {
+        "automountServiceAccountToken": False,  # it never calls the Kubernetes API
+        "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
+        "tolerations": _node_failure_tolerations(job),
+        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "containers": [_store_container(job)],
+        # Python's tempfile module probes for a writable directory (torch's import uses it): the root
+        # filesystem is read-only.
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+    }
+
+
+def _store_deployment_spec(job: JobConfig) -> dict:
+    """A Deployment restarts the store if its node dies. nvrx-control exits 0 when the rendezvous shuts
+    down (the run ended, or a launcher stopped for good); the Deployment then starts it again with an
+    empty store that no launcher uses: harmless. A new run is `kubectl delete -f
+    dist/training.k8s.yaml` and apply: a fresh Job and a fresh store."""
+    labels = _store_labels(job)
+    return {
+        "replicas": 1,
+        "strategy": {"type": "Recreate"},  # a rollout never runs two stores, which would split the launchers
+        "selector": {"matchLabels": labels},
+        "template": {"metadata": {"labels": labels}, "spec": _store_pod_spec(job)},
+    }
+
+
+def _rendezvous_store(chart: Chart, job: JobConfig) -> None:
+    """The store's Deployment, the Service the launchers reach it by (JobConfig.rendezvous_endpoint),
+    and ingress to it on the rendezvous port from the training pods only."""
+    ns, labels = job.namespace, _store_labels(job)
+    api_object(chart, "rendezvous", api_version="apps/v1", kind="Deployment", name=job.store_name, namespace=ns,
+               annotations=checkov_skips(STORE_CHECKOV_SKIPS), body={"spec": _store_deployment_spec(job)})
+    api_object(chart, "rendezvous-service", api_version="v1", kind="Service", name=job.store_name, namespace=ns,
+               body={"spec": {"type": "ClusterIP", "selector": labels, "ports": [
+                   {"name": STORE_COMPONENT, "port": RENDEZVOUS_PORT, "targetPort": STORE_COMPONENT}]}})
+    api_object(chart, "rendezvous-network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+               name=job.store_name, namespace=ns, body={"spec": {
+                   "podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"],
+                   "ingress": [{"from": [{"podSelector": {"matchLabels": _pod_labels(job)}}],
+                                "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}]}})
+
+
 class TrainingChart(Chart):
     def __init__(self, scope: Construct, id: str, job: JobConfig) -> None:
         super().__init__(scope, id, labels={"app.kubernetes.io/name": job.name,
                                             "app.kubernetes.io/part-of": job.infra.cluster_name})
         ns = job.namespace
+        _rendezvous_store(self, job)
+        # Headless: the DNS names <job>-<index>.<service> that are the pods' FQDNs, which ft_launcher
+        # hands its ranks as MASTER_ADDR (rank 0's, with a free port of its own); no ports, no load
+        # balancing.
         api_object(self, "service", api_version="v1", kind="Service", name=job.service_name, namespace=ns, body={
             "spec": {
-                "clusterIP": "None",  # headless: DNS names <job>-<index>.<service>, no load balancing
-                "publishNotReadyAddresses": True,  # the rendezvous runs before any pod could be Ready
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,  # names resolve from the pod's start
                 "selector": {"batch.kubernetes.io/job-name": job.name},
-                "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}],
             }})
         for f in _config_files(job):
             api_object(self, f.volume, api_version="v1", kind="ConfigMap", name=f.config_map, namespace=ns,
                        labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
                        body={"immutable": True, "data": f.data})
-        # Ingress only from the job's own pods (rendezvous, c10d store, NCCL bootstrap sockets);
+        # Ingress only from the job's own pods (the ranks' c10d store, NCCL bootstrap sockets);
         # EFA traffic bypasses the kernel and is not subject to it. Enforced where the VPC CNI's
         # network policy agent is on; egress stays open (FSx, ECR, S3).
         pods = {"matchLabels": _pod_labels(job)}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from infra.cluster import FSX_CSI_SERVICE_ACCOUNT
+from infra.cluster import FSX_CSI_SERVICE_ACCOUNT, SYSTEM_ROOT_VOLUME_GIB
+from infra.config import SYSTEM_NODE_LABEL
 
 
 def test_cluster_version_name_and_node_group_capacity_without_auto_mode(full):
@@ -36,13 +37,17 @@ def test_endpoint_public_only_from_configured_cidrs_and_private(full):
     assert len(vpc_config["SubnetIds"]) == len(full.config.availability_zones)
 
 
-def test_system_node_group_is_al2023_with_configured_size(full):
+def test_system_node_group_is_al2023_with_configured_size_label_and_disk(full):
     groups = [g["Properties"] for g in full.resources("Cluster", "AWS::EKS::Nodegroup").values()]
     [system] = [g for g in groups if g["AmiType"] == "AL2023_x86_64_STANDARD"]
     assert system["InstanceTypes"] == [full.config.system_instance_type]
     n = full.config.system_nodes
     assert system["ScalingConfig"] == {"MinSize": n, "DesiredSize": n, "MaxSize": n}
     assert "Taints" not in system
+    # The label the rendezvous store selects (k8s/charts/training.py): it needs no toleration.
+    assert system["Labels"] == {SYSTEM_NODE_LABEL: "true"}
+    # ... from the training image, which EKS's default 20 GiB root volume cannot hold
+    assert system["DiskSize"] == SYSTEM_ROOT_VOLUME_GIB >= 100
 
 
 def test_kubectl_provider_layer_matches_the_kubernetes_minor_version(full):

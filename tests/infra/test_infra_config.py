@@ -27,6 +27,9 @@ from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
         pytest.param({"gpuNodesMin": 3, "gpuNodesDesired": 2}, ["gpuNodesMin=3", "gpuNodesDesired=2"], id="min-above-desired"),
         pytest.param({"gpuNodesDesired": 5, "gpuNodesMax": 4}, ["gpuNodesDesired=5", "gpuNodesMax=4"], id="desired-above-max"),
         pytest.param({"gpuNodesMin": 0, "gpuNodesDesired": 0}, ["gpuNodesMin", "0", "at least 1"], id="zero-gpu-nodes"),
+        pytest.param({"gpuNodesSpare": -1}, ["gpuNodesSpare=-1", "0 or more"], id="negative-spares"),
+        pytest.param({"gpuNodesSpare": 3}, ["gpuNodesSpare=3", "gpuNodesDesired + gpuNodesSpare = 5", "gpuNodesMax=4",
+                                            "at most 2"], id="spares-above-max"),
         pytest.param({"systemNodes": 0}, ["systemNodes", "0", "at least 1"], id="zero-system-nodes"),
         pytest.param({"apiAllowedCidrs": ["10.0.0.0/33"]}, ["apiAllowedCidrs", "10.0.0.0/33", "CIDR"], id="cidr-bad-mask"),
         pytest.param({"apiAllowedCidrs": ["10.0.0.1/24"]}, ["apiAllowedCidrs", "10.0.0.1/24", "host bits"], id="cidr-host-bits"),
@@ -70,6 +73,18 @@ def test_command_line_strings_are_converted():
     assert config.fsx_export_bucket is True
     assert config.fsx_backup_retention_days == 0
     assert config.api_allowed_cidrs == ("203.0.113.0/24", "198.51.100.0/24")
+
+
+@pytest.mark.parametrize(("overrides", "spares"), [
+    pytest.param({}, 1, id="default-one-where-max-leaves-room"),
+    pytest.param({"gpuNodesDesired": 4}, 0, id="default-none-at-max"),
+    pytest.param({"gpuNodesSpare": 0}, 0, id="explicit-none"),
+    pytest.param({"gpuNodesSpare": "2"}, 2, id="explicit-fills-max-from-the-command-line"),
+])
+def test_hot_spares_run_beside_the_training_nodes(overrides, spares):
+    config = PlatformConfig.from_context(overrides)
+    assert config.spare_nodes == spares
+    assert config.gpu_nodes_running == config.gpu_nodes_desired + spares <= config.gpu_nodes_max
 
 
 def test_cdk_json_context_holds_every_key_with_its_default(repo_root):

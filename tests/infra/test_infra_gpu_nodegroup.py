@@ -143,9 +143,11 @@ def test_node_group_ami_labels_taint_repair_and_sizes(full):
     assert group["Labels"] == {GPU_NODE_LABEL: "true"}
     assert group["Taints"] == [{"Key": GPU_TAINT_KEY, "Value": "true", "Effect": "NO_SCHEDULE"}]
     assert group["NodeRepairConfig"] == {"Enabled": True}
+    # The training nodes and the default hot spare: desired 2 + 1, within max 4.
     assert group["ScalingConfig"] == {
-        "MinSize": config.gpu_nodes_min, "DesiredSize": config.gpu_nodes_desired, "MaxSize": config.gpu_nodes_max
+        "MinSize": config.gpu_nodes_min, "DesiredSize": 3, "MaxSize": config.gpu_nodes_max
     }
+    assert config.gpu_nodes_desired + config.spare_nodes == 3
     launch_template = next(iter(full.resources("Cluster", "AWS::EC2::LaunchTemplate")))
     assert group["LaunchTemplate"] == {
         "Id": {"Ref": launch_template}, "Version": {"Fn::GetAtt": [launch_template, "LatestVersionNumber"]}

@@ -39,7 +39,9 @@ def test_checkov_passes_with_reasoned_skips_only(render, tmp_path):
     assert failed == [] and proc.returncode == 0, failed
     assert summary["parsing_errors"] == 0
     checked = {c["resource"] for kind in ("passed_checks", "skipped_checks") for c in results[kind]}
-    assert {"Job.training.fsdp-train", "CronJob.training.fsdp-train-chaos"} <= checked  # the workloads were scanned
+    workloads = {"Job.training.fsdp-train", "Deployment.training.fsdp-train-rendezvous",
+                 "CronJob.training.fsdp-train-chaos"}
+    assert workloads <= checked  # the workloads were scanned
 
     skipped = {(c["resource"], c["check_id"]): c["check_result"]["suppress_comment"] for c in results["skipped_checks"]}
     assert skipped == _annotated_skips(r)

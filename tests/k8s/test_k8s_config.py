@@ -8,6 +8,14 @@ import pytest
 @pytest.mark.parametrize("args, context, expected", [
     (["--nodes", "0"], {}, "nodes=0 is not allowed: at least 1"),
     (["--nodes", "5"], {}, "nodes=5 exceeds gpuNodesMax=4"),
+    (["--spares", "-1"], {}, "spares=-1 is not allowed: 0 or more"),
+    (["--spares", "3"], {}, "nodes=2 + spares=3 = 5 exceeds gpuNodesMax=4: every pod needs a GPU node of its own; "
+                            "allowed: at most 2 spares"),
+    # The platform's spare is the default beside any --nodes: both must fit.
+    (["--nodes", "4"], {}, "nodes=4 + spares=1 = 5 exceeds gpuNodesMax=4"),
+    (["-c", "gpuNodesSpare=3"], {}, "gpuNodesSpare=3 does not fit: gpuNodesDesired + gpuNodesSpare = 5 exceeds "
+                                    "gpuNodesMax=4"),
+    (["-c", "gpuNodesSpare=-1"], {}, "gpuNodesSpare=-1 is not allowed: 0 or more"),
     ([], {"gpuNodesDesired": 0}, "gpuNodesDesired=0 is not allowed"),
     (["-c", "gpuNodesMax=1"], {}, "gpuNodesMin <= gpuNodesDesired <= gpuNodesMax"),
     (["-c", "gpuNodes=3"], {}, "-c 'gpuNodes=3': expected key=value with key one of"),
@@ -27,8 +35,8 @@ import pytest
      "node_failure_toleration_s=-1 is not allowed: 0 to 300 seconds"),
     (["--node-failure-toleration", "301"], {},
      "node_failure_toleration_s=301 is not allowed: 0 to 300 seconds"),
-    (["--fault-injection", "--fault-target-index", "2"], {},
-     "fault_injection.target_index=2 is not allowed: an index of the job, 0..1"),
+    (["--fault-injection", "--fault-target-index", "3"], {},  # two training nodes and a spare: 0..2
+     "fault_injection.target_index=3 is not allowed: an index of the job, 0..2"),
     (["--fault-injection", "--fault-grace-period", "0"], {}, "fault_injection.grace_period_s=0 is not allowed: 1 or more"),
     (["--fault-injection", "--fault-schedule", "every hour"], {}, "fault_injection.schedule='every hour'"),
     (["--fault-injection", "--fault-schedule", "*/0 * * * *"], {}, "fault_injection.schedule='*/0 * * * *' is not allowed"),

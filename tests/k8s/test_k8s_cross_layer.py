@@ -1,6 +1,7 @@
 """The Job against what the infra stacks create: synthesize infra/platform.py (one app per instance
 type, ~5 s each), turn its outputs into the cdk-outputs.json a deploy would write, render the
-charts from it, and compare names, mounts, node labels, taints and per-instance device counts."""
+charts from it, and compare names, mounts, node labels, taints, node counts and per-instance
+device counts."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ from typing import Any
 import aws_cdk as cdk
 import pytest
 
-from infra.config import CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, PVC_NAME, PlatformConfig
+from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, PVC_NAME, SYSTEM_NODE_LABEL,
+                          PlatformConfig)
 from infra.instances import INSTANCE_TYPES
 from infra.platform import build_platform
 from k8s.charts.training import NODE_SCRATCH_PATH
@@ -78,12 +80,26 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     assert r.container["image"] == IMAGE
 
     # GPU nodes: the Job selects their label and instance type and tolerates their taint.
-    (gpu_group,) = [g for g in _resources(cluster, "AWS::EKS::Nodegroup") if GPU_NODE_LABEL in g.get("Labels", {})]
+    groups = _resources(cluster, "AWS::EKS::Nodegroup")
+    (gpu_group,) = [g for g in groups if GPU_NODE_LABEL in g.get("Labels", {})]
     assert r.pod["nodeSelector"][GPU_NODE_LABEL] == gpu_group["Labels"][GPU_NODE_LABEL]
     assert {(t["Key"], t["Effect"]) for t in gpu_group["Taints"]} == {(GPU_TAINT_KEY, "NO_SCHEDULE")}
     assert {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"} in r.pod["tolerations"]
     (template_data,) = [lt["LaunchTemplateData"] for lt in _resources(cluster, "AWS::EC2::LaunchTemplate")]
     assert r.pod["nodeSelector"]["node.kubernetes.io/instance-type"] == template_data["InstanceType"]
+
+    # Node counts: a pod per training node and per hot spare, and the node group runs that many.
+    spec, scaling = job["spec"], gpu_group["ScalingConfig"]
+    assert spec["completions"] == spec["parallelism"] == config.gpu_nodes_desired + config.spare_nodes == 3
+    assert spec["completions"] <= scaling["DesiredSize"] <= scaling["MaxSize"]
+
+    # The rendezvous store: on the system nodes by their label, which carry no taint to tolerate.
+    (system_group,) = [g for g in groups if g is not gpu_group]
+    (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
+    store_pod = store["spec"]["template"]["spec"]
+    assert store_pod["nodeSelector"] == {SYSTEM_NODE_LABEL: system_group["Labels"][SYSTEM_NODE_LABEL]}
+    assert "Taints" not in system_group
+    assert store_pod["containers"][0]["image"] == IMAGE
 
     # Devices: GPUs and EFA interfaces of the instance table, as the node is built.
     limits = r.container["resources"]["limits"]

@@ -1,7 +1,8 @@
-"""The Job's ft_launcher command line, checked by the installed ft_launcher (NVRx 0.7.0) itself,
-and its `sh -c` wrapper run for real with a stand-in ft_launcher."""
+"""The Job's ft_launcher command line and the store's nvrx-control command line, checked by the
+installed NVRx 0.7.0 itself, and the container's command run for real with a stand-in ft_launcher."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import stat
 import subprocess
@@ -11,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from nvidia_resiliency_ext.fault_tolerance import control_plane as nvrx_control
 from nvidia_resiliency_ext.fault_tolerance import launcher as nvrx_launcher
 
 from infra.config import RENDEZVOUS_PORT
 from infra.instances import INSTANCE_TYPES
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from training.config import RESTART_MODES, load_train_config
-from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
 from training.fault_tolerance import RESUME_STEP_FILE
 from training.prefork import SERVER_ENV
 
@@ -33,12 +35,7 @@ NVRX_0_7_0_FLAGS = {
     "-m",
 }
 WORKER_ENTRY = ["training.prefork", "worker", "training.train"]  # the module after -m, and its arguments
-
-
-def _launcher_argv(rendered, index: int) -> list[str]:
-    """What ft_launcher receives in pod `index`: the wrapper prepends --rdzv-conf on index 0."""
-    args = rendered.container["args"]
-    return ["--rdzv-conf", "is_host=1", *args] if index == 0 else list(args)
+STORE_ENDPOINT = f"fsdp-train-rendezvous.training.svc.cluster.local:{RENDEZVOUS_PORT}"  # the store's Service
 
 
 def _flags(argv: list[str]) -> list[str]:
@@ -54,37 +51,60 @@ def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
     parser = nvrx_launcher.get_args_parser()
     exact = set(parser._option_string_actions)  # no abbreviations
     train = load_train_config(REPO / "k8s" / "train.yaml")
-    for index in (0, 1):
-        argv = _launcher_argv(r, index)
-        args = parser.parse_args(argv)  # SystemExit on an unknown flag or a bad value
-        flags = _flags(argv)
-        assert set(flags) <= exact, f"not exact option strings: {set(flags) - exact}"
-        assert set(flags) <= NVRX_0_7_0_FLAGS, f"not checked against NVRx 0.7.0: {set(flags) - NVRX_0_7_0_FLAGS}"
-        assert args.nnodes == "2"  # gpuNodesDesired
-        assert args.nproc_per_node == str(INSTANCE_TYPES[instance_type].gpus)
-        assert args.rdzv_backend == "c10d"
-        assert args.rdzv_endpoint == f"fsdp-train-0.fsdp-train.training.svc.cluster.local:{RENDEZVOUS_PORT}"
-        assert args.rdzv_id == "fsdp-train"
-        assert args.rdzv_conf == ("is_host=1" if index == 0 else "")
-        assert args.ft_restart_policy == "any-failed"
-        assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts_total)
-        # the budget that matters: restarts in a row without a newer checkpoint, read from the file
-        # that training keeps in the checkpoint directory on FSx
-        assert int(args.ft_max_no_progress_cycles) == train.fault_tolerance.max_restarts
-        assert args.ft_checkpoint_iteration_file == f"/fsx/runs/fsdp-train/checkpoints/{RESUME_STEP_FILE}"
-        assert int(args.ft_no_restart_exit_code) == NO_PROGRESS
-        assert float(args.term_timeout) == train.fault_tolerance.drain_timeout_s
-        assert args.module and [args.training_script, *args.training_script_args] == [
-            *WORKER_ENTRY, "--config", TRAIN_CONFIG_PATH]
+    argv = r.container["args"]  # the same in every pod: no pod hosts the store
+    args = parser.parse_args(argv)  # SystemExit on an unknown flag or a bad value
+    flags = _flags(argv)
+    assert set(flags) <= exact, f"not exact option strings: {set(flags) - exact}"
+    assert set(flags) <= NVRX_0_7_0_FLAGS, f"not checked against NVRx 0.7.0: {set(flags) - NVRX_0_7_0_FLAGS}"
+    assert args.nnodes == "2:3"  # gpuNodesDesired training nodes, up to one hot spare beside them
+    assert args.nproc_per_node == str(INSTANCE_TYPES[instance_type].gpus)
+    assert args.rdzv_backend == "c10d"
+    assert args.rdzv_endpoint == STORE_ENDPOINT
+    assert args.rdzv_id == "fsdp-train"
+    assert args.rdzv_conf == f"join_timeout={train.fault_tolerance.rendezvous_join_timeout_s:g},is_host=false"
+    assert args.ft_restart_policy == "any-failed"
+    assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts_total)
+    # the budget that matters: restarts in a row without a newer checkpoint, read from the file
+    # that training keeps in the checkpoint directory on FSx
+    assert int(args.ft_max_no_progress_cycles) == train.fault_tolerance.max_restarts
+    assert args.ft_checkpoint_iteration_file == f"/fsx/runs/fsdp-train/checkpoints/{RESUME_STEP_FILE}"
+    assert int(args.ft_no_restart_exit_code) == NO_PROGRESS
+    assert float(args.term_timeout) == train.fault_tolerance.drain_timeout_s
+    assert args.module and [args.training_script, *args.training_script_args] == [
+        *WORKER_ENTRY, "--config", TRAIN_CONFIG_PATH]
+
+
+def test_installed_nvrx_control_parses_the_store_command_of_the_same_rendezvous(render):
+    r = render()
+    (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    program, *argv = container["command"]
+    assert program == "nvrx-control" and "args" not in container
+    store_args = nvrx_control.get_args_parser().parse_args(argv)  # SystemExit on an unknown flag
+    launcher_args = nvrx_launcher.get_args_parser().parse_args(r.container["args"])
+    for key in ("nnodes", "rdzv_backend", "rdzv_id", "rdzv_conf"):
+        assert getattr(store_args, key) == getattr(launcher_args, key), key
+    # It listens on every interface of its pod; its own client connects over loopback.
+    assert store_args.rdzv_endpoint == f"127.0.0.1:{RENDEZVOUS_PORT}"
+    assert store_args.ft_enable_log_server is False
+
+
+def test_the_image_has_nvrx_control_on_its_path():
+    """training/Dockerfile pip-installs this NVRx version (test_infra_image_and_outputs), whose
+    console scripts land on PATH."""
+    scripts = {e.name: e.value for e in importlib.metadata.distribution("nvidia-resiliency-ext").entry_points
+               if e.group == "console_scripts"}
+    assert scripts["nvrx-control"] == "nvidia_resiliency_ext.fault_tolerance.control_plane:main"
+    assert scripts["ft_launcher"] == "nvidia_resiliency_ext.fault_tolerance.launcher:main"
 
 
 def test_without_prefork_ft_launcher_starts_training_train_itself(render, tmp_path):
     r = render("--set", "fault_tolerance.prefork_workers=false")
-    args = nvrx_launcher.get_args_parser().parse_args(_launcher_argv(r, 1))
+    args = nvrx_launcher.get_args_parser().parse_args(r.container["args"])
     assert [args.training_script, *args.training_script_args] == ["training.train", "--config", TRAIN_CONFIG_PATH]
-    proc, record = _run_wrapper(r, tmp_path, 1, r.config_map("fsdp-train-config")["config.yaml"])
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(record.read_text()) == {"argv": _launcher_argv(r, 1), "prefork_server": None}
+    proc, record = _run_container(r, tmp_path, r.config_map("fsdp-train-config")["config.yaml"])
+    assert proc.returncode == INCOMPLETE, proc.stderr
+    assert json.loads(record.read_text()) == {"argv": r.container["args"], "prefork_server": None}
 
 
 def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkeypatch):
@@ -95,11 +115,14 @@ def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkey
     r = render()
     ft_file = tmp_path / "ft.yaml"
     ft_file.write_text(r.config_map("fsdp-train-ft-config")["ft.yaml"])
-    argv = [a.replace(FT_CONFIG_PATH, str(ft_file)) for a in _launcher_argv(r, 0)]
+    argv = [a.replace(FT_CONFIG_PATH, str(ft_file)) for a in r.container["args"]]
     config, _, cmd_args = nvrx_launcher.config_from_args(nvrx_launcher.get_args_parser().parse_args(argv))
     train = load_train_config(REPO / "k8s" / "train.yaml").fault_tolerance
-    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 8)
-    assert config.rdzv_configs["is_host"] == "1"
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 3, 8)
+    # A client of the store in every pod, whatever its host name.
+    host = STORE_ENDPOINT.split(":")[0]
+    assert nvrx_launcher._is_store_host_from_config(host, config.rdzv_configs) is False
+    assert float(config.rdzv_configs["join_timeout"]) == train.rendezvous_join_timeout_s
     assert config.term_timeout == train.drain_timeout_s
     ft = config.fault_tol_cfg
     assert ft.initial_rank_heartbeat_timeout == train.initial_rank_heartbeat_timeout
@@ -121,13 +144,13 @@ def test_nvrx_ft_file_has_only_keys_nvrx_knows(render, tmp_path):
 
 
 
-def _run_wrapper(rendered, tmp_path: Path, index: int, config_text: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _run_container(rendered, tmp_path: Path, config_text: str) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the container's command + args with a stand-in ft_launcher that records its argv and
-    the worker template's address, the real python (the pre-flight imports training.config, the
-    prefork launcher starts the template) and the config at a temporary path."""
+    the worker template's address and exits 0, the real python (training.launch loads the config,
+    the prefork launcher starts the template) and the config at a temporary path."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    record = tmp_path / f"argv{index}.json"
+    record = tmp_path / "argv.json"
     fake = bin_dir / "ft_launcher"
     fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
                     f"json.dump({{'argv': sys.argv[1:], 'prefork_server': os.environ.get({SERVER_ENV!r})}}, "
@@ -136,33 +159,34 @@ def _run_wrapper(rendered, tmp_path: Path, index: int, config_text: str) -> tupl
     config = tmp_path / "config.yaml"
     config.write_text(config_text)
     command = [part.replace(TRAIN_CONFIG_PATH, str(config)) for part in rendered.container["command"]]
-    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "JOB_COMPLETION_INDEX": str(index)}
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin"}
     proc = subprocess.run([*command, *rendered.container["args"]], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     return proc, record
 
 
-@pytest.mark.parametrize("index", [0, 1])
-def test_wrapper_adds_is_host_on_index_0_only(render, tmp_path, index):
+def test_pod_runs_ft_launcher_under_training_launch_and_prefork(render, tmp_path):
     r = render()
-    proc, record = _run_wrapper(r, tmp_path, index, r.config_map("fsdp-train-config")["config.yaml"])
-    assert proc.returncode == 0, proc.stderr
+    assert r.container["command"][:6] == ["python", "-m", "training.launch", "--config", TRAIN_CONFIG_PATH, "--"]
+    proc, record = _run_container(r, tmp_path, r.config_map("fsdp-train-config")["config.yaml"])
     recorded = json.loads(record.read_text())
-    assert recorded["argv"] == _launcher_argv(r, index)
+    assert recorded["argv"] == r.container["args"]
     assert recorded["prefork_server"], "ft_launcher must run under training.prefork's launcher"
+    # ft_launcher exited 0 and the run has not completed (a standby left): the Job runs the index again.
+    assert proc.returncode == INCOMPLETE, proc.stderr
 
 
-def test_wrapper_exits_with_config_error_before_launching(render, tmp_path):
+def test_pod_exits_with_config_error_before_launching(render, tmp_path):
     r = render()
     bad = yaml.safe_load(r.config_map("fsdp-train-config")["config.yaml"])
     bad["fault_tolerance"]["restart"] = "sometimes"
-    proc, record = _run_wrapper(r, tmp_path, 0, yaml.safe_dump(bad))
+    proc, record = _run_container(r, tmp_path, yaml.safe_dump(bad))
     assert proc.returncode == CONFIG_ERROR
     assert "invalid training config" in proc.stderr and "fault_tolerance.restart" in proc.stderr
     assert not record.exists(), "ft_launcher must not start on an invalid config"
 
 
 def test_command_has_nothing_kubernetes_would_expand(render):
-    # The kubelet replaces $(VAR) in command and args with container env values before sh sees them.
+    # The kubelet replaces $(VAR) in command and args with container env values.
     r = render()
     assert not [part for part in r.container["command"] + r.container["args"] if "$(" in part]

@@ -8,14 +8,14 @@ import pytest
 import yaml
 
 from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, PVC_NAME,
-                          RENDEZVOUS_PORT, SERVICE_ACCOUNT)
+                          RENDEZVOUS_PORT, SERVICE_ACCOUNT, SYSTEM_NODE_LABEL)
 from infra.instances import INSTANCE_TYPES
 from k8s.charts.training import NODE_SCRATCH_PATH
 from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s.outputs import PLACEHOLDER_IMAGE
 from training.config import RESTART_MODES
-from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
 
 from k8s_render import IMAGE, render_into
 
@@ -39,10 +39,10 @@ def test_strict_validation_rejects_an_unknown_field(render):
         kubernetes_validate.validate(job, K8S_VERSION, strict=True)
 
 
-def test_job_is_indexed_one_pod_per_node_with_a_per_index_retry_budget(render):
+def test_job_is_indexed_one_pod_per_node_and_spare_with_a_per_index_retry_budget(render):
     spec = render("--nodes", "3").one("Job")["spec"]
     assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] == 3
+    assert spec["completions"] == spec["parallelism"] == 3 + 1  # the default spare, within gpuNodesMax=4
     assert spec["backoffLimitPerIndex"] >= 1 and spec["maxFailedIndexes"] == 0
     assert "backoffLimit" not in spec  # with backoffLimitPerIndex it is the per-index budget that counts
     assert spec["podReplacementPolicy"] == "Failed"
@@ -50,8 +50,32 @@ def test_job_is_indexed_one_pod_per_node_with_a_per_index_retry_budget(render):
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
 
 
-def test_node_count_defaults_to_the_node_groups_desired_size(render):
-    assert render(context={"gpuNodesDesired": 3}).one("Job")["spec"]["completions"] == 3
+def _store(r) -> dict:
+    (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
+    return store
+
+
+def _store_argv(r) -> list[str]:
+    (container,) = _store(r)["spec"]["template"]["spec"]["containers"]
+    return container["command"]
+
+
+@pytest.mark.parametrize("args, context, nodes, spares", [
+    ([], {}, 2, 1),  # gpuNodesDesired=2 and, below gpuNodesMax=4, one spare
+    ([], {"gpuNodesDesired": 3}, 3, 1),
+    ([], {"gpuNodesDesired": 4}, 4, 0),  # no room below gpuNodesMax
+    ([], {"gpuNodesSpare": 2}, 2, 2),
+    (["--spares", "0"], {}, 2, 0),
+    (["--nodes", "1", "--spares", "3"], {}, 1, 3),
+])
+def test_training_nodes_and_spares_are_the_platforms_unless_given(render, args, context, nodes, spares):
+    r = render(*args, context=context)
+    spec = r.one("Job")["spec"]
+    assert spec["completions"] == spec["parallelism"] == nodes + spares
+    # The store and every launcher agree: `nodes` train, up to `spares` more stand by.
+    assert f"--nnodes={nodes}:{nodes + spares}" in r.container["args"]
+    assert f"--nnodes={nodes}:{nodes + spares}" in _store_argv(r)
+    assert f"job fsdp-train: {nodes} x p5.48xlarge + {spares} spare" in r.stdout
 
 
 def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors_and_no_progress(render):
@@ -59,18 +83,73 @@ def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors_
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
     assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
                                                  "values": [CONFIG_ERROR, NO_PROGRESS]}} in rules
+    # A launcher that left before the run completed (a standby, a clean stop) is retried.
+    assert not [rule for rule in rules if rule["action"] == "FailJob" and INCOMPLETE in rule["onExitCodes"]["values"]]
 
 
-def test_headless_service_gives_index_0_the_rendezvous_name(render):
+def _services(r) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in r.objects() if o["kind"] == "Service"}
+
+
+def test_headless_service_names_the_pods_and_the_store_service_is_the_rendezvous_endpoint(render):
     r = render()
-    svc, job = r.one("Service"), r.one("Job")
+    job, services = r.one("Job"), _services(r)
+    svc, store_svc = services["fsdp-train"], services["fsdp-train-rendezvous"]
+    # Pod DNS names (ft_launcher's MASTER_ADDR for the ranks); no pod listens on a fixed port.
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
-    assert svc["spec"]["ports"] == [{"name": "rendezvous", "port": RENDEZVOUS_PORT}]
+    assert "ports" not in svc["spec"] and "ports" not in r.container
     assert r.pod["subdomain"] == svc["metadata"]["name"]
-    endpoint = r.container["args"][r.container["args"].index("--rdzv-endpoint") + 1]
-    host = f"{job['metadata']['name']}-0.{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
-    assert endpoint == f"{host}:{RENDEZVOUS_PORT}"
+    # Every launcher, of every index, reaches the store through its Service.
+    store_labels = _store(r)["spec"]["template"]["metadata"]["labels"]
+    assert store_svc["spec"]["type"] == "ClusterIP" and store_svc["spec"]["selector"] == store_labels
+    assert store_svc["spec"]["ports"] == [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": "rendezvous"}]
+    host = f"{store_svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert f"--rdzv-endpoint={host}:{RENDEZVOUS_PORT}" in r.container["args"]
+    assert "--rdzv-conf=join_timeout=1800,is_host=false" in r.container["args"]
+
+
+def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
+    r = render("--node-failure-toleration", "45")
+    store = _store(r)
+    spec, pod = store["spec"], store["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert store["metadata"]["name"] == "fsdp-train-rendezvous" and store["metadata"]["namespace"] == NAMESPACE
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}  # never two stores
+    assert spec["selector"]["matchLabels"] == spec["template"]["metadata"]["labels"]
+    assert container["image"] == r.container["image"]
+    assert container["command"][0] == "nvrx-control"
+    assert "--rdzv-id=fsdp-train" in container["command"] and "--rdzv-id=fsdp-train" in r.container["args"]
+    assert container["ports"] == [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["tcpSocket"] == {"port": "rendezvous"}
+    # On the stable system nodes, never a GPU node: no GPU toleration; off a lost node as fast as the trainers.
+    assert pod["nodeSelector"] == {SYSTEM_NODE_LABEL: "true"}
+    assert not [t for t in pod["tolerations"] if t["key"] == GPU_TAINT_KEY]
+    assert {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"]} == {
+        "node.kubernetes.io/unreachable": 45, "node.kubernetes.io/not-ready": 45}
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == r.pod["securityContext"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"allowPrivilegeEscalation", "capabilities"} <= set(container["securityContext"])
+
+
+def test_only_the_training_pods_reach_the_store_and_only_on_the_rendezvous_port(render):
+    r = render()
+    policies = {o["metadata"]["name"]: o["spec"] for o in r.objects() if o["kind"] == "NetworkPolicy"}
+    trainer_labels = r.one("Job")["spec"]["template"]["metadata"]["labels"]
+    store_labels = _store(r)["spec"]["template"]["metadata"]["labels"]
+    store_policy = policies["fsdp-train-rendezvous"]
+    assert store_policy["podSelector"] == {"matchLabels": store_labels}
+    assert store_policy["policyTypes"] == ["Ingress"]
+    assert store_policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": trainer_labels}}],
+                                        "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}]
+    # The training pods' own policy does not select the store: each pod is under its own rules.
+    trainer_policy = policies["fsdp-train"]
+    assert trainer_policy["podSelector"] == {"matchLabels": trainer_labels}
+    assert not set(trainer_labels.items()) >= set(store_labels.items())
+    assert not set(store_labels.items()) >= set(trainer_labels.items())
 
 
 def test_config_maps_carry_the_training_config_rooted_on_fsx(render):
