@@ -15,6 +15,7 @@ from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
 from training.config import TrainConfig
 from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
+from training.k8s_delays import EKS
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
 # the store "<job>-rendezvous" (at most 51).
@@ -52,10 +53,11 @@ class JobConfig:
     termination_grace_s: int | None = None  # None: long enough for an in-flight checkpoint
     shm_fraction: float = 0.25  # /dev/shm size as a part of the pod's memory (it counts against it)
     # How long a pod stays on a node tainted unreachable or not-ready before it is evicted and
-    # replaced (Kubernetes' default: 300 s). The node controller taints a node only after ~40 s
-    # without status on EKS, so 30 s more replaces a lost node's pod after ~70 s; much less would
-    # evict healthy pods whenever a kubelet misses a few updates (restart, API server hiccup).
-    node_failure_toleration_s: int = 30
+    # replaced (Kubernetes' default: 300 s). The node controller taints a node only after 50 s
+    # without status, so 30 s more replaces a lost node's pod after ~80 s; much less would evict
+    # healthy pods whenever a kubelet misses a few updates (restart, API server hiccup). The EKS
+    # projection (training/k8s_delays.py) uses the same figure.
+    node_failure_toleration_s: int = int(EKS.toleration_s)
     fault_injection: FaultInjectionConfig | None = None
 
     def __post_init__(self) -> None:

@@ -7,7 +7,7 @@ Lustre where O_APPEND across clients is not atomic. `read_events` merges all fil
 Every record has `t` (unix seconds, float), `event` (one of EVENTS) and `source`; the other fields
 depend on the event:
 
-  job_start       nodes, nproc_per_node            the local controller, before any launcher starts, so
+  job_start       nodes, nproc_per_node, spares    the local controller, before any launcher starts, so
                                                    the report's wall time includes start-up
   run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
   attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
@@ -30,8 +30,7 @@ depend on the event:
                                                    (controller, nvrx rank monitor, Wrapper …)
   restart         attempt, restart_kind            controller or rank 0; restart_kind: injob (ft_launcher
                                                    restarted the worker group), inprocess (Wrapper),
-                                                   node (one node replaced), job (every node restarted
-                                                   with a fresh rendezvous: the rendezvous host was lost)
+                                                   node (a node's pod replaced)
   node_replaced   node, attempt                    the local controller
   drained         step, saved_step                 rank 0: every rank left at `step` after a SIGTERM;
                                                    saved_step: the newest step saved, where the restart resumes

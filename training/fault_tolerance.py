@@ -81,7 +81,11 @@ def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes:
     training nodes and up to `spares` hot spares. NVRx 0.7.0's barrier rendezvous keeps the world at
     `nodes`; the others wait as standby and take a failed node's place in the next round."""
     return [f"--nnodes={nodes}:{nodes + spares}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}", f"--rdzv-conf=join_timeout={ft.rendezvous_join_timeout_s:g},is_host=false"]
+            f"--rdzv-id={run_id}", "--rdzv-conf=" + ",".join((
+                f"join_timeout={ft.rendezvous_join_timeout_s:g}", "is_host=false",
+                # a launcher may start before the store (its pod still pulling the image on a
+                # system node): probe for it this long instead of failing after one connect timeout
+                f"store_connect_wait_seconds={ft.rendezvous_join_timeout_s:.0f}"))]
 
 
 def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, spares: int,

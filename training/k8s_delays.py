@@ -19,8 +19,8 @@ class KubernetesDelays:
     # kube-controller-manager's --node-monitor-grace-period: 50 s since Kubernetes 1.32 (40 s before);
     # EKS does not change it.
     node_not_ready_s: float = 50.0
-    # Then the pod stays for its tolerationSeconds of that taint (k8s/job_config.py's
-    # node_failure_toleration_s; Kubernetes' default is 300 s).
+    # Then the pod stays for its tolerationSeconds of that taint (the default of k8s/job_config.py's
+    # node_failure_toleration_s, which reads it here; Kubernetes' default is 300 s).
     toleration_s: float = 30.0
     # The evicted pod is deleted, the Job controller creates its replacement, the scheduler binds it
     # (assumption: seconds on an idle control plane).

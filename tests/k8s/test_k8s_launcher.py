@@ -61,7 +61,10 @@ def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
     assert args.rdzv_backend == "c10d"
     assert args.rdzv_endpoint == STORE_ENDPOINT
     assert args.rdzv_id == "fsdp-train"
-    assert args.rdzv_conf == f"join_timeout={train.fault_tolerance.rendezvous_join_timeout_s:g},is_host=false"
+    conf = dict(kv.split("=") for kv in args.rdzv_conf.split(","))
+    join_timeout = train.fault_tolerance.rendezvous_join_timeout_s
+    assert conf == {"join_timeout": f"{join_timeout:g}", "is_host": "false",  # a client of the store
+                    "store_connect_wait_seconds": f"{join_timeout:.0f}"}  # which may start later than this pod
     assert args.ft_restart_policy == "any-failed"
     assert args.max_restarts == (0 if mode == "inprocess" else train.fault_tolerance.max_restarts_total)
     # the budget that matters: restarts in a row without a newer checkpoint, read from the file
