@@ -118,7 +118,9 @@ def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
 
 
 def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
-    retries = profile.faults + 1  # a budget every mechanism's restarts fit in
+    # A budget every mechanism's restarts fit in. Without in-job restarts a fault shuts the rendezvous
+    # down and the store restarts: a node's replacement that meets it before then fails once more.
+    retries = (profile.faults + 1) * (1 if m.in_job_restarts else 2)
     budgets = (f"fault_tolerance.max_restarts={retries if m.in_job_restarts else 0}",
                *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "inprocess" else ()))
     return ClusterSpec(

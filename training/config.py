@@ -135,6 +135,18 @@ class FaultToleranceConfig:
 
 
 @dataclass(frozen=True)
+class PeerStateConfig:
+    """Each rank's state in its node's memory and on the next `replicas` nodes (training/peer_state.py):
+    after a lost node, its ranks' shards come from their partners, not from the FSx checkpoint."""
+    enabled: bool = False
+    # Steps between copies. None: every step if a copy costs at most 5% of one (measured over the first
+    # steps), else the fewest steps between copies that keep it there.
+    interval: int | None = None
+    replicas: int = 1  # other nodes holding a copy of each rank's state
+    memory_dir: str | None = None  # None: $TRAINING_NODE_MEMORY, else /dev/shm/training-peer-state
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int = 10  # steps between progress lines (rank 0)
     # Each rank appends the global sample indices of every step to <run_dir>/samples/rank<R>.jsonl
@@ -150,6 +162,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    peer_state: PeerStateConfig = field(default_factory=PeerStateConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     faults: tuple[str, ...] = ()  # fault specs; format in training/faults.py
 
@@ -327,6 +340,11 @@ def _validate(c: TrainConfig) -> None:
         )
     if not ft.drain_timeout_s > 0:
         fail("fault_tolerance.drain_timeout_s", ft.drain_timeout_s, "greater than 0 seconds")
+    ps = c.peer_state
+    if ps.interval is not None and ps.interval < 1:
+        fail("peer_state.interval", ps.interval, "at least 1 step, or null (chosen from the measured cost)")
+    if ps.replicas < 1:
+        fail("peer_state.replicas", ps.replicas, "at least 1 (other nodes holding each rank's copy)")
     if not ft.rendezvous_join_timeout_s >= 60:
         fail("fault_tolerance.rendezvous_join_timeout_s", ft.rendezvous_join_timeout_s,
              "at least 60 seconds (a round must outlast a node's restart)")

@@ -11,14 +11,16 @@ depend on the event:
                                                    the report's wall time includes start-up
   run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
   attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
-  resume          step, source_kind, path,         rank 0; source_kind: disk | memory | none;
+  resume          step, source_kind, path,         rank 0; source_kind: disk | memory (in-process) | peer
+                                                   (node memory, training/peer_state.py) | none;
                   saved_world_size                 saved_world_size: the world size that wrote the checkpoint
   state_derived   step, saved_world_size,          rank 0: the checkpoint was resharded to another world
                   world_size, keys                 size; `keys`: per-rank state it lacked, derived
                                                    deterministically instead
   step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step; with
-                  [rollback_s]                     in-process restarts, rollback_s: seconds spent keeping
-                                                   the step in memory after it (training/rollback.py)
+                  [rollback_s] [peer_s]            in-process restarts, rollback_s: seconds spent keeping
+                                                   the step in memory after it (training/rollback.py);
+                                                   with peer state, peer_s: the same for node memory
   ckpt_start      step                             rank 0
   ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
   ckpt_committed  step, path, seconds              rank 0: save visible; seconds from start to commit
@@ -31,6 +33,8 @@ depend on the event:
   restart         attempt, restart_kind            controller or rank 0; restart_kind: injob (ft_launcher
                                                    restarted the worker group), inprocess (Wrapper),
                                                    node (a node's pod replaced)
+  peer_state      interval, replicas,              rank 0, once per attempt when peer state settled its interval
+                  bytes_per_rank                   (training/peer_state.py): node memory per rank
   node_replaced   node, attempt                    the local controller
   drained         step, saved_step                 rank 0: every rank left at `step` after a SIGTERM;
                                                    saved_step: the newest step saved, where the restart resumes
@@ -47,6 +51,7 @@ from typing import Any, Iterable, Iterator
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
     "ckpt_failed", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
+    "peer_state",
     "run_end",
 })
 

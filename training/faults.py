@@ -14,9 +14,9 @@ environment variable, comma-separated, added to the config's list at every worke
                                  these must be shorter than training.collective_timeout_s so that
                                  NVRx, not gloo, detects the hang
     node-loss@50:node=1          node 1's pod (training.launch, ft_launcher and every process they
-                                 started) is SIGKILLed (fired by the node's local rank 0, so a hot
-                                 spare's index fires once it trains); the Job / local controller
-                                 replaces the node, a spare takes its place if there is one
+                                 started) is SIGKILLed halfway through step 50 (fired by the node's
+                                 local rank 0, so a hot spare's index fires once it trains); the Job /
+                                 local controller replaces the node, a spare takes its place if any
     drain@50:node=1              node 1 is drained, as `kubectl drain` or a spot/capacity-block end
                                  would: training.local's controller (the kubelet here) sends SIGTERM
                                  to its launcher and SIGKILL after the grace period; every rank
@@ -57,6 +57,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,15 +112,15 @@ def _kill_self() -> NoReturn:
     raise AssertionError("unreachable: SIGKILL is delivered before os.kill returns to Python")
 
 
-def _raise(spec: FaultSpec, paths: RunPaths) -> None:
+def _raise(spec: FaultSpec, ctx: FireContext) -> None:
     raise FaultInjected(f"injected fault {spec.text}")
 
 
-def _sigkill(spec: FaultSpec, paths: RunPaths) -> None:
+def _sigkill(spec: FaultSpec, ctx: FireContext) -> None:
     _kill_self()
 
 
-def _hang(spec: FaultSpec, paths: RunPaths) -> None:
+def _hang(spec: FaultSpec, ctx: FireContext) -> None:
     """No heartbeat, no collective: the peers block in the next one. A signal ends it (the rank
     monitor's, or the launcher's when it stops the worker group), or an exception raised into this
     thread by an in-process restart, which is why it sleeps in short naps."""
@@ -128,34 +129,40 @@ def _hang(spec: FaultSpec, paths: RunPaths) -> None:
         time.sleep(1)
 
 
-def _lose_node(spec: FaultSpec, paths: RunPaths) -> None:
-    """SIGKILL this node's top process first (the pod's PID 1, training.launch, or else ft_launcher; so
-    that nothing can restart anything), then every process under it, this one last: what a lost
-    machine or a deleted pod leaves behind."""
+def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
+    """Halfway through the step (half the previous one's duration from now: a failing node is mostly
+    lost mid-step, not at a step's edge), SIGKILL this node's top process first (the pod's PID 1,
+    training.launch, or else ft_launcher; so that nothing can restart anything), then every process
+    under it, this one last: what a lost machine or a deleted pod leaves behind."""
     me = psutil.Process()
     node = [p for p in me.parents() if any(part in ("training.launch", "ft_launcher") or part.endswith("/ft_launcher")
                                             for part in p.cmdline())]
     if not node:
         raise FaultInjected(f"injected fault {spec.text}: neither training.launch nor ft_launcher among this rank's "
                             "parent processes")
-    top = node[-1]  # the outermost
-    others = [p for p in top.children(recursive=True) if p.pid != me.pid]
-    # Inside a container PID 1 ignores SIGKILL sent from inside its own PID namespace; SIGTERM stops it
-    # instead (training.launch passes it on to ft_launcher), and the pod fails all the same.
-    top.send_signal(signal.SIGTERM if top.pid == 1 else signal.SIGKILL)
-    for p in others:
-        try:
-            p.kill()
-        except psutil.Error:  # already gone
-            pass
-    _kill_self()
+
+    def lose() -> None:
+        time.sleep(ctx.step_s / 2)
+        top = node[-1]  # the outermost
+        others = [p for p in top.children(recursive=True) if p.pid != me.pid]
+        # Inside a container PID 1 ignores SIGKILL sent from inside its own PID namespace; SIGTERM stops
+        # it instead (training.launch passes it on to ft_launcher), and the pod fails all the same.
+        top.send_signal(signal.SIGTERM if top.pid == 1 else signal.SIGKILL)
+        for p in others:
+            try:
+                p.kill()
+            except psutil.Error:  # already gone
+                pass
+        _kill_self()
+
+    threading.Thread(target=lose, name=f"fault {spec.text}", daemon=True).start()
 
 
-def _request_drain(spec: FaultSpec, paths: RunPaths) -> None:
+def _request_drain(spec: FaultSpec, ctx: FireContext) -> None:
     """Ask whoever plays the kubelet (training.local's controller) to drain this node: drain marker,
     SIGTERM to its launcher, SIGKILL after the grace period. This rank waits for the marker, so the
     drain lands at this step or the next, as a fault should, not some polls later."""
-    requests = drain_requests_dir(paths.run_dir)
+    requests = drain_requests_dir(ctx.run_dir)
     requests.mkdir(parents=True, exist_ok=True)
     (requests / f"node{spec.node}").write_text(spec.text)
     log.warning("fault %s: asked for node %s to be drained", spec.text, spec.node)
@@ -172,10 +179,10 @@ def drain_requests_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "faults" / "drain-requests"
 
 
-def _corrupt_newest_checkpoint(spec: FaultSpec, paths: RunPaths) -> None:
+def _corrupt_newest_checkpoint(spec: FaultSpec, ctx: FireContext) -> None:
     """Truncate every shard of the newest committed checkpoint to half (a torn write / bad disk),
     then die, so that the restart has to load it."""
-    checkpoint_dir = paths.checkpoint_dir
+    checkpoint_dir = ctx.checkpoint_dir
     newest = committed_checkpoints(checkpoint_dir)
     if newest:
         step, path = newest[0]
@@ -198,9 +205,11 @@ def _disk_full(spec: FaultSpec, write: Callable[[], T]) -> T:
 
 
 @dataclass(frozen=True)
-class RunPaths:
+class FireContext:
+    """What a fault may need to know when it fires."""
     run_dir: Path
     checkpoint_dir: Path
+    step_s: float  # how long the previous step took (0 before the second)
 
 
 @dataclass(frozen=True)
@@ -209,7 +218,7 @@ class FaultKind:
     keys: frozenset[str]  # options key=value; "rank" or "node" says whom it targets
     flags: frozenset[str] = frozenset()
     # exactly one of: fires before the step / wraps this rank's write of a checkpoint save
-    at_step: Callable[[FaultSpec, RunPaths], None] | None = None
+    at_step: Callable[[FaultSpec, FireContext], None] | None = None
     in_write: Callable[[FaultSpec, Callable[[], T]], T] | None = None
 
 
@@ -220,7 +229,7 @@ KINDS: dict[str, FaultKind] = {
     "sigkill": FaultKind("the rank kills itself with SIGKILL", _RANK, _PERSISTENT, at_step=_sigkill),
     "hang": FaultKind("the rank stops heartbeating and sleeps; NVRx timeouts detect it", _RANK, _PERSISTENT,
                       at_step=_hang),
-    "node-loss": FaultKind("the node's launcher and all its ranks are SIGKILLed", frozenset({"node"}),
+    "node-loss": FaultKind("the node's pod is SIGKILLed halfway through the step", frozenset({"node"}),
                            at_step=_lose_node),
     "drain": FaultKind("the node is drained: SIGTERM to its launcher, SIGKILL after the grace period",
                        frozenset({"node"}), at_step=_request_drain),
@@ -329,17 +338,21 @@ class FaultInjector:
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
         self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
         self._dir = fired_dir(run_dir)
-        self._paths = RunPaths(Path(run_dir), Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints")
+        self._run_dir = Path(run_dir)
+        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
+        self._last_call: float | None = None
         self._rank = rank
         self._events = events
         self._failures_left: dict[str, int] = {}  # disk-full: saves still to fail in this firing
 
     def maybe_fire(self, step: int) -> None:
+        now = time.monotonic()
+        step_s, self._last_call = (now - self._last_call if self._last_call is not None else 0.0), now
         for spec in self._mine:
             at_step = KINDS[spec.kind].at_step
             if at_step is not None and spec.step == step and self._due(spec):
                 self._fire(spec, step)
-                at_step(spec, self._paths)
+                at_step(spec, FireContext(self._run_dir, self._checkpoint_dir, step_s))
 
     def around_write(self, step: int, write: Callable[[], T]) -> T:
         """Run `write` (this rank's part of the save of `step`), or the fault that replaces it."""

@@ -39,9 +39,11 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -56,6 +58,7 @@ from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.fault_tolerance import (DRAIN_MARKER_ENV, drain_grace_period_s, launcher_ft_args, launcher_wrapper,
                                       rendezvous_args, resume_step_file, store_command, worker_entrypoint)
 from training.launch import launch_command
+from training.peer_state import MEMORY_ENV
 from training.faults import FaultSpecError, drain_requests_dir, parse_faults, with_env_faults
 from training.prefork import die_with_parent
 from training.report import ReportError, write_report
@@ -79,7 +82,9 @@ _DETECTIONS = (
      "hang", "nvrx rank monitor"),
     (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
 )
-_ACTIVE_RANK = "Assigned active rank"  # NVRx 0.7.0's rendezvous, when a launcher will train
+# NVRx 0.7.0's rendezvous log lines: a launcher that will train, one that waits (standby, late joiner)
+_ACTIVE_RANK = "Assigned active rank"
+_WAITING = ("Standby (rank=", "Late joiner detected", "closed (training in progress), waiting for next round")
 _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
 
 
@@ -93,6 +98,7 @@ class Node:
     drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
     start_at: float | None = None  # replaced: the new launcher starts at this time (monotonic)
     joined: bool = False  # its launcher was given an active rank at least once
+    active: bool = False  # its launcher's last rendezvous made it train
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
     _log_offset: int = 0
@@ -133,6 +139,9 @@ class Cluster:
         self.events = EventLog(self.run_dir, "controller")
         self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
         self.store: psutil.Popen | None = None
+        # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
+        shm = Path("/dev/shm")
+        self.memory_root = (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"training-{self.run_id}"
         self._stop_requested = False
         self._attempts = 0
 
@@ -170,8 +179,10 @@ class Cluster:
                 "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
 
     def start(self, node: Node) -> None:
+        memory = self.memory_root / f"node{node.index}"
+        shutil.rmtree(memory, ignore_errors=True)  # a new pod's memory is empty
         env = {**self.env(), "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
-               DRAIN_MARKER_ENV: str(self.drain_marker(node))}
+               DRAIN_MARKER_ENV: str(self.drain_marker(node)), MEMORY_ENV: str(memory)}
         self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained
         node.start_at = None
         if self.cfg.fault_tolerance.restart != "injob":
@@ -184,6 +195,7 @@ class Cluster:
                                      # gets SIGTERM and stops its own workers
                                      preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         node.descendants = []
+        node.active = False
 
     def request_stop(self, signum: int, _frame: object) -> None:
         self._stop_requested = True
@@ -200,6 +212,7 @@ class Cluster:
         finally:
             self.stop_all()
             self.stop_store()
+            shutil.rmtree(self.memory_root, ignore_errors=True)
             for node in self.nodes:
                 self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
         if status != 0:
@@ -298,7 +311,22 @@ class Cluster:
         self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
         self.events.emit("restart", attempt=self._attempts, restart_kind="node")
         node.start_at = time.monotonic() + self.replacement_delay_s
+        if not any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node):
+            self.start_over()
         return True
+
+    def start_over(self) -> None:
+        """No training node survived, and a survivor is what opens NVRx's next rendezvous round: standby
+        and new launchers would wait for it forever. The rendezvous starts over instead: a new store, and
+        the nodes still up restarted into it (not counted against their retries)."""
+        self.say("no training node survived to open the next rendezvous round: starting the rendezvous over")
+        self.stop_store()
+        self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
+        self.start_store()
+        for n in self.nodes:
+            if n.proc is not None and n.start_at is None and n.proc.poll() is None:
+                self.kill_node(n)
+                n.start_at = time.monotonic()
 
     def give_up(self, node: Node, rc: int) -> None:
         """An exit code the Job's podFailurePolicy fails the whole Job on."""
@@ -324,7 +352,7 @@ class Cluster:
             self.kill_node(node)
 
     def stop_store(self) -> None:
-        """After every node stopped: no one is left to read the store's final state."""
+        """Its rendezvous state goes with it: only when no node needs it (the end), or all start over."""
         if self.store is not None:
             with contextlib.suppress(*_GONE):
                 os.killpg(self.store.pid, signal.SIGKILL)
@@ -344,7 +372,10 @@ class Cluster:
         for line in node.new_output_lines():
             if "[rank0]" in line:
                 print(line, flush=True)
-            node.joined = node.joined or _ACTIVE_RANK in line
+            if _ACTIVE_RANK in line:
+                node.joined = node.active = True
+            elif any(w in line for w in _WAITING):
+                node.active = False
             for pattern, kind, party in _DETECTIONS if detect else ():
                 m = pattern.search(line)
                 if m:

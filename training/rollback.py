@@ -17,7 +17,7 @@ changed shape or dtype, or appeared (AdamW creates its moments at the first step
 Model and optimizer (`InPlaceState`): torch's state-dict helpers cost more per step than the copy (per
 tensor Python work), while the tensors they hand out are the same memory step after step (FSDP2
 shards and AdamW's moments and step counts are updated in place). So a save into a snapshot whose
-`_Plan` still fits copies the live tensors straight into its buffers, with one `torch._foreach_copy_`,
+`CopyPlan` still fits copies the live tensors straight into its buffers, with one `torch._foreach_copy_`,
 without calling state_dict(); `refresh` re-reads the non-tensor leaves that change meanwhile (the
 learning rate). A plan is made from a state_dict() call, each tensor it hands out matched by address
 to one of the Stateful's live tensors. It fits while the Stateful is the one it was made for and every
@@ -114,8 +114,16 @@ def _fill(template: Any, saved: Any) -> Any:
     return saved
 
 
+def load_into(state: dict[str, Stateful], saved: dict[str, Any]) -> None:
+    """Load host copies `saved` (per key, as copy_into made them) into `state`: every state_dict() first,
+    as dcp.load does (an optimizer's creates its state), then each load_state_dict()."""
+    templates = {key: obj.state_dict() for key, obj in state.items()}
+    for key, obj in state.items():
+        obj.load_state_dict(_fill(templates[key], saved[key]))
+
+
 @dataclass(frozen=True)
-class _Plan:
+class CopyPlan:
     """How a save refills a snapshot's copy of an InPlaceState without its state_dict(): live tensor
     `sources[i]` (a position in its live_tensors()) into `buffers[i]`, while the listing is at `where`."""
     owner: weakref.ref[InPlaceState]  # weak: a plan must not keep a dead iteration's state alive
@@ -124,7 +132,7 @@ class _Plan:
     buffers: list[torch.Tensor]
 
     @staticmethod
-    def make(obj: InPlaceState, copied: list[tuple[torch.Tensor, torch.Tensor]]) -> _Plan | None:
+    def make(obj: InPlaceState, copied: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyPlan | None:
         """The plan for the (source, buffer) pairs of a copy of obj.state_dict() made just now (after
         it: that call may create state, as torch's helper does for an optimizer); None when some source
         is not among obj's live tensors."""
@@ -134,7 +142,7 @@ class _Plan:
             sources = [position[_where(source)] for source, _ in copied]
         except KeyError:
             return None
-        return _Plan(weakref.ref(obj), where, sources, [buffer for _, buffer in copied])
+        return CopyPlan(weakref.ref(obj), where, sources, [buffer for _, buffer in copied])
 
     def refill(self, obj: Stateful, saved: Any) -> list[torch.Tensor] | None:
         """When this plan fits `obj` now: its non-tensor leaves refreshed in `saved` (the copy the plan
@@ -154,7 +162,7 @@ class _Snapshot:
     step: int | None = None  # None: no complete step here (never written, or being written)
     state: dict[str, Any] = field(default_factory=dict)  # host copy of each Stateful: the buffers a save reuses
     # per InPlaceState key: how the next save refills state[key]; only ever refers to state[key]'s buffers
-    plans: dict[str, _Plan] = field(default_factory=dict)
+    plans: dict[str, CopyPlan] = field(default_factory=dict)
 
 
 class MemoryRollback:
@@ -188,7 +196,7 @@ class MemoryRollback:
                 copied: list[tuple[torch.Tensor, torch.Tensor]] = []
                 target.state[key] = copy_into(value, target.state.get(key), copied)
                 obj = state[key]
-                if isinstance(obj, InPlaceState) and (plan := _Plan.make(obj, copied)) is not None:
+                if isinstance(obj, InPlaceState) and (plan := CopyPlan.make(obj, copied)) is not None:
                     target.plans[key] = plan
         target.step = step  # one assignment publishes it
 
@@ -224,7 +232,5 @@ class MemoryRollback:
             # a step the run goes back on: kept, it would make the next save overwrite `step`, the
             # only step every rank can resume from until that save completes
             newer.step = None
-        templates = {key: obj.state_dict() for key, obj in state.items()}  # all first, as dcp.load
-        for key, obj in state.items():
-            obj.load_state_dict(_fill(templates[key], snapshot.state[key]))
+        load_into(state, snapshot.state)
         return step

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from training.checkpoint import CheckpointManager, FreshStartRefused
+from training.checkpoint import CheckpointManager, FreshStartRefused, committed_checkpoints
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
 from training.data import Batch, TokenStream
 from training.distributed import DistInfo, init_distributed, teardown
@@ -36,6 +36,7 @@ from training.fault_tolerance import RankMonitor
 from training.faults import FaultInjector, FaultSpecError, parse_faults, with_env_faults
 from training.model import PRESETS, Transformer, build_model
 from training.parallelize import parallelize
+from training.peer_state import PeerState, memory_root
 from training.progress import Progress
 
 if TYPE_CHECKING:
@@ -220,8 +221,9 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
     ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
                              when_busy=cfg.checkpoint.when_busy, events=events, device=info.device,
                              write_hook=injector.around_write)
-    _resume(cfg, info, state, ckpt, rng, events, restart)
-    after_step = _AfterStep(cfg, info, monitor, state, events if lead else None, restart)
+    peer = _peer_state(cfg, info)
+    _resume(cfg, info, state, ckpt, rng, events, restart, peer)
+    after_step = _AfterStep(cfg, info, monitor, state, events if lead else None, restart, peer)
     monitor.end_setup()
 
     try:
@@ -254,9 +256,22 @@ def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal:
         raise
     finally:
         after_step.close()
+    if peer is not None:
+        peer.close()  # not after a failure: its thread may be stuck with a dead peer, and dies with the process
     if lead:
         events.emit("run_end", step=train_state.step, status="completed")
         log.info("done: %d steps", train_state.step)
+
+
+def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
+    p = cfg.peer_state
+    if not p.enabled:
+        return None
+    t = cfg.training
+    # copies made for another world size, model or data layout cannot be loaded here
+    fingerprint = f"{cfg.model.preset}:{info.world_size}:{t.batch_size}:{t.seq_len}:{t.seed}"
+    return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
+                     t.collective_timeout_s)
 
 
 def _announce_attempt(cfg: TrainConfig, info: DistInfo, events: EventLog, restart: Iteration | None) -> None:
@@ -272,22 +287,28 @@ def _announce_attempt(cfg: TrainConfig, info: DistInfo, events: EventLog, restar
 
 class _AfterStep:
     """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
-    in-process restarts, rank 0's step event (`events`: None on other ranks) and progress line, the
-    sample log."""
+    in-process restarts, the copy in node memory for the partner nodes, rank 0's step event (`events`:
+    None on other ranks) and progress line, the sample log."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, state: dict[str, Stateful],
-                 events: EventLog | None, restart: Iteration | None) -> None:
-        self.monitor, self.state, self.events, self.restart = monitor, state, events, restart
+                 events: EventLog | None, restart: Iteration | None, peer: PeerState | None) -> None:
+        self.monitor, self.state, self.events, self.restart, self.peer = monitor, state, events, restart, peer
         self.tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * info.world_size
         self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=events is not None)
         self.samples = _sample_log(cfg, info.rank)
 
     def __call__(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
         self.monitor.step_done()
-        rollback = {} if self.restart is None else {"rollback_s": round(self.restart.step_done(step, self.state), 5)}
+        costs = {} if self.restart is None else {"rollback_s": round(self.restart.step_done(step, self.state), 5)}
+        peer_s = self.peer.save(step, self.state, step_time) if self.peer is not None else None
+        if peer_s is not None:
+            costs["peer_s"] = round(peer_s, 5)
         if self.events is not None:
             self.events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
-                             tokens=self.tokens_per_step, **rollback)
+                             tokens=self.tokens_per_step, **costs)
+            if self.peer is not None and self.peer.chosen_at == step:
+                self.events.emit("peer_state", interval=self.peer.interval, replicas=self.peer.replicas,
+                                 bytes_per_rank=self.peer.bytes_per_rank)
         if self.samples is not None:
             self.samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
             self.samples.flush()
@@ -299,27 +320,34 @@ class _AfterStep:
 
 
 def _resume(cfg: TrainConfig, info: DistInfo, state: dict[str, Stateful], ckpt: CheckpointManager, rng: RngState,
-            events: EventLog, restart: Iteration | None) -> None:
-    """An in-process restart resumes from the host copy of the last step, anything else from the
-    newest loadable checkpoint, resharded to this world size; per-rank state the checkpoint lacks
-    (it was written by fewer ranks) is derived, and said so."""
+            events: EventLog, restart: Iteration | None, peer: PeerState | None) -> None:
+    """An in-process restart resumes from the host copy of the last step; any restart from the node
+    memory of this and the partner nodes (peer state) if it holds every shard of a step no older than
+    the newest checkpoint; anything else from the newest loadable checkpoint, resharded to this world
+    size; per-rank state the checkpoint lacks (it was written by fewer ranks) is derived, and said so."""
     train_state = state["train"]
     assert isinstance(train_state, TrainState)
     in_memory = restart.restore(state) if restart is not None else None
+    from_peers = None
+    if in_memory is None and peer is not None:
+        newest = committed_checkpoints(cfg.checkpoint_dir)
+        from_peers = peer.restore(state, not_older_than=newest[0][0] if newest else 0)
     loaded = None
-    if in_memory is None:
+    if in_memory is None and from_peers is None:
         loaded = ckpt.load(state, optional=frozenset({rng_key(info.rank)}),
                            allow_fresh_start=cfg.checkpoint.allow_fresh_start)
     if loaded is not None and loaded.missing:
         rng.derive(cfg.training.seed, loaded.step, info.rank)
     if info.rank != 0:
         return
-    source = "memory" if in_memory is not None else "disk" if loaded is not None else "none"
+    source = ("memory" if in_memory is not None else "peer" if from_peers is not None
+              else "disk" if loaded is not None else "none")
     events.emit("resume", step=train_state.step, source_kind=source, path=str(loaded.path) if loaded else None,
                 saved_world_size=loaded.world_size if loaded else None)
     log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
              f"resumed from {loaded.path} at step {train_state.step}" if loaded
-             else f"resumed from memory at step {train_state.step}" if in_memory is not None else "starting at step 0")
+             else f"resumed from {'node' if source == 'peer' else 'process'} memory at step {train_state.step}"
+             if source in ("memory", "peer") else "starting at step 0")
     if loaded is not None and loaded.world_size not in (None, info.world_size):
         derived = [r for r in range(info.world_size) if r >= loaded.world_size]
         batch = cfg.training.batch_size

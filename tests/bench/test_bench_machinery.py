@@ -53,9 +53,9 @@ def test_a_plain_restart_run_gives_its_recovery_figures(tmp_path: Path) -> None:
     assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("node",))
     assert r.median_recovery_s > 0 and r.median_detection_s is not None
     assert r.training_goodput <= r.infra_goodput <= 1
-    # without in-job restarts every launcher stopped: both nodes' pods were replaced
-    replaced = [e["node"] for e in read_events(r.run_dir) if e["event"] == "node_replaced"]
-    assert sorted(replaced) == [0, 1]
+    # without in-job restarts every launcher stopped: both nodes' pods were replaced (a replacement that
+    # meets the store before it restarts fails once more)
+    assert {e["node"] for e in read_events(r.run_dir) if e["event"] == "node_replaced"} == {0, 1}
 
 
 @pytest.mark.slow

@@ -99,6 +99,7 @@ def test_persistent_fault_fires_on_every_attempt(tmp_path):
 
 STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
 REPLACEMENT_DELAY_S = 30  # with a hot spare: far longer than the spare needs to take over
+PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
           "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
@@ -141,6 +142,13 @@ CASES = {
 }
 
 
+# Peer state: the lost node's state comes from its partner's memory, a spare takes its place. The node is
+# lost halfway through step 12: every rank resumes at the newest completed step, 11 (or 12, when the
+# step was quicker than the last), not at the checkpoint of step 10.
+PEER_CASES = {name: Case((*TWO_NODES, "--spares", "1"), "sync", f"node-loss@12:node={node}", None, PEER_STATE)
+              for name, node in (("peer-state", 1), ("peer-state-node-0", 0))}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
@@ -153,7 +161,7 @@ def fault_run(tmp_path_factory):
 
     def get(name):
         if name not in runs:
-            case = CASES[name]
+            case = {**CASES, **PEER_CASES}[name]
             env = {ENV_VAR: case.spec} if case.via_env else None
             runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env))
         return runs[name]
@@ -225,6 +233,31 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_its_replacem
     [replaced] = events_named(run.run_dir, "node_replaced")
     assert finished < replaced["t"] + REPLACEMENT_DELAY_S  # the run ended before node 1's replacement started
     assert "the run in" in (run.run_dir / "logs" / "node1.log").read_text().splitlines()[-1]  # ... which had nothing to do
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["peer-state", "peer-state-node-0"])
+def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(name, fault_run, reference, scratch):
+    run = fault_run(name)
+    resumes = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
+    assert resumes in ([(0, "none"), (11, "peer")], [(0, "none"), (12, "peer")])  # not FSx's step 10
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert fault.steps_lost == 0 and fault.recovery_s is not None
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+    [settled] = events_named(run.run_dir, "peer_state")[:1]
+    assert settled["interval"] == 1 and settled["bytes_per_rank"] > 0
+
+
+@pytest.mark.slow
+def test_two_partners_lost_together_fall_back_to_the_checkpoint_and_say_so(tmp_path, reference, scratch):
+    """Both nodes (each the other's partner) lost in the same step: no copy of their shards is left;
+    the spares train from the FSx checkpoint."""
+    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "2", *COMMON, "checkpoint.mode=sync",
+                              *PEER_STATE, "--faults", "node-loss@12:node=0,node-loss@12:node=1"))
+    assert [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")][-1] == (10, "disk")
+    logs = "".join(p.read_text() for p in (run.run_dir / "logs").glob("node*.log"))
+    assert "peer state: no step for which every shard has a copy" in logs
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 
 @pytest.mark.slow
