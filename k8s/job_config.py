@@ -16,13 +16,16 @@ from k8s.outputs import InfraOutputs
 from training.config import TrainConfig
 from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
 from training.k8s_delays import EKS
+from training.model import parameter_count
+from training.peer_state import node_memory_bytes
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
 # the store "<job>-rendezvous" (at most 51).
 _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
 CLUSTER_DOMAIN = "cluster.local"  # the EKS default
-MAX_NODE_FAILURE_TOLERATION_S = 300  # what the DefaultTolerationSeconds admission plugin gives a pod
+MAX_NODE_FAILURE_TOLERATION_S = 300
+SHM_RESERVE = 1 / 8  # of /dev/shm, left to NCCL and the data loaders beside peer state  # what the DefaultTolerationSeconds admission plugin gives a pod
 
 
 class JobConfigError(ValueError):
@@ -113,6 +116,14 @@ class JobConfig:
         return self.termination_grace_s or self.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
 
     @property
+    def peer_state_gib(self) -> float:
+        """/dev/shm that peer state takes on each node (0 when off)."""
+        peer = self.train.peer_state
+        if not peer.enabled:
+            return 0.0
+        return node_memory_bytes(parameter_count(self.train.model.preset), self.nodes, peer.replicas) / 2**30
+
+    @property
     def shm_gib(self) -> int:
         return max(1, int(self.instance.pod_memory_gib * self.shm_fraction))
 
@@ -167,6 +178,12 @@ def _validate(j: JobConfig) -> None:
     if not 0 < j.shm_fraction <= 0.5:
         raise JobConfigError(f"shm_fraction={j.shm_fraction} is not allowed: more than 0, at most 0.5 "
                              "(/dev/shm is pod memory that the training process cannot use)")
+    if j.peer_state_gib > j.shm_gib * (1 - SHM_RESERVE):
+        raise JobConfigError(
+            f"peer_state.enabled=true needs {j.peer_state_gib:.0f} GiB of each node's /dev/shm for "
+            f"{j.train.model.preset} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
+            f"{1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
+            f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction, or turn peer state off")
     if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
         raise JobConfigError(f"node_failure_toleration_s={j.node_failure_toleration_s} is not allowed: 0 to "
                              f"{MAX_NODE_FAILURE_TOLERATION_S} seconds (Kubernetes' default, which it shortens)")

@@ -131,6 +131,10 @@ class Transformer(nn.Module):
         return self.output(self.norm(h)).float()
 
 
+def parameter_count(preset: str) -> int:
+    return sum(p.numel() for p in build_model(preset).parameters())
+
+
 def build_model(preset: str, device: torch.device | str = "meta") -> Transformer:
     """The preset's model, uninitialised on `device` (meta by default: big presets are only
     materialised shard by shard, after fully_shard). Call `init_weights` once it is materialised."""

@@ -57,6 +57,8 @@ DEFAULT_MEMORY = "/dev/shm/training-peer-state"
 SLOTS = 2
 OWN, REPLICA = "own", "replica"
 _ALIGN = 64
+# What a rank's copy holds per parameter of its shard: fp32 weights and AdamW's two fp32 moments.
+BYTES_PER_PARAMETER = 12
 COST_BUDGET = 0.05  # interval=None: replicate every step if a save costs at most this share of a step
 CALIBRATION_STEPS = 5  # interval=None: steps saved every time before the interval is chosen
 
@@ -183,6 +185,11 @@ class NodeMemory:
             kind, _, rest = path.name.partition("-shard")
             if rest[:5].isdigit() and (kind, int(rest[:5])) not in keep:
                 path.unlink(missing_ok=True)
+
+
+def node_memory_bytes(parameters: int, nodes: int, replicas: int) -> int:
+    """A node's memory for peer state: its share of the model, SLOTS copies of it and of each source's."""
+    return SLOTS * (1 + min(replicas, nodes - 1)) * BYTES_PER_PARAMETER * parameters // nodes
 
 
 def memory_root(configured: str | None, run_dir: str) -> Path:

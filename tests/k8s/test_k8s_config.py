@@ -29,6 +29,9 @@ import pytest
      "initial_rank_heartbeat_timeout (30.0) must be at least rank_heartbeat_timeout"),
     (["--set", "run_dir=/tmp/run"], {}, "run_dir='/tmp/run' is not allowed on the cluster"),
     (["--job-name", "Train_1"], {}, "job name 'Train_1' is not allowed"),
+    # peer state of the 8b model on one 24 GiB-memory node cannot fit the pod's /dev/shm
+    (["-c", "gpuInstanceType=g6.xlarge", "-c", "gpuNodesMin=1", "-c", "gpuNodesDesired=1"], {},
+     "peer_state.enabled=true needs 179 GiB of each node's /dev/shm for 8b on 1 nodes"),
     (["--grace-period", "120"], {},
      "termination_grace_s=120 contradicts fault_tolerance.drain_timeout_s=300.0"),
     (["--node-failure-toleration", "-1"], {},

@@ -16,6 +16,7 @@ from infra.instances import INSTANCE_TYPES
 from infra.platform import build_platform
 from k8s.charts.training import NODE_SCRATCH_PATH
 from k8s.outputs import REQUIRED_KEYS
+from k8s_render import fitting
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"  # a given imageUri is output as is
 _HUGEPAGES_2MI_PER_GIB = 512
@@ -62,7 +63,8 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     all_keys = {key for stack in outputs.values() for key in stack}
     assert set(REQUIRED_KEYS) <= all_keys, f"infra no longer outputs {set(REQUIRED_KEYS) - all_keys}"
 
-    r = render(context={"gpuInstanceType": config.gpu_instance_type, "imageUri": IMAGE}, outputs=outputs)
+    r = render(*fitting(config.gpu_instance_type), context={"gpuInstanceType": config.gpu_instance_type,
+                                                            "imageUri": IMAGE}, outputs=outputs)
     job = r.one("Job")
     cluster = next(t for t in templates.values() if _resources(t, "AWS::EKS::Nodegroup"))
 

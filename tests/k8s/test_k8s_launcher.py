@@ -18,6 +18,7 @@ from nvidia_resiliency_ext.fault_tolerance import launcher as nvrx_launcher
 from infra.config import RENDEZVOUS_PORT
 from infra.instances import INSTANCE_TYPES
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
+from k8s_render import fitting
 from training.config import RESTART_MODES, load_train_config
 from training.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
 from training.fault_tolerance import RESUME_STEP_FILE
@@ -47,7 +48,8 @@ def _flags(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
 @pytest.mark.parametrize("mode", RESTART_MODES)
 def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
-    r = render("--set", f"fault_tolerance.restart={mode}", context={"gpuInstanceType": instance_type})
+    r = render("--set", f"fault_tolerance.restart={mode}", *fitting(instance_type),
+               context={"gpuInstanceType": instance_type})
     parser = nvrx_launcher.get_args_parser()
     exact = set(parser._option_string_actions)  # no abbreviations
     train = load_train_config(REPO / "k8s" / "train.yaml")

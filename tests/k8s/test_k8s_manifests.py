@@ -17,7 +17,7 @@ from k8s.outputs import PLACEHOLDER_IMAGE
 from training.config import RESTART_MODES
 from training.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
 
-from k8s_render import IMAGE, render_into
+from k8s_render import IMAGE, fitting, render_into
 
 K8S_VERSION = "1.34.0"
 
@@ -25,7 +25,7 @@ K8S_VERSION = "1.34.0"
 @pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
 @pytest.mark.parametrize("mode", RESTART_MODES)
 def test_every_manifest_validates_strictly_against_kubernetes_1_34(render, mode, instance_type):
-    r = render("--fault-injection", "--set", f"fault_tolerance.restart={mode}",
+    r = render("--fault-injection", "--set", f"fault_tolerance.restart={mode}", *fitting(instance_type),
                context={"gpuInstanceType": instance_type})
     assert sorted(r.files) == ["service-account.k8s.yaml", "training-fault-injection.k8s.yaml", "training.k8s.yaml"]
     for obj in r.objects():
@@ -199,7 +199,7 @@ def test_relative_checkpoint_dir_lands_under_the_run_dir_on_fsx(render):
 @pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
 def test_resources_come_from_the_instance_table_with_requests_equal_to_limits(render, instance_type):
     facts = INSTANCE_TYPES[instance_type]
-    r = render(context={"gpuInstanceType": instance_type})
+    r = render(*fitting(instance_type), context={"gpuInstanceType": instance_type})
     resources = r.container["resources"]
     assert resources["requests"] == resources["limits"]
     got = resources["limits"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from k8s_render import fitting
 
 from training.config import RESTART_MODES
 
@@ -19,5 +20,5 @@ def test_job_in_restart_mode(render, snapshot, mode):
 
 
 def test_job_on_a_single_gpu_instance_without_efa(render, snapshot):
-    r = render(context={"gpuInstanceType": "g6.xlarge", "gpuNodesMin": 1, "gpuNodesDesired": 1})
+    r = render(*fitting("g6.xlarge"), context={"gpuInstanceType": "g6.xlarge", "gpuNodesMin": 1, "gpuNodesDesired": 1})
     assert (r.outdir / "training.k8s.yaml").read_text() == snapshot
