@@ -7,7 +7,8 @@ for a plain Kubernetes restart. A reference figure that is a baseline to beat, n
 Targets (the issue): async blocking <= 10% of sync blocking; sync costs at least 10% at the
 measured interval (the condition of the measurement); in-process recovery <= 0.5x in-job with
 <= 1 step lost; in-job recovery <= 2x the floor of this machine; a drain loses no step (it commits
-the step reached); the in-memory rollback after each step <= 5% of the step time; losing node 0 costs
+the step reached); the in-memory rollback, and the peer state's copy, after each step <= 5% of the step
+time; a node lost with peer state loses no completed step; losing node 0 costs
 what losing another node costs (within 1.5x either way: the rendezvous store is off the nodes); a
 hot spare's takeover <= 1.5x an in-job restart.
 """
@@ -18,6 +19,7 @@ from typing import Callable
 
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
+from bench.peer import PeerResult
 from bench.rollback import RollbackResult
 from bench.stall import StallResult, leaves_no_cpu_spare
 
@@ -25,8 +27,9 @@ REFERENCE = "AWS post (2-8 p5 nodes)"
 ISSUE = "target"
 REFERENCE_RECOVERY_S = {"inprocess": 10.0, "injob": 17.0, "injob_fresh": 17.0, "k8s_restart": 270.0}
 REFERENCE_EFFICIENCY = {"async": 0.99, "sync": 0.60}
-# Steps lost per fault, at most: in-memory rollback loses the step in flight; a drain commits the step reached.
-MAX_STEPS_LOST = {"inprocess": 1, "drain": 0}
+# Steps lost per fault, at most: in-memory rollback loses the step in flight; a drain commits the step reached;
+# peer state resumes at the newest completed step (the node is lost mid-step).
+MAX_STEPS_LOST = {"inprocess": 1, "drain": 0, "peer_state": 0}
 ROLLBACK_COST = 0.05  # of the step time
 SAME_COST = 1.5  # node 0 vs another node: at most this ratio either way
 SPARE_VS_INJOB = 1.5
@@ -136,6 +139,11 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
                              f"{'~' if baseline else '<= '}{reference:g} s", REFERENCE,
                              None if baseline else (lambda v, r=reference: v <= r), why(name)))
     return checks
+
+
+def peer_checks(r: PeerResult | None, missing: str) -> list[Check]:
+    return [_check("peer state copy per step / step time (peer-state run)", None if r is None else r.cost_ratio,
+                   "%", f"<= {ROLLBACK_COST:.0%}", ISSUE, lambda v: v <= ROLLBACK_COST, missing)]
 
 
 def rollback_checks(r: RollbackResult | None, missing: str) -> list[Check]:

@@ -18,6 +18,8 @@ completed step) and steps lost, and the run's training and infra goodput.
   hot_spare         node-loss of the last training node with one hot spare: the spare, on standby
                     in the rendezvous, takes the lost node's place in the next round; the
                     replacement becomes the new spare.
+  peer_state        the hot spare's node-loss with peer state (training/peer_state.py): the lost node's
+                    ranks resume from copies in their partner node's memory, not from FSx.
   drain             drain of the last node: the controller (the kubelet here) writes the drain marker
                     and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
                     the controller starts a replacement, training resumes from that step.
@@ -67,6 +69,8 @@ MECHANISMS = (
               fault_on_host=True),
     Mechanism("hot_spare", "node lost (SIGKILL), hot spare takes over", "injob", "node-loss", True, "node",
               spares=1),
+    Mechanism("peer_state", "node lost, hot spare, state from peers", "injob", "node-loss", True, "node", spares=1,
+              overrides=("peer_state.enabled=true",)),
     Mechanism("drain", "node drained (SIGTERM), replaced", "injob", "drain", True, "node"),
     Mechanism("k8s_restart", "plain Kubernetes restart (every pod replaced)", "injob", "node-loss", False, "node",
               fault_on_host=True),

@@ -46,6 +46,7 @@ def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[
     scenarios = (
         ("hot spare (spare node and standby pod): this repository's default", "hot_spare",
          (detect, restart)),
+        ("hot spare and peer state (no completed step lost)", "peer_state", (detect, restart)),
         ("spare node, no standby pod: the replaced pod starts on it", "node_replacement",
          (detect, evict, pull, restart)),
         ("no spare: the node group replaces the lost instance", "node_replacement",

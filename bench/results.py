@@ -16,6 +16,7 @@ from typing import Any
 from bench.checks import Check
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
+from bench.peer import PeerResult
 from bench.profile import Profile
 from bench.projection import Projection
 from bench.rollback import RollbackResult
@@ -25,6 +26,7 @@ from training.k8s_delays import EKS, KubernetesDelays
 SCHEMA = "bench-result/1"
 SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer
 ROLLBACK = "rollback"  # the in-memory rollback's cost (bench/rollback.py)
+PEER = "peer"  # peer state's cost and memory (bench/peer.py)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class BenchResult:
     floor: FloorResult | None
     recovery: dict[str, MechanismResult]
     rollback: RollbackResult | None  # ROLLBACK; None where not measured
+    peer: PeerResult | None  # PEER; None where not measured
     unavailable: dict[str, str]  # mechanism or part -> why it was not measured
     checks: tuple[Check, ...]
     # A lost p5 node on EKS, projected from `recovery` and `delays` (bench/projection.py): not measured.

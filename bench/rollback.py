@@ -49,12 +49,13 @@ class _Held:
         self.state = state
 
 
-def cost_per_step(run_dir: Path) -> tuple[float, float, int]:
-    """(median rollback_s, median step_time_s, steps) of an in-process run's step events."""
-    steps = [e for e in read_events(run_dir) if e["event"] == "step" and "rollback_s" in e]
+def cost_per_step(run_dir: Path, key: str = "rollback_s") -> tuple[float, float, int]:
+    """(median `key`, median step_time_s, steps) over a run's step events that have `key`: rollback_s
+    (an in-process run), peer_s (a run with peer state)."""
+    steps = [e for e in read_events(run_dir) if e["event"] == "step" and key in e]
     if not steps:
-        raise ValueError(f"{run_dir}: no step event has rollback_s (is it an in-process run?)")
-    return (statistics.median(e["rollback_s"] for e in steps), statistics.median(e["step_time_s"] for e in steps),
+        raise ValueError(f"{run_dir}: no step event has {key}")
+    return (statistics.median(e[key] for e in steps), statistics.median(e["step_time_s"] for e in steps),
             len(steps))
 
 

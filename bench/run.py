@@ -23,13 +23,14 @@ import traceback
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from bench.checks import recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
+from bench.checks import peer_checks, recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
 from bench.floor import FloorResult, measure_floor
 from bench.mechanisms import MECHANISMS, MechanismResult, Unavailable, measure_mechanism
 from bench.plot import plot_result
 from bench.profile import FULL, GPU, QUICK, Profile
 from bench.projection import project
-from bench.results import ROLLBACK, SPARE_CPU, BenchResult, Machine, write_json
+from bench.peer import PeerResult, measure_peer
+from bench.results import PEER, ROLLBACK, SPARE_CPU, BenchResult, Machine, write_json
 from bench.rollback import RollbackResult, measure_rollback
 from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
@@ -97,6 +98,17 @@ def run_rollback(p: Profile, recovery: dict[str, MechanismResult],
     return r
 
 
+def run_peer(recovery: dict[str, MechanismResult], unavailable: dict[str, str]) -> PeerResult | None:
+    if "peer_state" not in recovery:
+        unavailable[PEER] = f"needs the peer-state run ({unavailable.get('peer_state', 'not run')})"
+        return None
+    r = _attempt(PEER, lambda: measure_peer(Path(recovery["peer_state"].run_dir)), unavailable)
+    if r is not None:
+        say(f"peer state: {r.save_s * 1e3:.2f} ms per copy, {r.cost_ratio:.1%} of the step time, every {r.interval} "
+            f"step(s); {r.bytes_per_rank / 2**20:.1f} MiB of node memory per rank")
+    return r
+
+
 def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
     started = time.monotonic()
     cpus = os.cpu_count() or 1
@@ -130,15 +142,17 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
             unavailable[m.name] = _failure(err)
     say(f"in-memory rollback: cost per step, host copy of {p.rollback_copy_bytes >> 20} MiB")
     rollback = run_rollback(p, recovery, unavailable)
+    peer = run_peer(recovery, unavailable) if "peer_state" in p.mechanisms else None
     machine = Machine.here(p.device)
     checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), cpus),
               *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), cpus,
                                 run=spare_world is not None),
               *recovery_checks(recovery, unavailable, floor, p.mechanisms),
-              *rollback_checks(rollback, unavailable.get(ROLLBACK, "not measured")))
+              *rollback_checks(rollback, unavailable.get(ROLLBACK, "not measured")),
+              *(peer_checks(peer, unavailable.get(PEER, "not measured")) if "peer_state" in p.mechanisms else ()))
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,
-                       rollback=rollback, unavailable=unavailable, checks=checks,
+                       rollback=rollback, peer=peer, unavailable=unavailable, checks=checks,
                        projections=project(EKS, recovery), delays=EKS)
 
 

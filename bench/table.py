@@ -5,7 +5,7 @@ from bench.checks import REFERENCE_RECOVERY_S, Check
 from bench.mechanisms import MECHANISMS
 from bench.profile import FULL, QUICK
 from bench.projection import REFERENCE_PLAIN_RESTART_S
-from bench.results import ROLLBACK, SPARE_CPU, BenchResult
+from bench.results import PEER, ROLLBACK, SPARE_CPU, BenchResult
 from bench.stall import CALIBRATED_SYNC_COST, StallResult
 
 
@@ -99,6 +99,19 @@ def rollback_table(r: BenchResult) -> list[str]:
                  f"{x.copy_s * 1e3:.1f} ms", f"{x.copy_gbps:.1f} GB/s")]
 
 
+def peer_table(r: BenchResult) -> list[str]:
+    title = "Peer state (training/peer_state.py)"
+    x = r.peer
+    if x is None:
+        return [f"{title}: not measured ({r.unavailable.get(PEER, 'not in this profile')})"]
+    return [f"{title}: the peer-state run's copy into node memory after each saved step (rank 0, medians over "
+            f"{x.steps} steps; sending it to the partner node runs beside training)", "",
+            *_header("copy per step", "step time", "copy / step time", "interval", "replicas",
+                     "node memory per rank"),
+            _row(f"{x.save_s * 1e3:.2f} ms", f"{x.step_s * 1e3:.1f} ms", _fmt(x.cost_ratio, "%"),
+                 f"{x.interval} step(s)", str(x.replicas), f"{x.bytes_per_rank / 2**20:.1f} MiB")]
+
+
 def projection_table(r: BenchResult) -> list[str]:
     title = "Projection, not a measurement: a lost p5 node on EKS (bench/projection.py)"
     if not r.projections:
@@ -130,6 +143,7 @@ def format_markdown(r: BenchResult) -> str:
     notes = [f"Quick mode: {p.faults} faults per mechanism (make bench: {FULL.faults}), {p.state_bytes >> 20} MiB of "
              f"state (make bench: {FULL.state_bytes >> 20} MiB), {p.world} ranks (make bench: {FULL.world}); "
              "figures are noisier."] if p.name == QUICK.name else []
-    sections = [[title, *notes], stall_table(r), recovery_table(r), rollback_table(r), projection_table(r),
+    sections = [[title, *notes], stall_table(r), recovery_table(r), rollback_table(r), peer_table(r),
+                projection_table(r),
                 checks_table(r.checks)]
     return "\n\n".join("\n".join(s) for s in sections) + "\n"

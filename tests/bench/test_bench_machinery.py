@@ -42,6 +42,7 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "node_replacement": ("node-loss@15:node=1", "node-loss@30:node=1"),
                      "node_zero": ("node-loss@15:node=0", "node-loss@30:node=0"),
                      "hot_spare": ("node-loss@15:node=1", "node-loss@30:node=1"),  # a training node, not the spare
+                     "peer_state": ("node-loss@15:node=1", "node-loss@30:node=1"),
                      "drain": ("drain@15:node=1", "drain@30:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@30:node=0")}
 

@@ -135,16 +135,18 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     path = write_json(sample_result(), tmp_path / "r.json")
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA
-    assert set(data["recovery"]) == {"injob", "node_replacement", "hot_spare", "drain", "k8s_restart"}  # unavailable ones stay out
-    assert [p["mechanism"] for p in data["projections"]] == ["hot_spare", "node_replacement", "node_replacement",
-                                                              "node_replacement", "k8s_restart"]
+    assert set(data["recovery"]) == {"injob", "node_replacement", "hot_spare", "peer_state", "drain",
+                                     "k8s_restart"}  # unavailable ones stay out
+    assert [p["mechanism"] for p in data["projections"]] == ["hot_spare", "peer_state", "node_replacement",
+                                                              "node_replacement", "node_replacement", "k8s_restart"]
+    assert data["peer"]["cost_ratio"] == 0.03 and data["peer"]["bytes_per_rank"] == 4 << 20
     assert data["delays"]["toleration_s"] == 30
     assert data["unavailable"] == {"inprocess": "training/inprocess.py does not exist"}
     assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
     assert data["rollback"]["cost_ratio"] == 0.04 and data["rollback"]["copy_gbps"] == 5.37
     save, mechanisms = plan.from_bench(path, "async")
     assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {  # a drain is no failure to plan for
-        "injob": 7.0, "node_replacement": 20.0, "hot_spare": 10.0, "k8s_restart": 13.0}
+        "injob": 7.0, "node_replacement": 20.0, "hot_spare": 10.0, "peer_state": 9.0, "k8s_restart": 13.0}
     assert plan.main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
     assert "k8s_restart" in capsys.readouterr().out
 
@@ -177,6 +179,8 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
     assert "Projection, not a measurement: a lost p5 node on EKS" in text
     assert "| hot spare (spare node and standby pod): this repository's default | 50 s |" in text
+    assert "| 1.50 ms | 50.0 ms | 3.0% | 1 step(s) | 1 | 4.0 MiB |" in text  # peer state
+    assert "| peer state copy per step / step time (peer-state run) | 3.0% | <= 5% | target | PASS |" in text
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from training.plan import (
-    Mechanism, daly_interval, expected_goodput, main, make_plan, optimum_interval, young_interval)
+    LLAMA3_NODE_FAILURE_RATE, Mechanism, daly_interval, expected_goodput, format_scale, main, make_plan,
+    optimum_interval, young_interval)
 
 DISK = Mechanism("injob", 17.0)
 IN_MEMORY = Mechanism("inprocess", 10.0)
@@ -57,6 +58,28 @@ def test_in_memory_rollback_loses_a_step_not_half_an_interval() -> None:
         tau / (tau + save) * (1 - (IN_MEMORY.recovery_s + (tau + save) / 2) / mtbf), abs=2e-5)
 
 
+def test_peer_state_resumes_from_memory_like_in_process_restart() -> None:
+    mtbf, save, step, tau = 36_000.0, 2.0, 1.5, 400.0
+    peer, spare = Mechanism("peer_state", 40.0), Mechanism("hot_spare", 40.0)
+    assert peer.in_memory and not spare.in_memory
+    assert expected_goodput(tau, save, peer, mtbf, step) > expected_goodput(tau, save, spare, mtbf, step)
+
+
+def test_goodput_at_scale_uses_the_llama_3_failure_rate() -> None:
+    assert LLAMA3_NODE_FAILURE_RATE == pytest.approx(1.58e-4, rel=0.01)  # 419 in 54 days on 2,048 nodes
+    mechanisms = (Mechanism("peer_state", 40.0), Mechanism("k8s_restart", 700.0))
+    table = format_scale(0.5, 5.0, mechanisms)
+    header, peer, k8s = table.splitlines()[-3:]
+    assert header.split(",")[0].strip() == "32 nodes" and "2048 nodes, 10x" in header
+    values = [[float(v.rstrip("%")) / 100 for v in line.split()[1:]] for line in (peer, k8s)]
+    mtbf_2048_10x = 1 / LLAMA3_NODE_FAILURE_RATE / 10 * 3600 / 2048
+    assert values[1][-1] == pytest.approx(expected_goodput(
+        optimum_interval(0.5, mtbf_2048_10x), 0.5, mechanisms[1], mtbf_2048_10x, 5.0), abs=5e-5)
+    for row in values:  # more nodes, more failures: less goodput
+        assert row[0] > row[1] > row[2] and row[3] > row[4] > row[5]
+    assert all(p > k for p, k in zip(*values))
+
+
 def test_make_plan_uses_the_job_mtbf() -> None:
     plan = make_plan(nodes=4, gpus_per_node=8, node_mtbf_h=10.0, save_s=5.0, step_s=1.0,
                      mechanisms=(IN_MEMORY, DISK))
@@ -73,13 +96,16 @@ def test_cli_prints_interval_goodputs_and_first_failure(capsys: pytest.CaptureFi
     assert "Young  sqrt(2 S M)           300 s (5.0 min)" in out
     assert "Expected time to first failure: 9000 s (2.5 h)" in out
     assert "checkpoint.interval = 297 steps" in out
-    assert "in-memory rollback: loses at most one step" in out
-    assert [line.split()[0] for line in out.splitlines()[-3:]] == ["inprocess", "injob", "k8s"]
+    assert "resumes from memory: loses at most the step in flight" in out
+    plan_lines = out[:out.index("At scale")].splitlines()
+    assert [line.split()[0] for line in plan_lines[-3:]] == ["inprocess", "injob", "k8s"]
+    assert [line.split()[0] for line in out.splitlines()[-3:]] == ["inprocess", "injob", "k8s"]  # the scale table
 
 
 def test_cli_single_recovery_number(capsys: pytest.CaptureFixture) -> None:
     assert main(["--nodes", "2", "--node-mtbf-hours", "100", "--save-blocking-s", "1", "--recovery-s", "60"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].split()[:4] == ["restart", "R", "=", "60"]
+    out = capsys.readouterr().out
+    assert out[:out.index("At scale")].splitlines()[-1].split()[:4] == ["restart", "R", "=", "60"]
 
 
 BASE = ["--nodes", "2", "--node-mtbf-hours", "100", "--save-blocking-s", "1", "--recovery-s", "60"]
