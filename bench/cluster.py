@@ -17,6 +17,7 @@ class ClusterSpec:
     faults: tuple[str, ...] = ()  # training/faults.py specs
     node_retries: int = 0  # replacements per node after its launcher was killed
     spares: int = 0  # hot spare nodes
+    replacement_delay_s: float = 0.0  # a lost node's replacement starts this much later
 
 
 def run_cluster(spec: ClusterSpec) -> int:
@@ -25,5 +26,6 @@ def run_cluster(spec: ClusterSpec) -> int:
                        "--steps", str(spec.steps), "--run-dir", str(spec.run_dir), "--faults", ",".join(spec.faults),
                        "--node-retries", str(spec.node_retries), "--spares", str(spec.spares), *spec.overrides])
     cfg, config_path = build_config(args)
-    cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares)
+    cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares,
+                      spec.replacement_delay_s)
     return cluster.run()

@@ -15,9 +15,10 @@ completed step) and steps lost, and the run's training and infra goodput.
                     starts a replacement, the surviving nodes restart their workers in-job.
   node_zero         the same on node 0: the rendezvous store is its own process (nvrx-control, a
                     Deployment on the cluster), so node 0 is no different from any other node.
-  hot_spare         node-loss of the last training node with one hot spare: the spare, on standby
-                    in the rendezvous, takes the lost node's place in the next round; the
-                    replacement becomes the new spare.
+  hot_spare         node-loss of the node that runs the last rank, with one hot spare: the spare, on
+                    standby in the rendezvous, takes the lost node's place in the next round; the
+                    replacement, held back REPLACEMENT_DELAY_S as Kubernetes would hold it back for
+                    minutes, becomes the new spare.
   peer_state        the hot spare's node-loss with peer state (training/peer_state.py): the lost node's
                     ranks resume from copies in their partner node's memory, not from FSx.
   drain             drain of the last node: the controller (the kubelet here) writes the drain marker
@@ -53,7 +54,7 @@ class Mechanism:
     in_job_restarts: bool  # ft_launcher may restart workers
     expected_restart_kind: str  # the restart_kind (training/events.py) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
-    spares: int = 0  # hot spare nodes
+    spares: int = 0  # hot spare nodes; their node faults name the last rank (whichever node runs it)
     needs_module: str | None = None
     overrides: tuple[str, ...] = ()  # training config overrides of this mechanism
 
@@ -76,6 +77,9 @@ MECHANISMS = (
               fault_on_host=True),
 )
 
+# With a spare: a lost node's replacement starts this much later, after the spare took over (NVRx waits
+# 1 s for a previous round's node before it takes a spare; on EKS a replacement takes minutes).
+REPLACEMENT_DELAY_S = 3.0
 # Async checkpoints, a short gloo timeout (a CPU collective cannot be aborted; it bounds
 # how long survivors of a fault can hang), generous NVRx timeouts for a busy machine.
 BASE_OVERRIDES = ("checkpoint.mode=async", "checkpoint.keep=1",
@@ -114,7 +118,7 @@ def unavailable_reason(m: Mechanism) -> str | None:
 
 
 def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
-    if "node" in KINDS[m.fault].keys:
+    if "node" in KINDS[m.fault].keys and not m.spares:
         target = f"node={0 if m.fault_on_host else profile.nodes - 1}"
     else:
         target = f"rank={0 if m.fault_on_host else profile.world - 1}"
@@ -132,7 +136,8 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
         overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
-        faults=fault_specs(m, profile), node_retries=retries, spares=m.spares)
+        faults=fault_specs(m, profile), node_retries=retries, spares=m.spares,
+        replacement_delay_s=REPLACEMENT_DELAY_S if m.spares else 0.0)
 
 
 def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:

@@ -56,10 +56,12 @@ ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "node_zero", "ho
 # the rest (its staging copy starved of CPU), which moved the median of four from 0.07x to 0.17x.
 # 15 steps after the last fault: a drain landed 1-7 steps after it was asked for here (the controller
 # polls every 0.2 s; a step takes 20-70 ms), and it must land before the run's last step.
+# 40 steps between faults (2-3 s): a hot spare's replacement, started 3 s after the loss
+# (bench/mechanisms.py REPLACEMENT_DELAY_S), is on standby again before the next fault.
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
-               faults=5, first_fault=15, fault_spacing=25, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
+               faults=5, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
                rollback_copy_bytes=512 * MiB)
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: under 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
@@ -67,7 +69,7 @@ FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_w
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                 stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
                 mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
-                faults=2, first_fault=15, fault_spacing=15, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
+                faults=2, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
                 rollback_copy_bytes=128 * MiB)
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node

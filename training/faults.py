@@ -38,7 +38,9 @@ KIND is one of KINDS. STEP (at least 1) is the step the rank is about to run: a 
 after step STEP-1 completed and before step STEP starts; a checkpoint fault (ckpt-crash, disk-full)
 fires in the first save of a step >= STEP. Keys (each kind accepts its own, see KINDS):
 `rank` (global rank, default 0), `node` (the node index: the pod's JOB_COMPLETION_INDEX, which
-training.local sets too; else torchelastic's GROUP_RANK), `count` (saves that fail, default 1),
+training.local sets too; else torchelastic's GROUP_RANK; a node fault takes node=N or rank=R, the
+node that runs rank R at that step, which after a hot spare took over is another node),
+`count` (saves that fail, default 1),
 and the flag `persistent` (exception, sigkill, hang, ckpt-crash).
 
 Once-per-run: before firing, the faulty rank records the fault durably (an fsynced file under
@@ -223,16 +225,16 @@ class FaultKind:
 
 
 _RANK = frozenset({"rank"})
+_NODE = frozenset({"node", "rank"})  # a node fault names the node, or a rank: the node that runs it
 _PERSISTENT = frozenset({"persistent"})
 KINDS: dict[str, FaultKind] = {
     "exception": FaultKind("the rank raises FaultInjected and exits non-zero", _RANK, _PERSISTENT, at_step=_raise),
     "sigkill": FaultKind("the rank kills itself with SIGKILL", _RANK, _PERSISTENT, at_step=_sigkill),
     "hang": FaultKind("the rank stops heartbeating and sleeps; NVRx timeouts detect it", _RANK, _PERSISTENT,
                       at_step=_hang),
-    "node-loss": FaultKind("the node's pod is SIGKILLed halfway through the step", frozenset({"node"}),
-                           at_step=_lose_node),
-    "drain": FaultKind("the node is drained: SIGTERM to its launcher, SIGKILL after the grace period",
-                       frozenset({"node"}), at_step=_request_drain),
+    "node-loss": FaultKind("the node's pod is SIGKILLed halfway through the step", _NODE, at_step=_lose_node),
+    "drain": FaultKind("the node is drained: SIGTERM to its launcher, SIGKILL after the grace period", _NODE,
+                       at_step=_request_drain),
     "ckpt-crash": FaultKind("the rank dies while a checkpoint save is in flight", _RANK, _PERSISTENT,
                             in_write=_crash_mid_save),
     "corrupt-ckpt": FaultKind("the newest committed checkpoint is truncated, then the rank dies", _RANK,
@@ -271,10 +273,11 @@ def parse_fault(text: str) -> FaultSpec:
         if key in options:
             raise FaultSpecError(f"fault spec {text!r}: option {key!r} given twice")
         options[key] = value
-    if "node" in KINDS[kind].keys:  # a node fault: whichever ranks run there, no rank of its own
-        if "node" not in options:
-            raise FaultSpecError(f"fault spec {text!r}: {kind} needs node=N (the node index)")
-        options["rank"] = None
+    if KINDS[kind].keys == _NODE:  # a node fault: the node with that index, or the one that runs that rank
+        if ("node" in options) == ("rank" in options):
+            raise FaultSpecError(f"fault spec {text!r}: {kind} needs node=N (the node index) or rank=R (the node "
+                                 "that runs rank R, wherever it is: after a hot spare took over, another node)")
+        options.setdefault("rank", None)
     return FaultSpec(text=text.strip(), kind=kind, step=step, **options)  # type: ignore[arg-type]
 
 
