@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Callable
 
 from training.config import ConfigArgumentParser, TrainConfigError, load_train_config
 from training.events import run_completed
@@ -57,16 +58,26 @@ def launcher_env(environ: dict[str, str]) -> dict[str, str]:
     return {**environ, "GROUP_RANK": index} if index is not None else dict(environ)
 
 
-def run(command: list[str]) -> int:
-    """Run `command`, passing on PASSED_ON signals; its exit code (128 + N when killed by signal N)."""
-    child = subprocess.Popen(command, env=launcher_env(dict(os.environ)))
+def pass_on_signals(child: Callable[[], subprocess.Popen]) -> None:
+    """Send the PASSED_ON signals this process gets to `child()` (the child process of the moment)."""
     for sig in PASSED_ON:
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+        signal.signal(sig, lambda signum, _frame: child().send_signal(signum))
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: 128 + N when killed by signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def run(command: list[str]) -> int:
+    """Run `command`, passing on PASSED_ON signals; its exit code."""
+    child = subprocess.Popen(command, env=launcher_env(dict(os.environ)))
+    pass_on_signals(lambda: child)
     while True:
         pid, status = os.waitpid(-1, 0)  # any child: orphans re-parented to PID 1 are reaped too
         if pid == child.pid:
             child.returncode = os.waitstatus_to_exitcode(status)
-            return child.returncode if child.returncode >= 0 else 128 - child.returncode
+            return exit_code(child.returncode)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -221,13 +221,15 @@ def _job_spec(job: JobConfig) -> dict:
     }
 
 
-def _store_container(job: JobConfig) -> dict:
+def _store_container(job: JobConfig, train_config: _ConfigFile) -> dict:
     port = {"port": STORE_COMPONENT}
     return {
         "name": STORE_COMPONENT,
         "image": job.infra.image_uri,  # nvrx-control is the image's NVRx console script
         "imagePullPolicy": "IfNotPresent",
-        "command": store_command(job.train.fault_tolerance, RENDEZVOUS_PORT, job.name, job.nodes, job.spares),
+        # training.store starts nvrx-control over when the run stalls with no node left to open a round
+        "command": ["python", "-m", "training.store", "--config", train_config.path, "--",
+                    *store_command(job.train.fault_tolerance, RENDEZVOUS_PORT, job.name, job.nodes, job.spares)],
         "ports": [{"name": STORE_COMPONENT, "containerPort": RENDEZVOUS_PORT}],
         # A TCPStore of a few dozen nodes holds kilobytes: the Python process (torch imported) is the cost.
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
@@ -235,7 +237,11 @@ def _store_container(job: JobConfig) -> dict:
         # Lenient: a restart loses the rendezvous state (see _store_pod_spec).
         "livenessProbe": {"tcpSocket": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         # the run's event log, read to tell a stalled run (training.store)
+                         {"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH, "readOnly": True},
+                         {"name": train_config.volume, "mountPath": str(PurePosixPath(train_config.path).parent),
+                          "readOnly": True}],
     }
 
 
@@ -248,15 +254,18 @@ def _store_pod_spec(job: JobConfig) -> dict:
     on-demand system nodes, never a GPU node (no GPU toleration), and a short stay on a lost node,
     like the training pods'.
     """
+    train_config = _config_files(job)[0]
     return {
         "automountServiceAccountToken": False,  # it never calls the Kubernetes API
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
         "tolerations": _node_failure_tolerations(job),
         "securityContext": dict(POD_SECURITY_CONTEXT),
-        "containers": [_store_container(job)],
+        "containers": [_store_container(job, train_config)],
         # Python's tempfile module probes for a writable directory (torch's import uses it): the root
         # filesystem is read-only.
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                    {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name, "readOnly": True}},
+                    {"name": train_config.volume, "configMap": {"name": train_config.config_map}}],
     }
 
 

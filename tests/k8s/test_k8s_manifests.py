@@ -120,7 +120,14 @@ def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}  # never two stores
     assert spec["selector"]["matchLabels"] == spec["template"]["metadata"]["labels"]
     assert container["image"] == r.container["image"]
-    assert container["command"][0] == "nvrx-control"
+    assert container["command"][:3] == ["python", "-m", "training.store"] and "nvrx-control" in container["command"]
+    # it reads the run's event log (read-only) and the config the trainers run with
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts[CHECKPOINT_MOUNT_PATH]["readOnly"] and mounts["/etc/training"]["readOnly"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[CHECKPOINT_MOUNT_PATH]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    config = r.config_map_object("fsdp-train-config")["metadata"]["name"]
+    assert volumes[mounts["/etc/training"]["name"]]["configMap"]["name"] == config
     assert "--rdzv-id=fsdp-train" in container["command"] and "--rdzv-id=fsdp-train" in r.container["args"]
     assert container["ports"] == [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}]
     for probe in ("readinessProbe", "livenessProbe"):
