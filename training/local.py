@@ -8,8 +8,8 @@ plays the Kubernetes Indexed Job.
 Each node runs the pods' command, `python -m training.launch … ft_launcher … -m training.train --config
 FILE` (by default through training.prefork: the launcher starts a worker template, its workers are
 forked from it), and gets its index in JOB_COMPLETION_INDEX, as the pods do. The rendezvous store is
-its own process, as on the cluster: NVRx's `nvrx-control` on a free port, which every launcher joins
-as a client, so losing node 0 costs what losing any node costs. With --spares S, S more nodes start
+its own process, as on the cluster: NVRx's `nvrx-control` under training.store on a free port, which
+every launcher joins as a client, so losing node 0 costs what losing any node costs. With --spares S, S more nodes start
 and wait as hot spares (NVRx's standby participants): a failed node's place goes to a spare in the
 next rendezvous round, and its replacement becomes the new spare. Spares start once every training node has joined the
 first round, so that `node=N` faults with N < --nodes hit a training node (NVRx makes whoever is
@@ -149,8 +149,9 @@ class Cluster:
         """The rendezvous store, as the cluster's store Deployment runs it: before any node, and again
         whenever it exits."""
         with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
-            command = store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
-                                    self.spares, bin_dir=str(Path(sys.executable).parent))
+            command = [sys.executable, "-m", "training.store", "--config", str(self.config_path), "--",
+                       *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
+                                      self.spares, bin_dir=str(Path(sys.executable).parent))]
             self.store = psutil.Popen(command,
                                       cwd=REPO_ROOT, env=self.env(), stdout=log_file, stderr=log_file,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
