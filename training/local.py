@@ -82,9 +82,10 @@ _DETECTIONS = (
      "hang", "nvrx rank monitor"),
     (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
 )
-# NVRx 0.7.0's rendezvous log lines: a launcher that will train, one that waits (standby, late joiner)
+# NVRx 0.7.0's rendezvous log lines: a launcher that will train, one left out of a round (standby, late).
+# A launcher that trained stays active while it waits for the next round: it is the one that opens it.
 _ACTIVE_RANK = "Assigned active rank"
-_WAITING = ("Standby (rank=", "Late joiner detected", "closed (training in progress), waiting for next round")
+_LEFT_OUT = ("Standby (rank=", "Late joiner detected")
 _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
 
 
@@ -98,7 +99,7 @@ class Node:
     drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
     start_at: float | None = None  # replaced: the new launcher starts at this time (monotonic)
     joined: bool = False  # its launcher was given an active rank at least once
-    active: bool = False  # its launcher's last rendezvous made it train
+    active: bool = False  # its launcher's last rendezvous round made it train
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
     _log_offset: int = 0
@@ -375,7 +376,7 @@ class Cluster:
                 print(line, flush=True)
             if _ACTIVE_RANK in line:
                 node.joined = node.active = True
-            elif any(w in line for w in _WAITING):
+            elif any(w in line for w in _LEFT_OUT):
                 node.active = False
             for pattern, kind, party in _DETECTIONS if detect else ():
                 m = pattern.search(line)

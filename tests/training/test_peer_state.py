@@ -35,14 +35,14 @@ def _values(rank: int, step: int) -> torch.Tensor:
     return torch.arange(1000, dtype=torch.float32) * (rank + 1) + step
 
 
-def _worker(rank: int, port: int, roots: list[str], phase: str, results: dict) -> None:
+def _worker(rank: int, port: int, roots: list[str], phase: str, results: dict, replicas: int) -> None:
     import os
 
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
     from training.peer_state import PeerState
 
-    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=1, replicas=1, timeout_s=30)
+    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=1, replicas=replicas, timeout_s=30)
     weights = Weights(torch.zeros(1000))
     state = {"model": weights}
     if phase == "save":
@@ -59,9 +59,10 @@ def _worker(rank: int, port: int, roots: list[str], phase: str, results: dict) -
     dist.destroy_process_group()
 
 
-def _run(roots: list[Path], phase: str) -> dict:
+def _run(roots: list[Path], phase: str, replicas: int = 1) -> dict:
+    """One process per node directory in `roots` (one rank per node)."""
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), [str(r) for r in roots], phase, results), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), [str(r) for r in roots], phase, results, replicas), nprocs=len(roots))
     return dict(results)
 
 
@@ -118,6 +119,18 @@ def test_a_torn_copy_is_never_used(saved, tmp_path):
 def test_a_newer_checkpoint_wins(saved, tmp_path):
     results = _run(_copy_nodes(saved, tmp_path), "5")
     assert {r[0] for r in results.values()} == {None}
+
+
+def test_two_replicas_survive_two_lost_nodes(tmp_path):
+    """Three nodes, each rank copied to the next two: lose two nodes, the third holds every shard."""
+    roots = [tmp_path / f"node{i}" for i in range(3)]
+    _run(roots, "save", replicas=2)
+    assert {(c.kind, c.shard) for c in NodeMemory(roots[2]).copies()} == {
+        (OWN, 2), (REPLICA, 0), (REPLICA, 1)}
+    results = _run([roots[2], tmp_path / "spare1", tmp_path / "spare2"], "0", replicas=2)
+    for rank in range(3):
+        step, value, _ = results[rank]
+        assert step == 4 and torch.equal(value, _values(rank, 4))
 
 
 def test_copies_without_a_commit_record_do_not_count(tmp_path):
