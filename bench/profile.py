@@ -63,7 +63,7 @@ FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_w
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
                faults=5, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
                rollback_copy_bytes=512 * MiB)
-# Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: under 3 minutes
+# Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: about 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
 # saves in about 0.1 s, so the calibrated interval falls to its minimum and the figures say nothing.
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,

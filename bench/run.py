@@ -10,7 +10,7 @@ in-process run) and host copy bandwidth; then projects a lost p5 node on EKS fro
 Kubernetes' delays (bench/projection.py, labelled a projection). Writes
 <results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
-still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (under 3 minutes on 2 cores).
+still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (about 3 minutes on 2 cores).
 --gpu: the one-GPU profile that bench/gpu.sh runs (needs CUDA).
 """
 from __future__ import annotations
@@ -159,7 +159,7 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="2 faults per mechanism, 256 MiB state, 1 rank per node (< 3 min)")
+    size.add_argument("--quick", action="store_true", help="2 faults per mechanism, 256 MiB state, 1 rank per node (about 3 min)")
     size.add_argument("--gpu", action="store_true", help="the one-GPU profile of bench/gpu.sh (needs CUDA)")
     parser.add_argument("--results-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--runs-dir", type=Path, default=None, help="run directories (default runs/bench-<date>)")
