@@ -179,8 +179,13 @@ class NodeMemory:
                                size=copy.data_nbytes, dtype=torch.uint8)
         return data, self._path(copy.kind, copy.shard, copy.slot, "meta").read_bytes()
 
-    def prune(self, keep: set[tuple[str, int]]) -> None:
-        """Remove the copies of every (kind, shard) not in `keep`: shards this node no longer holds."""
+    def prune(self, keep: set[tuple[str, int]], newest: int) -> None:
+        """Remove the copies of every (kind, shard) not in `keep` (shards this node no longer holds) and
+        every copy of a step after `newest` (a step the run goes back on: kept, such a copy could later be
+        taken for the same step trained again, which only a deterministic run would reproduce bit for bit)."""
+        for copy in self.copies():
+            if copy.step > newest:
+                self.invalidate(copy.kind, copy.shard, copy.slot)
         for path in self.root.iterdir():
             kind, _, rest = path.name.partition("-shard")
             if rest[:5].isdigit() and (kind, int(rest[:5])) not in keep:
@@ -392,18 +397,20 @@ class PeerState:
                        else "the shards' copies are of different steps")
                 log.warning("peer state: no step for which every shard has a copy in some node's memory (%s); "
                             "loading the checkpoint instead", why)
+            self._prune(node_of, newest=-1)  # the run goes on from the checkpoint: no copy may be mixed in
             return None
         step = max(common)
         if step < not_older_than:
             if self.rank == 0:
                 log.info("peer state: newest complete step %d is older than checkpoint step %d: loading that",
                          step, not_older_than)
+            self._prune(node_of, newest=-1)
             return None
         mine_saved, fetched = self._exchange(step, held, node_of, reporter)
         skeleton, specs = pickle.loads(mine_saved[1])
         load_into(state, unflatten(skeleton, views(mine_saved[0], specs)))
         dist.barrier(group=self.group)  # every transfer done: copies no node holds any more can go
-        self._prune(node_of)
+        self._prune(node_of, newest=step)
         if self.rank == 0:
             log.info("peer state: resumed at step %d from node memory (shards fetched from a partner node: %s)",
                      step, fetched or "none")
@@ -437,14 +444,15 @@ class PeerState:
         data, meta = mine
         return (data, meta if isinstance(meta, bytes) else meta.numpy().tobytes()), fetched
 
-    def _prune(self, node_of: list[str]) -> None:
+    def _prune(self, node_of: list[str], newest: int) -> None:
+        """On each node (its local rank 0): drop what NodeMemory.prune drops for this world."""
         if self.local_rank != 0:
             return
         here = [r for r in range(self.world) if node_of[r] == self.node]
         per_node = len(here)
         keep = {(OWN, r) for r in here} | {(REPLICA, (r - per_node * j) % self.world)
                                            for r in here for j in range(1, self.replicas + 1)}
-        self.memory.prune(keep)
+        self.memory.prune(keep, newest)
 
     def close(self) -> None:
         """Stop replicating; what is queued is sent first (the run ends on every rank alike)."""

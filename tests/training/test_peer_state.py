@@ -114,11 +114,15 @@ def test_a_torn_copy_is_never_used(saved, tmp_path):
     for rank in range(WORLD):
         step, value, _ = results[rank]
         assert step == 3 and torch.equal(value, _values(rank, 3))
+    # the run goes back to step 3: node 0's own copy of step 4 is gone, so it can never be mixed in later
+    assert {c.step for c in NodeMemory(node0).copies()} == {3}
 
 
 def test_a_newer_checkpoint_wins(saved, tmp_path):
-    results = _run(_copy_nodes(saved, tmp_path), "5")
+    roots = _copy_nodes(saved, tmp_path)
+    results = _run(roots, "5")
     assert {r[0] for r in results.values()} == {None}
+    assert not NodeMemory(roots[0]).copies()  # older than where the run goes on from: dropped
 
 
 def test_two_replicas_survive_two_lost_nodes(tmp_path):
