@@ -164,9 +164,7 @@ def test_rollback_restores_the_newest_step_into_a_fresh_build(one_rank_group):
     rollback = MemoryRollback()
     state, step = _training_state(one_rank_group)
     assert rollback.restore(state) is None  # nothing held: the caller loads from disk
-    for n in (1, 2, 3):
-        step()
-        rollback.save(n, state)
+    _train_saving(rollback, state, step, (1, 2, 3))
     expected = _host(state)
     assert rollback.steps == [2, 3] and KEEP == 2
     step()  # training goes on, then the fault: the restart builds everything anew
@@ -209,6 +207,15 @@ def _held(rollback, step):
     return held
 
 
+def _train_saving(rollback, state, step, steps, check=False):
+    """`step()` then `rollback.save` for each of `steps`; with `check`, the held copy equals the live state."""
+    for n in steps:
+        step()
+        rollback.save(n, state)
+        if check:
+            assert_bitwise_equal(_held(rollback, n), _host(state))
+
+
 def _count_state_dict_calls(monkeypatch, state, keys=("model", "optimizer")):
     calls = []
     for key in keys:
@@ -235,9 +242,7 @@ def test_later_saves_copy_model_and_optimizer_without_their_state_dict(one_rank_
 def test_a_save_follows_optimizer_tensors_replaced_or_moved(one_rank_group, change):
     rollback = MemoryRollback()
     state, step = _training_state(one_rank_group)
-    for n in (1, 2, 3):  # a plan in each snapshot
-        step()
-        rollback.save(n, state)
+    _train_saving(rollback, state, step, (1, 2, 3))  # a plan in each snapshot
     optimizer = state["optimizer"].optimizer
     first = optimizer.param_groups[0]["params"][0]
     moments = optimizer.state[first]
@@ -257,20 +262,12 @@ def test_a_save_follows_optimizer_tensors_replaced_or_moved(one_rank_group, chan
 def test_restore_then_saves_then_restore(one_rank_group):
     rollback = MemoryRollback()
     state, step = _training_state(one_rank_group)
-    for n in (1, 2, 3):
-        step()
-        rollback.save(n, state)
+    _train_saving(rollback, state, step, (1, 2, 3))
     fresh, step_fresh = _training_state(one_rank_group, seed=1)  # the next iteration's objects
     assert rollback.restore(fresh) == 3
-    for n in (4, 5, 6):
-        step_fresh()
-        rollback.save(n, fresh)
-        assert_bitwise_equal(_held(rollback, n), _host(fresh))
+    _train_saving(rollback, fresh, step_fresh, (4, 5, 6), check=True)
     assert rollback.restore(fresh) == 6  # into the same objects: the optimizer's load replaces its tensors
-    for n in (7, 8):
-        step_fresh()
-        rollback.save(n, fresh)
-        assert_bitwise_equal(_held(rollback, n), _host(fresh))
+    _train_saving(rollback, fresh, step_fresh, (7, 8), check=True)
     expected = _host(fresh)
     again, _ = _training_state(one_rank_group, seed=2)
     assert rollback.restore(again) == 8
@@ -280,9 +277,7 @@ def test_restore_then_saves_then_restore(one_rank_group):
 def test_plans_keep_no_state_of_a_dead_iteration_alive(one_rank_group):
     rollback = MemoryRollback()
     state, step = _training_state(one_rank_group)
-    for n in (1, 2, 3):
-        step()
-        rollback.save(n, state)
+    _train_saving(rollback, state, step, (1, 2, 3))
     optimizer = state["optimizer"].optimizer
     alive = [weakref.ref(t) for t in (*state["model"].live_tensors(), *state["optimizer"].live_tensors())]
     del state, step, optimizer
