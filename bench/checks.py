@@ -141,11 +141,15 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
     return checks
 
 
+def _step_cost(figure: str, r: PeerResult | RollbackResult | None, missing: str) -> list[Check]:
+    """A copy kept after every step, as a share of the step time: at most ROLLBACK_COST."""
+    return [_check(figure, None if r is None else r.cost_ratio, "%", f"<= {ROLLBACK_COST:.0%}", ISSUE,
+                   lambda v: v <= ROLLBACK_COST, missing)]
+
+
 def peer_checks(r: PeerResult | None, missing: str) -> list[Check]:
-    return [_check("peer state copy per step / step time (peer-state run)", None if r is None else r.cost_ratio,
-                   "%", f"<= {ROLLBACK_COST:.0%}", ISSUE, lambda v: v <= ROLLBACK_COST, missing)]
+    return _step_cost("peer state copy per step / step time (peer-state run)", r, missing)
 
 
 def rollback_checks(r: RollbackResult | None, missing: str) -> list[Check]:
-    return [_check("in-memory rollback per step / step time (in-process run)", None if r is None else r.cost_ratio,
-                   "%", f"<= {ROLLBACK_COST:.0%}", ISSUE, lambda v: v <= ROLLBACK_COST, missing)]
+    return _step_cost("in-memory rollback per step / step time (in-process run)", r, missing)

@@ -138,13 +138,17 @@ class Cluster:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
-        self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
+        self.new_rendezvous()
         self.store: psutil.Popen | None = None
         # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
         shm = Path("/dev/shm")
         self.memory_root = (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"training-{self.run_id}"
         self._stop_requested = False
         self._attempts = 0
+
+    def new_rendezvous(self) -> None:
+        """A port for a new store, and the rendezvous id its nodes join with."""
+        self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
 
     def start_store(self) -> None:
         """The rendezvous store, as the cluster's store Deployment runs it: before any node, and again
@@ -323,7 +327,7 @@ class Cluster:
         the nodes still up restarted into it (not counted against their retries)."""
         self.say("no training node survived to open the next rendezvous round: starting the rendezvous over")
         self.stop_store()
-        self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
+        self.new_rendezvous()
         self.start_store()
         for n in self.nodes:
             if n.proc is not None and n.start_at is None and n.proc.poll() is None:

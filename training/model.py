@@ -2,6 +2,7 @@
 attention through scaled_dot_product_attention. No weights or tokenizers come from a hub."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -131,6 +132,7 @@ class Transformer(nn.Module):
         return self.output(self.norm(h)).float()
 
 
+@functools.cache  # the chart's validation and its message ask more than once
 def parameter_count(preset: str) -> int:
     return sum(p.numel() for p in build_model(preset).parameters())
 

@@ -30,6 +30,7 @@ over the whole world. The ring here replicates from a thread and works at any no
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -199,8 +200,6 @@ def node_memory_bytes(parameters: int, nodes: int, replicas: int) -> int:
 
 def memory_root(configured: str | None, run_dir: str) -> Path:
     """This run's directory in the node's memory."""
-    import hashlib
-
     base = configured or os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY
     return Path(base) / hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
 
@@ -356,7 +355,7 @@ class PeerState:
         received = {}
         requests = [r for p in self.partners for r in (
             dist.isend(data, p, group=self.group, tag=1),
-            dist.isend(torch.frombuffer(bytearray(meta), dtype=torch.uint8), p, group=self.group, tag=2))]
+            dist.isend(_as_tensor(meta), p, group=self.group, tag=2))]
         for s, h in headers.items():
             source_step, nbytes, meta_nbytes = h.tolist()
             buffer = self.memory.begin(REPLICA, s, slot, nbytes)
@@ -367,7 +366,7 @@ class PeerState:
         _wait(requests)
         for s, (source_step, nbytes, meta_buffer) in received.items():
             self.memory.commit(Copy(REPLICA, s, slot, source_step, self.world, self.fingerprint, nbytes,
-                                    meta_buffer.numel()), meta_buffer.numpy().tobytes())
+                                    meta_buffer.numel()), _as_bytes(meta_buffer))
 
     def settle(self) -> None:
         """Wait until every queued copy has reached the partners."""
@@ -431,8 +430,7 @@ class PeerState:
             if reporter[node] == self.rank:
                 data, meta = self.memory.read(copy)
                 requests += [dist.isend(data, shard, group=self.group, tag=3),
-                             dist.isend(torch.frombuffer(bytearray(meta), dtype=torch.uint8), shard,
-                                        group=self.group, tag=4)]
+                             dist.isend(_as_tensor(meta), shard, group=self.group, tag=4)]
             if shard == self.rank:
                 data, meta_buffer = (torch.empty(copy.data_nbytes, dtype=torch.uint8),
                                      torch.empty(copy.meta_nbytes, dtype=torch.uint8))
@@ -442,7 +440,7 @@ class PeerState:
         _wait(requests)
         assert mine is not None
         data, meta = mine
-        return (data, meta if isinstance(meta, bytes) else meta.numpy().tobytes()), fetched
+        return (data, meta if isinstance(meta, bytes) else _as_bytes(meta)), fetched
 
     def _prune(self, node_of: list[str], newest: int) -> None:
         """On each node (its local rank 0): drop what NodeMemory.prune drops for this world."""
@@ -460,6 +458,15 @@ class PeerState:
         self._thread.join(timeout=60)
         with contextlib.suppress(Exception):
             dist.destroy_process_group(self.group)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """Bytes as a uint8 tensor, to send."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.numpy().tobytes()
 
 
 def _wait(requests: list[Any]) -> None:
