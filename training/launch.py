@@ -5,7 +5,7 @@
 1. Pre-flight: the training config must load, or the node exits CONFIG_ERROR (ft_launcher would
    exit 1 whatever its ranks exit with, and the Job would retry a config that cannot work).
 2. Runs the command (ft_launcher, or `python -m training.prefork launch ft_launcher …`) as its
-   child, with the pod's index as NVRx's infrastructure rank (launcher_env), passes on the
+   child, with the pod's start time and index as NVRx's infrastructure rank (launcher_env), passes on the
    termination signals the kubelet (or the local controller) sends, and reaps every process that
    ends up orphaned under it, as a container's PID 1 must.
 3. Exits 0 exactly when the run completed (a completed run_end in the event log,
@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Callable
 
 from training.config import ConfigArgumentParser, TrainConfigError, load_train_config
@@ -29,6 +30,7 @@ from training.events import run_completed
 from training.exit_codes import CONFIG_ERROR, INCOMPLETE
 
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # what an Indexed Job gives each pod (training.local too)
+MAX_PODS = 100_000  # indexes below it keep the infrastructure rank (ms x MAX_PODS + index) within int64
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -49,13 +51,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def launcher_env(environ: dict[str, str]) -> dict[str, str]:
-    """ft_launcher's environment: NVRx's rendezvous orders the nodes present when it closes a round by
-    their infrastructure rank (outside SLURM read from GROUP_RANK), and in the next round waits a
-    moment for the previous round's active ranks before it takes spares. The pod's index
-    (JOB_COMPLETION_INDEX) is that rank: stable across a pod's restarts, unique in the Job."""
+def launcher_env(environ: dict[str, str], started_s: float) -> dict[str, str]:
+    """ft_launcher's environment. NVRx's rendezvous makes the nodes present when it closes a round
+    active in the order of their infrastructure rank (outside SLURM read from GROUP_RANK), the rest
+    standby. That rank is the pod's start time (ms) and then its index (JOB_COMPLETION_INDEX), unique
+    in the Job: the older pods train, a new pod (a replacement, a late spare) stands by. Ranked by index
+    alone, a lost node's replacement would take the place of a spare that already trains and holds
+    the peer state copies of its partners (training/peer_state.py)."""
     index = environ.get(JOB_INDEX_ENV)
-    return {**environ, "GROUP_RANK": index} if index is not None else dict(environ)
+    if index is None:
+        return dict(environ)
+    return {**environ, "GROUP_RANK": str(int(started_s * 1000) * MAX_PODS + int(index))}
 
 
 def pass_on_signals(child: Callable[[], subprocess.Popen]) -> None:
@@ -71,7 +77,7 @@ def exit_code(returncode: int) -> int:
 
 def run(command: list[str]) -> int:
     """Run `command`, passing on PASSED_ON signals; its exit code."""
-    child = subprocess.Popen(command, env=launcher_env(dict(os.environ)))
+    child = subprocess.Popen(command, env=launcher_env(dict(os.environ), time.time()))
     pass_on_signals(lambda: child)
     while True:
         pid, status = os.waitpid(-1, 0)  # any child: orphans re-parented to PID 1 are reaped too

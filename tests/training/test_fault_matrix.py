@@ -250,6 +250,20 @@ def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(nam
 
 
 @pytest.mark.slow
+def test_peer_state_survives_a_second_loss_after_a_spare_took_over(tmp_path, reference, scratch):
+    """Node 0 lost, the spare (node 2) takes its place; then node 1. The spare holds node 1's copies,
+    so the replacements (back at once, no delay) must not push it out: newer pods rank after older ones
+    (test_launch checks the ranking; whether a replacement is back before the round closes is timing)."""
+    specs = "node-loss@8:node=0,node-loss@16:node=1"
+    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync",
+                              *PEER_STATE, "--faults", specs))
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == specs.split(",")
+    assert [e["source_kind"] for e in events_named(run.run_dir, "resume")] == ["none", "peer", "peer"]
+    assert all(f.steps_lost == 0 for f in build_report(read_events(run.run_dir)).faults)
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+@pytest.mark.slow
 def test_two_partners_lost_together_fall_back_to_the_checkpoint_and_say_so(tmp_path, reference, scratch):
     """Both nodes (each the other's partner) lost in the same step: no copy of their shards is left;
     the spares train from the FSx checkpoint."""

@@ -1,5 +1,5 @@
 """The node entry point (training.launch): 0 means the run completed, whatever ft_launcher exits with;
-signals reach the launcher; the pod's index becomes NVRx's infrastructure rank."""
+signals reach the launcher; older pods rank before newer ones in NVRx's rendezvous."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ import pytest
 
 from training.events import EventLog
 from training.exit_codes import CONFIG_ERROR, INCOMPLETE
+from training.launch import MAX_PODS, launcher_env
 from training_helpers import REPO_ROOT
 
 STEPS = 10
@@ -84,8 +85,17 @@ def test_sigterm_reaches_the_launcher(config, tmp_path):
     assert proc.returncode == 42
 
 
-def test_the_pods_index_is_the_launchers_infrastructure_rank(config):
-    assert _exit(config, "sh", "-c", 'exit "$GROUP_RANK"', env={"JOB_COMPLETION_INDEX": "5"})[0] == 5
+def test_the_launchers_infrastructure_rank_is_the_pods_start_then_its_index(config):
+    before = time.time()
+    _, out = _exit(config, "sh", "-c", 'echo "rank=$GROUP_RANK"', env={"JOB_COMPLETION_INDEX": "5"})
+    rank = int(out.split("rank=")[1].split()[0])
+    assert rank % MAX_PODS == 5 and before * 1000 - 1 <= rank // MAX_PODS <= time.time() * 1000
+    # a replacement of index 0 started later ranks after a spare of index 2 started earlier: the
+    # spare, which already trains, keeps its place
+    spare, replacement = (int(launcher_env({"JOB_COMPLETION_INDEX": i}, t)["GROUP_RANK"]) for i, t in (("2", 100.0),
+                                                                                                     ("0", 160.5)))
+    assert spare < replacement
+    assert "GROUP_RANK" not in launcher_env({}, 100.0)  # not a pod of an Indexed Job: NVRx's own ranks
 
 
 def test_an_invalid_config_fails_before_the_launcher_starts(tmp_path):
