@@ -3,13 +3,22 @@
 Layout under the checkpoint directory:
 
   step_00000040/          complete: every rank's shards, DCP .metadata, and COMMITTED (a JSON marker)
-  .tmp-step_00000060/     a save in progress or abandoned by a crash: never loaded, removed at start
+  .tmp-step_00000060.g7/  a save in progress by generation 7, or abandoned: never loaded, removed
   corrupt-step_00000020-<time>/  a committed checkpoint found damaged, set aside (never deleted)
+  GENERATION              the newest generation of workers (a number; see Fencing)
 
 Atomic commit: every rank writes its shards (fsynced) into `.tmp-step_N`; DCP's coordinator (rank 0)
 writes `.metadata` only after gathering every rank's write result, so when rank 0's save returns,
 all data is durable. Rank 0 then writes COMMITTED, renames the directory to `step_N` (one atomic
 rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` dir.
+
+Fencing: every CheckpointManager (one per worker group: an attempt, a rendezvous round, an in-process
+restart) takes the next generation number from GENERATION as it starts, and writes only into
+`.tmp-step_N.g<its generation>`. A worker of an older generation that is still running (a node cut off
+from its peers but not from the file system, a paused process) therefore writes where no newer save
+looks, and its rank 0 commits only while GENERATION still holds its own number, checked just before the
+rename: a late save is never committed with, nor over, a newer generation's checkpoint (ckpt_failed
+says it was fenced). Its leftovers are removed when a newer generation starts or commits.
 
 Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
 evidence of damage (`inspect_checkpoint`: a marker or `.metadata` that does not parse, a shard file
@@ -61,10 +70,12 @@ from training.fault_tolerance import RESUME_STEP_FILE, resume_step_file
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
+GENERATION_FILE = "GENERATION"
 T = TypeVar("T")
 # hook(step, write) -> write(): called on each rank as it writes its shards of the save of `step`
 WriteHook = Callable[[int, Callable[[], T]], T]
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TMP_DIR = re.compile(r"^\.tmp-step_\d{8}(\.g(?P<generation>\d+))?$")  # no generation: written before fencing
 
 
 def step_dir_name(step: int) -> str:
@@ -82,6 +93,31 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
         if m and (child / COMMIT_MARKER).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found, reverse=True)
+
+
+def current_generation(directory: str | os.PathLike) -> int:
+    """The newest generation of workers that started on this checkpoint directory (0: none yet)."""
+    try:
+        return int((Path(directory) / GENERATION_FILE).read_text())
+    except FileNotFoundError:
+        return 0
+
+
+def _start_generation(directory: Path) -> int:
+    """Rank 0 of a new worker group: the next generation, made durable before any rank writes."""
+    generation = current_generation(directory) + 1
+    tmp = directory / f".{GENERATION_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{generation}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / GENERATION_FILE)
+    _fsync_dir(directory)
+    return generation
+
+
+class SaveFenced(RuntimeError):
+    """A newer generation of workers started while this save was in flight: it must not commit."""
 
 
 def _write_resume_step(directory: Path, step: int) -> None:
@@ -326,10 +362,11 @@ class CheckpointManager:
         self._writer: _AsyncWriter | None = None
         self.saved_step: int | None = None  # the newest step this manager saved (every rank knows it)
         self.last_save_s: float | None = None  # how long that save took, start to durable
+        self.generation = 0  # see Fencing; every rank learns rank 0's number below
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".tmp-step_*"):  # abandoned by a crash mid-save
-                shutil.rmtree(stale, ignore_errors=True)
+            self.generation = _start_generation(self.dir)
+            self._remove_older_saves()  # abandoned by a crash mid-save, or an older generation's
             if not resume_step_file(self.dir).exists():
                 newest = committed_checkpoints(self.dir)[:1]
                 _write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
@@ -337,8 +374,7 @@ class CheckpointManager:
             # A separate group: background-save collectives must not interleave with the training group's.
             group = dist.new_group(backend="gloo") if self.distributed else None
             self._writer = _make_async_writer(device, group, write_hook)
-        if self.distributed:
-            dist.barrier()  # no rank writes before the stale dirs are gone
+        self.generation = self._broadcast(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> None:
@@ -350,7 +386,7 @@ class CheckpointManager:
                 self._log(f"checkpoint at step {step} skipped: the save of step {self._inflight.step} is still in flight")
                 return
             self.wait()
-        tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        tmp = self.dir / f".tmp-{step_dir_name(step)}.g{self.generation}"
         self._emit("ckpt_start", step=step)
         try:
             if self.mode == "sync":
@@ -421,10 +457,16 @@ class CheckpointManager:
             marker = tmp / COMMIT_MARKER
             with open(marker, "w") as f:
                 json.dump({"step": step, "world_size": dist.get_world_size() if self.distributed else 1,
-                           "time": time.time()}, f)
+                           "generation": self.generation, "time": time.time()}, f)
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
+            newest = current_generation(self.dir)
+            if newest != self.generation:  # as late as it can be: between this check and the rename, microseconds
+                self._failed(step, tmp, SaveFenced(
+                    f"fenced: written by generation {self.generation}, and generation {newest} of the workers has "
+                    "started since; a newer worker group's checkpoints win"))
+                return
             if final.exists():  # same step saved again after a resume from an older checkpoint
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -433,9 +475,19 @@ class CheckpointManager:
         except OSError as err:
             self._failed(step, tmp, err)
             return
-        self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4))
+        self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4),
+                   generation=self.generation)
         for _, old in committed_checkpoints(self.dir)[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
+        self._remove_older_saves()
+
+    def _remove_older_saves(self) -> None:
+        """Rank 0: the `.tmp-` dirs of older generations (a crash's debris, a late writer's files). This
+        generation's own in-flight save, if any, is the one that just committed."""
+        for stale in self.dir.glob(".tmp-step_*"):
+            m = _TMP_DIR.match(stale.name)
+            if m and int(m.group("generation") or 0) < self.generation:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
         if self.rank != 0:

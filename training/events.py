@@ -23,8 +23,10 @@ depend on the event:
                                                    with peer state, peer_s: the same for node memory
   ckpt_start      step                             rank 0
   ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
-  ckpt_committed  step, path, seconds              rank 0: save visible; seconds from start to commit
-  ckpt_failed     step, error                      rank 0: the save is invisible, training goes on
+  ckpt_committed  step, path, seconds,             rank 0: save visible; seconds from start to commit;
+                  generation                       generation: the worker group's (training/checkpoint.py)
+  ckpt_failed     step, error                      rank 0: the save is invisible, training goes on (error
+                                                   starts with "fenced:" for a late save of an older generation)
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
   fault_injected  kind, rank, step, spec           the faulty rank, just before the fault fires; spec:
                                                    the fault spec as written (training/faults.py)

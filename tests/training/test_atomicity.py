@@ -30,8 +30,9 @@ def die(*args, **kwargs):
 if point == "write_data":     # shards half written (in async mode: in the background thread)
     real = dcp.FileSystemWriter.write_data
     def partial_write(self, plan, planner):
-        (m.dir / ".tmp-step_00000002").mkdir(exist_ok=True)
-        (m.dir / ".tmp-step_00000002" / "__0_0.distcp").write_bytes(b"half")
+        tmp = m.dir / f".tmp-step_00000002.g{m.generation}"
+        tmp.mkdir(exist_ok=True)
+        (tmp / "__0_0.distcp").write_bytes(b"half")
         die()
     dcp.FileSystemWriter.write_data = partial_write
 elif point == "finish":       # every shard written, DCP metadata not yet
@@ -50,7 +51,7 @@ def test_killed_mid_save_leaves_previous_checkpoint_newest(tmp_path, mode, point
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(directory), mode, point], cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert list(directory.glob(".tmp-step_00000002"))  # the interrupted save's debris
+    assert list(directory.glob(".tmp-step_00000002.g1"))  # the interrupted save's debris
     assert [step for step, _ in committed_checkpoints(directory)] == [1]
 
     manager = CheckpointManager(directory, mode="sync", keep=3)
