@@ -22,6 +22,15 @@ environment variable, comma-separated, added to the config's list at every worke
                                  to its launcher and SIGKILL after the grace period; every rank
                                  commits the step reached and leaves (training/drain.py), the node
                                  is replaced and the run resumes with no step lost
+    partition@50:node=1:duration=20  node 1's network link goes down halfway through step 50, for 20 s
+                                 (without duration: for good); its processes keep running and may
+                                 still reach the file system, as behind a failed NIC or switch port.
+                                 Every rank blocks in the next collective until NVRx's timeouts fire;
+                                 the survivors restart without it (a spare takes its place, or they
+                                 wait for it to come back or be replaced). Needs training.local
+                                 --netns, which plays the network (and Kubernetes: a node unreachable
+                                 for --replacement-delay seconds has its pod replaced on another
+                                 machine; its old processes are killed once the link is back)
     ckpt-crash@20:rank=1         rank 1 dies (SIGKILL) inside the first checkpoint save from step 20,
                                  after writing its shards and before the save commits (async mode:
                                  in the background writer); the restart loads the previous checkpoint
@@ -40,7 +49,7 @@ fires in the first save of a step >= STEP. Keys (each kind accepts its own, see 
 `rank` (global rank, default 0), `node` (the node index: the pod's JOB_COMPLETION_INDEX, which
 training.local sets too; else torchelastic's GROUP_RANK; a node fault takes node=N or rank=R, the
 node that runs rank R at that step, which after a hot spare took over is another node),
-`count` (saves that fail, default 1),
+`count` (saves that fail, default 1), `duration` (seconds a partition lasts; default: for good),
 and the flag `persistent` (exception, sigkill, hang, ckpt-crash).
 
 Once-per-run: before firing, the faulty rank records the fault durably (an fsynced file under
@@ -77,7 +86,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENV_VAR = "TRAINING_FAULTS"
-DRAIN_REQUEST_WAIT_S = 30.0  # a drain fault waits this long for the controller to start the drain
+CONTROLLER_WAIT_S = 30.0  # a drain or partition fault waits this long for the controller to act
 
 
 class FaultSpecError(ValueError):
@@ -96,12 +105,14 @@ class FaultSpec:
     rank: int | None = 0  # None for node faults
     node: int | None = None
     count: int = 1
+    duration: int | None = None  # partition: seconds until the link is back; None: for good
     persistent: bool = False
 
     @property
     def key(self) -> str:
         """A file-name-safe identity: the normalised spec."""
         options = [f"count={self.count}" if self.count != 1 else None,
+                   f"duration={self.duration}" if self.duration is not None else None,
                    f"node={self.node}" if self.node is not None else None,
                    "persistent" if self.persistent else None,
                    f"rank={self.rank}" if self.rank is not None else None]
@@ -160,25 +171,48 @@ def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
     threading.Thread(target=lose, name=f"fault {spec.text}", daemon=True).start()
 
 
-def _request_drain(spec: FaultSpec, ctx: FireContext) -> None:
-    """Ask whoever plays the kubelet (training.local's controller) to drain this node: drain marker,
-    SIGTERM to its launcher, SIGKILL after the grace period. This rank waits for the marker, so the
-    drain lands at this step or the next, as a fault should, not some polls later."""
-    requests = drain_requests_dir(ctx.run_dir)
+def _ask_controller(spec: FaultSpec, ctx: FireContext, done_marker: str | None, what: str, who: str) -> None:
+    """Ask whoever plays Kubernetes or the network (training.local's controller) to act on this node,
+    and wait until it says it did (`done_marker` exists), so the fault lands at this step or the next,
+    as a fault should, not some polls later."""
+    node = _target_node(spec)
+    requests = controller_requests_dir(ctx.run_dir, spec.kind)
     requests.mkdir(parents=True, exist_ok=True)
-    (requests / f"node{spec.node}").write_text(spec.text)
-    log.warning("fault %s: asked for node %s to be drained", spec.text, spec.node)
-    marker = os.environ.get(DRAIN_MARKER_ENV)
-    deadline = time.monotonic() + DRAIN_REQUEST_WAIT_S
-    while marker is not None and not os.path.exists(marker) and time.monotonic() < deadline:
+    (requests / f"node{node}").write_text(str(spec.duration or ""))
+    log.warning("fault %s: asked for node %s to be %s", spec.text, node, what)
+    deadline = time.monotonic() + CONTROLLER_WAIT_S
+    while done_marker is not None and not os.path.exists(done_marker) and time.monotonic() < deadline:
         time.sleep(0.01)
-    if marker is None or not os.path.exists(marker):
-        log.warning("fault %s: nobody drained node %s within %.0f s (only training.local plays the kubelet)",
-                    spec.text, spec.node, DRAIN_REQUEST_WAIT_S)
+    if done_marker is None or not os.path.exists(done_marker):
+        log.warning("fault %s: node %s was not %s within %.0f s (only %s does that)",
+                    spec.text, node, what, CONTROLLER_WAIT_S, who)
 
 
-def drain_requests_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "faults" / "drain-requests"
+def _target_node(spec: FaultSpec) -> int:
+    """The node a node fault acts on: the one it names, or this one (it named a rank running here)."""
+    return spec.node if spec.node is not None else node_index()
+
+
+def _request_drain(spec: FaultSpec, ctx: FireContext) -> None:
+    """Drain marker, SIGTERM to the node's launcher, SIGKILL after the grace period; the marker is the
+    pod's preStop hook's."""
+    _ask_controller(spec, ctx, os.environ.get(DRAIN_MARKER_ENV), "drained", "training.local plays the kubelet")
+
+
+def _request_partition(spec: FaultSpec, ctx: FireContext) -> None:
+    """The node's link goes down; this rank trains on into the next collective, which cannot finish."""
+    _ask_controller(spec, ctx, str(partitioned_marker(ctx.run_dir, _target_node(spec))), "cut off from the network",
+                    "training.local --netns plays the network")
+
+
+def controller_requests_dir(run_dir: str | os.PathLike, kind: str) -> Path:
+    """Where a rank asks the controller for a `kind` fault (drain, partition): one file per node."""
+    return Path(run_dir) / "faults" / f"{kind}-requests"
+
+
+def partitioned_marker(run_dir: str | os.PathLike, node: int) -> Path:
+    """Written by the controller once the node's link is down."""
+    return Path(run_dir) / "faults" / "partitioned" / f"node{node}"
 
 
 def _corrupt_newest_checkpoint(spec: FaultSpec, ctx: FireContext) -> None:
@@ -235,6 +269,8 @@ KINDS: dict[str, FaultKind] = {
     "node-loss": FaultKind("the node's pod is SIGKILLed halfway through the step", _NODE, at_step=_lose_node),
     "drain": FaultKind("the node is drained: SIGTERM to its launcher, SIGKILL after the grace period", _NODE,
                        at_step=_request_drain),
+    "partition": FaultKind("the node's network link goes down (for `duration` seconds, or for good); its "
+                           "processes keep running", _NODE | {"duration"}, at_step=_request_partition),
     "ckpt-crash": FaultKind("the rank dies while a checkpoint save is in flight", _RANK, _PERSISTENT,
                             in_write=_crash_mid_save),
     "corrupt-ckpt": FaultKind("the newest committed checkpoint is truncated, then the rank dies", _RANK,
@@ -246,7 +282,7 @@ KINDS: dict[str, FaultKind] = {
 
 # ---- parsing -----------------------------------------------------------------------------------
 _SPEC = re.compile(r"^(?P<kind>[a-z][a-z0-9-]*)@(?P<step>[^:]+)(?P<opts>(:[^:]*)*)$")
-_NUMBER_KEYS = {"rank": 0, "node": 0, "count": 1}  # key -> smallest allowed value
+_NUMBER_KEYS = {"rank": 0, "node": 0, "count": 1, "duration": 1}  # key -> smallest allowed value
 
 
 def _allowed() -> str:
@@ -273,7 +309,7 @@ def parse_fault(text: str) -> FaultSpec:
         if key in options:
             raise FaultSpecError(f"fault spec {text!r}: option {key!r} given twice")
         options[key] = value
-    if KINDS[kind].keys == _NODE:  # a node fault: the node with that index, or the one that runs that rank
+    if "node" in KINDS[kind].keys:  # a node fault: the node with that index, or the one that runs that rank
         if ("node" in options) == ("rank" in options):
             raise FaultSpecError(f"fault spec {text!r}: {kind} needs node=N (the node index) or rank=R (the node "
                                  "that runs rank R, wherever it is: after a hot spare took over, another node)")

@@ -31,6 +31,12 @@ as the Job and its podFailurePolicy would:
   grace period): the node is started again, not counted against --node-retries.
 It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
 "worker failed") and records them as fault_detected, so the report measures detection time.
+With --netns every node runs on its own emulated machine (training/netns.py: a network namespace
+with its own address and hostname, on a bridge; the store listens on the host's end), so their traffic
+crosses a network that a `partition` fault can cut. The controller then also plays the network and
+Kubernetes' node lifecycle: it takes the node's link down (and up again after the fault's duration); a
+node unreachable for --replacement-delay seconds has its pod replaced on a new machine, while the old
+pod's processes run on where they are, cut off, until the link is back and its kubelet kills them.
 Ctrl-C (or SIGTERM) stops every launcher and every process they started.
 """
 from __future__ import annotations
@@ -59,7 +65,9 @@ from training.fault_tolerance import (DRAIN_MARKER_ENV, drain_grace_period_s, la
                                       rendezvous_args, resume_step_file, store_command, worker_entrypoint)
 from training.launch import launch_command
 from training.peer_state import MEMORY_ENV
-from training.faults import FaultSpecError, drain_requests_dir, parse_faults, with_env_faults
+from training.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
+                             with_env_faults)
+from training.netns import Machine, NetworkUnavailable, VirtualNetwork
 from training.prefork import die_with_parent
 from training.report import ReportError, write_report
 
@@ -90,6 +98,16 @@ _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a proce
 
 
 @dataclass
+class Partition:
+    """A machine cut off from the network (monotonic times)."""
+    machine: Machine
+    node: int
+    since: float
+    until: float  # inf: for good
+    evicted: Node | None = None  # the pod that was replaced on another machine: its processes, left running
+
+
+@dataclass
 class Node:
     index: int
     log_path: Path
@@ -99,6 +117,7 @@ class Node:
     drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
     start_at: float | None = None  # replaced: the new launcher starts at this time (monotonic)
     joined: bool = False  # its launcher was given an active rank at least once
+    machine: Machine | None = None  # with --netns: the emulated machine its pod runs on
     active: bool = False  # its launcher's last rendezvous round made it train
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
@@ -130,7 +149,8 @@ class Node:
 
 class Cluster:
     def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
-                 node_retries: int, spares: int = 0, replacement_delay_s: float = 0.0) -> None:
+                 node_retries: int, spares: int = 0, replacement_delay_s: float = 0.0,
+                 network: VirtualNetwork | None = None) -> None:
         self.cfg, self.config_path = cfg, config_path
         self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
         self.training_nodes, self.spares, self.replacement_delay_s = nodes, spares, replacement_delay_s
@@ -138,6 +158,9 @@ class Cluster:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
+        self.network = network
+        self.store_host = network.host_address if network else "127.0.0.1"
+        self.partitions: list[Partition] = []
         self.new_rendezvous()
         self.store: psutil.Popen | None = None
         # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
@@ -168,8 +191,9 @@ class Cluster:
             *launch_command(str(self.config_path)),
             *launcher_wrapper(ft, sys.executable),
             str(Path(sys.executable).parent / "ft_launcher"),
-            *rendezvous_args(self.cfg.fault_tolerance, f"127.0.0.1:{self.store_port}", self.run_id,
+            *rendezvous_args(self.cfg.fault_tolerance, f"{self.store_host}:{self.store_port}", self.run_id,
                              self.training_nodes, self.spares),
+            *([f"--local-addr={node.machine.address}"] if node.machine else []),  # what its peers dial
             f"--nproc-per-node={self.nproc_per_node}",
             "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
             *launcher_ft_args(ft, str(resume_step_file(self.cfg.checkpoint_dir))),
@@ -177,25 +201,34 @@ class Cluster:
         ]
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-                "PYTHONUNBUFFERED": "1",
-                # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
-                # simulation; every node here is on localhost
-                "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               "PYTHONUNBUFFERED": "1"}
+        if self.network is None:
+            # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
+            # simulation; every node here is on localhost
+            env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
+        return env
 
     def start(self, node: Node) -> None:
         memory = self.memory_root / f"node{node.index}"
         shutil.rmtree(memory, ignore_errors=True)  # a new pod's memory is empty
         env = {**self.env(), "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
                DRAIN_MARKER_ENV: str(self.drain_marker(node)), MEMORY_ENV: str(memory)}
-        self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained
+        self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained, nor cut off
+        partitioned_marker(self.run_dir, node.index).unlink(missing_ok=True)
         node.start_at = None
+        if self.network is not None and (node.machine is None or self.partition_of(node.machine) is not None):
+            # a new pod lands on a new machine: the scheduler avoids one that is unreachable
+            node.machine = self.network.add_machine(f"node{node.index}-m{len(self.network.machines)}")
+        command = self.launcher_command(node)
+        if self.network is not None and node.machine is not None:
+            command = self.network.command(node.machine, command)
         if self.cfg.fault_tolerance.restart != "injob":
             # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         with node.log_path.open("ab") as log_file:
-            node.proc = psutil.Popen(self.launcher_command(node), cwd=REPO_ROOT, env=env, stdout=log_file,
+            node.proc = psutil.Popen(command, cwd=REPO_ROOT, env=env, stdout=log_file,
                                      stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
                                      # a killed controller leaves no cluster behind: the launcher
                                      # gets SIGTERM and stops its own workers
@@ -218,6 +251,11 @@ class Cluster:
         finally:
             self.stop_all()
             self.stop_store()
+            for partition in self.partitions:
+                if partition.evicted is not None:
+                    self.kill_node(partition.evicted)
+            if self.network is not None:
+                self.network.close()
             shutil.rmtree(self.memory_root, ignore_errors=True)
             for node in self.nodes:
                 self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
@@ -232,6 +270,7 @@ class Cluster:
                 node.refresh_descendants()
                 self.read_output(node, detect=True)
             self.serve_drains()
+            self.serve_partitions()
             for node in self.nodes:
                 if node.start_at is not None and time.monotonic() >= node.start_at:
                     self.start(node)
@@ -264,12 +303,19 @@ class Cluster:
                 return 1
             elif not self.replace(node, rc):
                 return 1
-        return 0 if all(n.done for n in self.nodes) else None
+        # A node cut off from the network cannot hear that the run completed: it is stopped with the rest
+        # (on EKS its pod goes when the Job is deleted, or with a successPolicy as the Job succeeds).
+        if any(n.done for n in self.nodes) and all(n.done or self.cut_off(n) for n in self.nodes):
+            return 0
+        return None
+
+    def cut_off(self, node: Node) -> bool:
+        return node.machine is not None and self.partition_of(node.machine) is not None
 
     def serve_drains(self) -> None:
         """Play the kubelet for the drains that `drain` faults ask for: SIGTERM to the node's launcher
         (a pod's PID 1), SIGKILL of all it started once the grace period is over."""
-        for request in sorted(drain_requests_dir(self.run_dir).glob("node*")):
+        for request in sorted(controller_requests_dir(self.run_dir, "drain").glob("node*")):
             node = self.nodes[int(request.name.removeprefix("node"))]
             request.unlink()
             if node.proc is None or node.proc.poll() is not None or node.drain_deadline is not None:
@@ -287,6 +333,61 @@ class Cluster:
             if node.drain_deadline is not None and time.monotonic() > node.drain_deadline:
                 self.say(f"node {node.index} outlived its grace period: SIGKILL")
                 self.kill_node(node)
+
+    def serve_partitions(self) -> None:
+        """Play the network and Kubernetes' node lifecycle for `partition` faults: take a node's link down
+        when asked; replace the pod of a node unreachable for --replacement-delay seconds on a new machine
+        (the Job replaces a pod that the taint manager evicts; the old one runs on, cut off); when the
+        link is back, the old pod's kubelet learns it was deleted and kills its processes."""
+        now = time.monotonic()
+        for request in sorted(controller_requests_dir(self.run_dir, "partition").glob("node*")):
+            node = self.nodes[int(request.name.removeprefix("node"))]
+            duration = request.read_text().strip()
+            request.unlink()
+            if self.network is None or node.machine is None or self.partition_of(node.machine) is not None:
+                continue
+            self.network.set_link(node.machine, up=False)
+            until = now + float(duration) if duration else float("inf")
+            self.partitions.append(Partition(node.machine, node.index, now, until))
+            marker = partitioned_marker(self.run_dir, node.index)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            self.say(f"node {node.index} ({node.machine.hostname}, {node.machine.address}) is cut off from the "
+                     f"network {f'for {duration} s' if duration else 'for good'}")
+        for partition in self.partitions:
+            node = self.nodes[partition.node]
+            if (partition.evicted is None and node.machine is partition.machine and node.start_at is None
+                    and now - partition.since >= self.replacement_delay_s and partition.until > now):
+                self.evict(node, partition, unreachable_s=now - partition.since)
+            if partition.until <= now:
+                self.heal(partition)
+        self.partitions = [p for p in self.partitions if p.until > now]
+
+    def partition_of(self, machine: Machine) -> Partition | None:
+        return next((p for p in self.partitions if p.machine is machine), None)
+
+    def evict(self, node: Node, partition: Partition, unreachable_s: float) -> None:
+        """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
+        node.refresh_descendants()
+        partition.evicted = Node(node.index, node.log_path, proc=node.proc, descendants=node.descendants)
+        node.proc, node.descendants, node.active = None, [], False
+        detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
+                  "machine; the old pod's processes run on, cut off")
+        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        self._attempts += 1
+        self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
+        self.events.emit("restart", attempt=self._attempts, restart_kind="node")
+        self.say(detail)
+        node.start_at = time.monotonic()
+
+    def heal(self, partition: Partition) -> None:
+        assert self.network is not None
+        self.network.set_link(partition.machine, up=True)
+        partitioned_marker(self.run_dir, partition.node).unlink(missing_ok=True)
+        self.say(f"node {partition.node}'s old machine {partition.machine.hostname} is back on the network"
+                 + ("; its kubelet kills the evicted pod's processes" if partition.evicted else ""))
+        if partition.evicted is not None:
+            self.kill_node(partition.evicted)
 
     def drain_marker(self, node: Node) -> Path:
         return self.run_dir / "drain" / f"node{node.index}"
@@ -436,7 +537,9 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
         overrides.append("faults=[" + ",".join(specs) + "]")
     cfg = with_env_faults(load_train_config(args.config, overrides))
-    parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
+    specs = parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
+    if not args.netns and any(spec.kind == "partition" for spec in specs):
+        raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -454,6 +557,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
                    help="from a node's loss to its replacement's start: Kubernetes' part of a node replacement "
                    "(default 0; bench/projection.py has EKS's)")
+    p.add_argument("--netns", action="store_true", help="each node on its own emulated machine: a network "
+                   "namespace with its own address and hostname (needs root and iproute2); partition faults need it")
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="training.steps (default: the config's; demo: 200)")
     p.add_argument("--run-dir", default=None, help="default: runs/local-<time>")
@@ -486,8 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainConfigError, FaultSpecError, OSError) as err:
         print(f"training.local: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
+    try:
+        network = VirtualNetwork() if args.netns else None
+    except NetworkUnavailable as err:
+        print(f"training.local: --netns: {err}", file=sys.stderr)
+        return CONFIG_ERROR
     cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
-                      args.replacement_delay)
+                      args.replacement_delay, network)
     signal.signal(signal.SIGINT, cluster.request_stop)
     signal.signal(signal.SIGTERM, cluster.request_stop)
     spares = f" + {args.spares} spare(s)" if args.spares else ""

@@ -19,7 +19,8 @@ from training.exit_codes import NO_PROGRESS
 from training.faults import ENV_VAR, FaultInjected, FaultInjector, FaultSpecError, parse_fault, parse_faults, \
     with_env_faults
 from training.report import build_report
-from training_helpers import assert_bitwise_equal, completed, events_named, load_final_state, run_local
+from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed,
+                              events_named, load_final_state, run_local)
 
 # ---- specs and the injector, in-process ---------------------------------------------------------
 
@@ -27,6 +28,8 @@ from training_helpers import assert_bitwise_equal, completed, events_named, load
 @pytest.mark.parametrize("text, key", [
     ("hang@12:rank=1", "hang@12_rank=1"),
     ("node-loss@5:node=0", "node-loss@5_node=0"),
+    ("partition@5:node=1:duration=20", "partition@5_duration=20_node=1"),
+    ("partition@5:rank=3", "partition@5_rank=3"),
     ("ckpt-crash@10:rank=1", "ckpt-crash@10_rank=1"),
     ("corrupt-ckpt@13", "corrupt-ckpt@13_rank=0"),
     ("disk-full@8:count=2", "disk-full@8_count=2_rank=0"),
@@ -40,6 +43,9 @@ def test_new_kinds_parse(text, key):
     ("node-loss@5", "node-loss needs node=N"),
     ("node-loss@5:rank=1:node=1", "node-loss needs node=N (the node index) or rank=R"),
     ("drain@5:count=2", "unknown option 'count' for drain"),
+    ("partition@5", "partition needs node=N"),
+    ("partition@5:node=1:duration=0", "duration='0' is not a whole number, at least 1"),
+    ("drain@5:node=1:duration=3", "unknown option 'duration' for drain"),
     ("disk-full@5:count=0", "count='0' is not a whole number, at least 1"),
     ("hang@5:persistent=yes", "persistent is a flag and takes no value"),
     ("corrupt-ckpt@5:persistent", "unknown option 'persistent' for corrupt-ckpt"),
@@ -98,16 +104,8 @@ def test_persistent_fault_fires_on_every_attempt(tmp_path):
 
 # ---- the matrix in the local cluster -------------------------------------------------------------
 
-STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
 REPLACEMENT_DELAY_S = 30  # with a hot spare: far longer than the spare needs to take over
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
-COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
-          "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
-          # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
-          "fault_tolerance.timeout_safety_factor=50")
-# Both shapes have world size 2 with the same shards: one uninterrupted run is the reference of all.
-ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
-TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")
 
 
 @dataclass(frozen=True)
@@ -148,11 +146,6 @@ CASES = {
 # step was quicker than the last), not at the checkpoint of step 10.
 PEER_CASES = {name: Case((*TWO_NODES, "--spares", "1"), "sync", f"node-loss@12:node={node}", None, PEER_STATE)
               for name, node in (("peer-state", 1), ("peer-state-node-0", 0))}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,134 @@
+"""A node cut off from the network, not dead: each emulated node on its own machine (a network namespace,
+training/netns.py), a `partition` fault takes its link down. The survivors detect it through NVRx's
+timeouts, the job recovers and resumes exactly; when the link comes back, the old node's ranks do not
+carry on as if nothing happened."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from training.events import read_events
+from training.netns import VirtualNetwork, unavailable_reason
+from training.report import build_report
+from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named,
+                              load_final_state, run_local)
+
+NO_NETNS = unavailable_reason()
+pytestmark = pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces unavailable: {NO_NETNS}")
+
+_SERVE = "import socket; s = socket.create_server(('0.0.0.0', 7000)); c, _ = s.accept(); c.sendall(b'hello'); c.close()"
+_RESOLVE = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
+
+
+def _on(network: VirtualNetwork, machine, code: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(network.command(machine, [sys.executable, "-c", code]), capture_output=True, text=True,
+                          timeout=30, **kwargs)
+
+
+def _fetch(network: VirtualNetwork, client, server_address: str, timeout: float) -> str:
+    code = (f"import socket; s = socket.create_connection(('{server_address}', 7000), timeout={timeout}); "
+            "print(s.recv(5).decode())")
+    return _on(network, client, code).stdout.strip()
+
+
+def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
+    network = VirtualNetwork()
+    try:
+        a, b = network.add_machine("node0-m0"), network.add_machine("node1-m1")
+        assert _on(network, a, _RESOLVE).stdout.split() == ["node0-m0", a.address]  # as in a pod
+        assert socket.gethostname() not in ("node0-m0", "node1-m1")  # the host's name is untouched
+
+        server = subprocess.Popen(network.command(a, [sys.executable, "-c", _SERVE]))
+        time.sleep(1)
+        network.set_link(a, up=False)
+        assert _fetch(network, b, a.address, timeout=2) == ""  # cut off: the connection times out
+        network.set_link(a, up=True)
+        assert _fetch(network, b, a.address, timeout=10) == "hello"
+        server.wait(timeout=10)
+    finally:
+        network.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert a.namespace not in listed and b.namespace not in listed
+
+
+def test_without_netns_a_partition_fault_is_refused(tmp_path):
+    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", "5", "--faults", "partition@3:node=1")
+    assert run.returncode != 0 and "partition faults need --netns" in run.output
+
+
+# Each case: (arguments, fault). The node is cut off halfway into step 12; NVRx's step-section timeout
+# (max observed x 50, several seconds) stops every rank; the restart resumes at the checkpoint of step 10.
+CASES = {
+    # for good; the spare (node 2) takes node 1's place long before the pod would be replaced
+    "spare": (("--spares", "1", "--replacement-delay", "60"), "partition@12:node=1"),
+    # back after 20 s, before Kubernetes would replace the pod: node 1 rejoins with new ranks
+    "heals": (("--replacement-delay", "60",), "partition@12:node=1:duration=20"),
+    # unreachable for 2 s: its pod is replaced on a new machine; the old one is back at 6 s, and its
+    # processes, left running all along, are killed then (the survivors' collectives fail on it)
+    "evicted": (("--replacement-delay", "2",), "partition@12:node=1:duration=6"),
+}
+DETECTED_BY_NVRX = ("spare", "heals")  # evicted: the controller's eviction comes first
+
+
+@pytest.fixture(scope="module")
+def partition_run(tmp_path_factory):
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            extra, spec = CASES[name]
+            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", "--netns", *TWO_NODES, *extra,
+                                             *COMMON, "checkpoint.mode=sync", "--faults", spec, timeout=300))
+        return runs[name]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_partitioned_node_is_detected_and_the_run_resumes_exactly(name, partition_run, reference, scratch):
+    run = partition_run(name)
+    [injected] = events_named(run.run_dir, "fault_injected")
+    first = min((e for e in events_named(run.run_dir, "fault_detected") if e["t"] > injected["t"]), key=lambda e: e["t"])
+    if name in DETECTED_BY_NVRX:
+        assert first["by"].startswith("nvrx rank monitor") and "Section 'step' has been open" in first["detail"]
+    assert first["t"] - injected["t"] < COLLECTIVE_TIMEOUT_S  # not gloo's timeout
+    assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, 10]
+    [fault] = build_report(read_events(run.run_dir)).faults[:1]
+    assert fault.kind == "partition" and fault.resumed_from == 10 and 0 < fault.detection_s < fault.recovery_s
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+def _generations(run) -> list[int]:
+    return [e["generation"] for e in events_named(run.run_dir, "ckpt_committed")]
+
+
+@pytest.mark.slow
+def test_a_healed_node_rejoins_with_new_ranks_not_its_old_ones(partition_run):
+    run = partition_run("heals")
+    gens = _generations(run)
+    assert gens == sorted(gens) and gens[0] < gens[-1]  # every save after the partition: a newer worker group
+    log = (run.run_dir / "logs" / "node1.log").read_text()
+    assert log.count("Assigned active rank") >= 2  # node 1's launcher joined a second round, with new workers
+    assert not events_named(run.run_dir, "node_replaced")  # back before Kubernetes would have replaced it
+    assert "node 1's old machine node1-m1 is back on the network" in run.output
+
+
+@pytest.mark.slow
+def test_an_evicted_nodes_old_processes_are_killed_when_its_link_comes_back(partition_run):
+    run = partition_run("evicted")
+    [replaced] = events_named(run.run_dir, "node_replaced")
+    assert replaced["node"] == 1
+    assert "kills the evicted pod's processes" in run.output
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run.run_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.slow
+def test_a_spare_takes_a_cut_off_nodes_place(partition_run):
+    run = partition_run("spare")
+    assert "Assigned active rank" in (run.run_dir / "logs" / "node2.log").read_text()
+    assert not events_named(run.run_dir, "node_replaced")  # no Kubernetes replacement was needed
