@@ -319,8 +319,8 @@ class TrainingChart(Chart):
                        labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
                        body={"immutable": True, "data": f.data})
         # Ingress only from the job's own pods (the ranks' c10d store, NCCL bootstrap sockets);
-        # EFA traffic bypasses the kernel and is not subject to it. Enforced where the VPC CNI's
-        # network policy agent is on; egress stays open (FSx, ECR, S3).
+        # EFA traffic bypasses the kernel and is not subject to it. Enforced by the VPC CNI add-on's network
+        # policy agent (enableNetworkPolicy, infra/cluster.py); egress stays open (FSx, ECR, S3).
         pods = {"matchLabels": _pod_labels(job)}
         api_object(self, "network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
                    name=job.name, namespace=ns, body={"spec": {
