@@ -6,6 +6,6 @@ from infra.config import PlatformConfig
 from infra.platform import build_platform
 
 app = cdk.App()
-config = PlatformConfig.from_context(app.node.try_get_context)
+config = PlatformConfig.from_cdk_context(app.node.get_all_context())
 build_platform(app, config)
 app.synth()

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from aws_cdk import RemovalPolicy, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_iam as iam, aws_kms as kms
+from aws_cdk import Annotations, RemovalPolicy, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_kms as kms
 from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
 from constructs import Construct
 
 from infra.config import SYSTEM_NODE_LABEL
+from infra.device_plugins import GPU_TOLERATIONS
 from infra.nag import acknowledge, acknowledge_node_role, managed_policy_rule
 
 # kubectl talks to a control plane one minor version older or newer than itself (version skew policy).
@@ -23,26 +24,39 @@ KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
 # versions (the running one and the next) beside the add-ons' images.
 SYSTEM_ROOT_VOLUME_GIB = 200
 
-# The FSx CSI controller's service account, as the EKS add-on names it.
-FSX_CSI_SERVICE_ACCOUNT = "fsx-csi-controller-sa"
-
+OPEN_CIDR = "0.0.0.0/0"
 
 @dataclass(frozen=True)
 class AddonSpec:
     name: str
-    service_account: str | None = None  # given: the add-on gets a Pod Identity role for it
-    managed_policies: tuple[str, ...] = ()  # on that role
+    # Pinned per Kubernetes minor version, as the device-plugin charts are: an add-on upgrade is a
+    # reviewed change, not whatever EKS defaults to on the day of a redeploy.
+    versions: Mapping[str, str]
+    configuration: Mapping[str, Any] | None = None  # the add-on's configuration values (its Helm values)
 
 
-# Networking, DNS, Pod Identity, the FSx CSI driver (static PV on Lustre), and the node monitoring
-# agent that feeds node auto repair on the GPU node group.
+def _same_version(version: str) -> dict[str, str]:
+    return dict.fromkeys(KUBECTL_LAYERS, version)
+
+
+# Versions from the EKS user guide's add-on pages (managing-vpc-cni, managing-coredns, managing-kube-proxy,
+# Nov 2025) and the node monitoring agent's chart (aws/eks-node-monitoring-agent v1.7.0); check one with
+# `aws eks describe-addon-versions --addon-name NAME --kubernetes-version 1.34`.
 ADDONS = (
-    AddonSpec("vpc-cni"),
-    AddonSpec("coredns"),
-    AddonSpec("kube-proxy"),
-    AddonSpec("eks-pod-identity-agent"),
-    AddonSpec("aws-fsx-csi-driver", service_account=FSX_CSI_SERVICE_ACCOUNT, managed_policies=("AmazonFSxFullAccess",)),
-    AddonSpec("eks-node-monitoring-agent"),
+    # 1.18.5 or later: EFA-only interfaces. enableNetworkPolicy starts the network policy agent, without
+    # which the Job's NetworkPolicies are accepted and silently not enforced.
+    AddonSpec("vpc-cni", _same_version("v1.20.1-eksbuild.3"), {"enableNetworkPolicy": "true"}),
+    AddonSpec("coredns", _same_version("v1.12.4-eksbuild.1")),
+    AddonSpec("kube-proxy", {"1.33": "v1.33.5-eksbuild.2", "1.34": "v1.34.1-eksbuild.2"}),
+    AddonSpec("eks-pod-identity-agent", _same_version("v1.3.8-eksbuild.2")),
+    # No IAM role: the checkpoint volume is a static PV, which the driver only mounts (Lustre client on
+    # the node); FSx API calls serve dynamic provisioning, resizing and deletion, which nothing here
+    # asks for. AmazonFSxFullAccess would let a compromised controller delete the checkpoints.
+    AddonSpec("aws-fsx-csi-driver", _same_version("v1.7.0-eksbuild.1")),
+    # Its DCGM DaemonSet tolerates nothing by default (chart values: dcgmAgent.tolerations: []): without
+    # the GPU taint's toleration no GPU diagnostics run on the GPU nodes, the only nodes with GPUs.
+    AddonSpec("eks-node-monitoring-agent", _same_version("v1.7.0-eksbuild.1"),
+              {"dcgmAgent": {"tolerations": GPU_TOLERATIONS}}),
 )
 
 
@@ -88,6 +102,19 @@ class EksCluster(Construct):
             # The platform writes its own UpdateKubeconfigCommand output under a fixed key.
             output_config_command=False,
         )
+        if OPEN_CIDR in props.api_allowed_cidrs:
+            Annotations.of(self.cluster).add_warning_v2(
+                "platform:open-api-endpoint",
+                f"apiAllowedCidrs contains {OPEN_CIDR}: the Kubernetes API endpoint of {props.cluster_name} is "
+                "reachable from the whole internet (IAM still authenticates every call); set apiAllowedCidrs to "
+                "your networks, e.g. -c apiAllowedCidrs=203.0.113.0/24",
+            )
+        if not props.admin_role_arn:
+            Annotations.of(self.cluster).add_warning_v2(
+                "platform:no-admin-role",
+                "adminRoleArn is not set: the cluster gets no access entry for you, and `kubectl` with the "
+                "UpdateKubeconfigCommand output answers Unauthorized; set -c adminRoleArn=<your role ARN>",
+            )
         if props.admin_role_arn:
             self.cluster.grant_access(
                 "AdminAccess",
@@ -113,37 +140,17 @@ class EksCluster(Construct):
             labels={SYSTEM_NODE_LABEL: "true"},
         )
         for spec in ADDONS:
-            self._add_addon(spec)
+            self._add_addon(spec, props.kubernetes_version)
         self._acknowledge_findings()
 
-    def _add_addon(self, spec: AddonSpec) -> None:
-        associations = None
-        if spec.service_account:
-            role = iam.Role(
-                self,
-                f"{spec.name}-role",
-                description=f"Pod Identity role of the {spec.name} add-on",
-                assumed_by=iam.SessionTagsPrincipal(iam.ServicePrincipal("pods.eks.amazonaws.com")),
-                managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(p) for p in spec.managed_policies],
-            )
-            for policy in spec.managed_policies:
-                acknowledge(
-                    role,
-                    managed_policy_rule(policy),
-                    f"{policy} is the policy EKS documents for the {spec.name} add-on; AWS keeps it in step "
-                    "with the calls the add-on makes.",
-                )
-            associations = [
-                eks.CfnAddon.PodIdentityAssociationProperty(
-                    role_arn=role.role_arn, service_account=spec.service_account
-                )
-            ]
+    def _add_addon(self, spec: AddonSpec, kubernetes_version: str) -> None:
         addon = eks.CfnAddon(
             self,
             spec.name,
             addon_name=spec.name,
+            addon_version=spec.versions[kubernetes_version],
             cluster_name=self.cluster.cluster_name,
-            pod_identity_associations=associations,
+            configuration_values=json.dumps(spec.configuration) if spec.configuration else None,
             # EKS bootstrapped self-managed vpc-cni/coredns/kube-proxy; the managed add-ons take them over.
             resolve_conflicts="OVERWRITE",
         )

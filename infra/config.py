@@ -40,6 +40,9 @@ _REGION = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
 _IMAGE_URI = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w.-]+|@sha256:[0-9a-f]{64})$")
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _DAILY_TIME = re.compile(r"^([01]\d|2[0-3]):[0-5]\d$")
+_PLACEMENT_GROUP = re.compile(r"^[\w.+=@,:-]{1,255}$")
+# A platform key is camelCase; CDK's own keys carry a ':' or '/' (aws:cdk:…, @aws-cdk/…) or a '-'.
+_CAMEL_CASE = re.compile(r"^[a-z][a-zA-Z0-9]*$")
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,9 @@ class PlatformConfig:
     gpu_nodes_spare: int | None = None
     capacity_type: str = "on-demand"
     capacity_reservation_id: str | None = None
+    # The cluster placement group an EFA reservation was made in (capacity-reservation only): its
+    # instances must launch into it. None with on-demand: the node group creates its own.
+    placement_group_name: str | None = None
     system_instance_type: str = "m6i.xlarge"
     system_nodes: int = 2
     fsx_storage_gib: int = 1200
@@ -93,6 +99,8 @@ class PlatformConfig:
         rendezvous round instead of waiting minutes for a replacement node to boot."""
         if self.gpu_nodes_spare is not None:
             return self.gpu_nodes_spare
+        if self.gpu_nodes_desired == 0:  # a capacity-block group waiting for its block: nothing runs
+            return 0
         return 1 if self.gpu_nodes_desired + 1 <= self.gpu_nodes_max else 0
 
     @property
@@ -129,6 +137,13 @@ class PlatformConfig:
             if raw is not None:
                 values[f.name] = _coerce(key, raw, _value_type(hints[f.name]))
         return cls(**values)
+
+    @classmethod
+    def from_cdk_context(cls, context: Mapping[str, Any]) -> "PlatformConfig":
+        """Build from the whole CDK context (`app.node.get_all_context()`), rejecting camelCase keys that
+        are not config keys (`-c gpuNodeMin=3` must not synthesize with the default). CDK's own keys
+        (`aws:cdk:…`, `aws-cdk:…`, `@aws-cdk/…`, lookups such as `availability-zones:…`) pass by."""
+        return cls.from_context({k: v for k, v in context.items() if _CAMEL_CASE.match(k)})
 
     def to_context(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -190,9 +205,15 @@ def _validate(c: PlatformConfig) -> None:
         fail("kubernetes_version", c.kubernetes_version, f"one of {list(KUBERNETES_VERSIONS)}")
     if c.gpu_instance_type not in INSTANCE_TYPES:
         fail("gpu_instance_type", c.gpu_instance_type, f"one of {sorted(INSTANCE_TYPES)}")
-    for key in ("gpu_nodes_min", "gpu_nodes_desired", "gpu_nodes_max"):
-        if getattr(c, key) < 1:
-            fail(key, getattr(c, key), "at least 1 (a GPU node group of zero nodes trains nothing)")
+    if c.gpu_nodes_max < 1:
+        fail("gpu_nodes_max", c.gpu_nodes_max, "at least 1 (a GPU node group of zero nodes trains nothing)")
+    # A capacity-block group is created (and upgraded) at 0 nodes before its block is active (EKS user
+    # guide, "Create a managed node group with Capacity Blocks for ML"); other groups train from the start.
+    lowest = 0 if c.capacity_type == "capacity-block" else 1
+    for key in ("gpu_nodes_min", "gpu_nodes_desired"):
+        if getattr(c, key) < lowest:
+            fail(key, getattr(c, key), "at least 1 (0 only with capacityType=capacity-block, whose group "
+                                       "waits at 0 nodes for its block)")
     if not c.gpu_nodes_min <= c.gpu_nodes_desired <= c.gpu_nodes_max:
         raise ConfigError(
             f"GPU node counts must satisfy gpuNodesMin <= gpuNodesDesired <= gpuNodesMax; got "
@@ -201,6 +222,8 @@ def _validate(c: PlatformConfig) -> None:
     if c.gpu_nodes_spare is not None and c.gpu_nodes_spare < 0:
         fail("gpu_nodes_spare", c.gpu_nodes_spare,
              "0 or more hot spare nodes, or leave it unset (1 where gpuNodesMax allows)")
+    if c.gpu_nodes_desired == 0 and c.spare_nodes:
+        fail("gpu_nodes_spare", c.gpu_nodes_spare, "0 while gpuNodesDesired=0 (no node runs before the block is active)")
     if c.gpu_nodes_running > c.gpu_nodes_max:
         raise ConfigError(
             f"gpuNodesSpare={c.gpu_nodes_spare} does not fit: gpuNodesDesired + gpuNodesSpare = {c.gpu_nodes_running} "
@@ -216,6 +239,14 @@ def _validate(c: PlatformConfig) -> None:
     elif c.capacity_reservation_id is not None:
         fail("capacity_reservation_id", c.capacity_reservation_id,
              "only with capacityType capacity-reservation or capacity-block")
+    if c.placement_group_name is not None:
+        if c.capacity_type != "capacity-reservation":
+            fail("placement_group_name", c.placement_group_name,
+                 "only with capacityType=capacity-reservation (on-demand nodes get a placement group of their own; "
+                 "EC2 places a capacity block itself)")
+        if not _PLACEMENT_GROUP.match(c.placement_group_name):
+            fail("placement_group_name", c.placement_group_name, "a placement group name: letters, digits and ._+=@,:- "
+                                                                 "up to 255 characters")
     if c.system_nodes < 1:
         fail("system_nodes", c.system_nodes, "at least 1 (add-ons need a node)")
     if not (c.fsx_storage_gib == 1200 or (c.fsx_storage_gib > 0 and c.fsx_storage_gib % 2400 == 0)):
@@ -243,6 +274,10 @@ def _validate(c: PlatformConfig) -> None:
             fail("api_allowed_cidrs", cidr, "IPv4 CIDRs such as 203.0.113.0/24 (host bits zero)")
         if network.version != 4:
             fail("api_allowed_cidrs", cidr, "IPv4 CIDRs (the EKS public endpoint takes IPv4)")
+    if c.account is not None and c.admin_role_arn is None:
+        fail("admin_role_arn", None, f"an IAM role ARN with account={c.account}: CloudFormation's execution role "
+                                     "creates the cluster, so without an access entry for your role `kubectl` gets "
+                                     "Unauthorized (e.g. -c adminRoleArn=arn:aws:iam::<account>:role/Admin)")
     if c.admin_role_arn is not None and not _ROLE_ARN.match(c.admin_role_arn):
         fail("admin_role_arn", c.admin_role_arn, "an IAM role ARN like arn:aws:iam::123456789012:role/Admin")
     if c.image_uri is not None and not _IMAGE_URI.match(c.image_uri):

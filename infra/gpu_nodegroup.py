@@ -10,6 +10,17 @@ from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 from infra.instances import InstanceFacts
 from infra.nag import acknowledge_node_role
 
+# Node auto repair acts on what the node monitoring agent reports (aws/eks-node-monitoring-agent,
+# monitors/nvidia/dcgm/dcgm_policies.go): a well-known XID sets AcceleratedHardwareReady false with
+# reason NvidiaXID<n>Error, and EKS reboots or replaces the node 10 minutes later (EKS user guide,
+# "Detect node health issues"). XID 13, 31 and 43 (graphics exception, MMU fault, channel stopped), the
+# XIDs a bad kernel or an out-of-bounds access in the training code raises, are not well-known: they
+# are only events and never repair a node. XID 109 (context switch timeout) is well-known, yet NVIDIA's
+# XID catalog lists a user application hang among its causes: the job's own restart handles it, and a
+# real fault shows up again in DCGM diagnostics or as another XID.
+APPLICATION_XID_OVERRIDES = (109,)
+REPAIR_WAIT_MINUTES = 10  # the EKS default delay; an override must state every field
+
 ROOT_VOLUME_GIB = 200  # OS and kubelet only: images and pod scratch live on the NVMe RAID0
 _HUGEPAGES_PER_GIB = 512  # 2 MiB pages
 
@@ -37,6 +48,7 @@ class GpuNodegroupProps:
     max_size: int
     capacity_type: str  # one of infra.config.CAPACITY_TYPES
     capacity_reservation_id: str | None
+    placement_group_name: str | None  # the reservation's cluster placement group (capacity-reservation)
 
 
 class GpuNodegroup(Construct):
@@ -50,13 +62,16 @@ class GpuNodegroup(Construct):
         super().__init__(scope, construct_id)
         reserved = props.capacity_reservation_id is not None
         capacity_block = props.capacity_type == "capacity-block"
-        # A reservation or capacity block already fixes where the instances are; a placement group
-        # on top of it can only make launches fail.
+        # On demand: a cluster placement group of our own. A reservation made for EFA lives in a cluster
+        # placement group and its instances must launch into that group (placementGroupName); EC2
+        # places a capacity block itself.
         self.placement_group = None
+        placement_group_name = props.placement_group_name
         if not reserved:
             self.placement_group = ec2.PlacementGroup(
                 self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER
             )
+            placement_group_name = self.placement_group.placement_group_name
         self.launch_template = ec2.CfnLaunchTemplate(
             self,
             "LaunchTemplate",
@@ -81,8 +96,8 @@ class GpuNodegroup(Construct):
                 ],
                 user_data=Fn.base64(_user_data(props.instance).render()),
                 placement=(
-                    ec2.CfnLaunchTemplate.PlacementProperty(group_name=self.placement_group.placement_group_name)
-                    if self.placement_group
+                    ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group_name)
+                    if placement_group_name
                     else None
                 ),
                 capacity_reservation_specification=(
@@ -120,7 +135,22 @@ class GpuNodegroup(Construct):
             taints=[eks.TaintSpec(key=GPU_TAINT_KEY, value="true", effect=eks.TaintEffect.NO_SCHEDULE)],
             # Replaces nodes whose GPUs or network the node monitoring agent reports unhealthy.
             enable_node_auto_repair=True,
+            # One node at a time: a launch-template change recycles every GPU node.
+            max_unavailable=1,
         )
+        cfn = self.nodegroup.node.default_child
+        # Escape hatches for what the aws_eks_v2 L2 does not expose (CloudFormation AWS::EKS::Nodegroup):
+        # per-XID repair overrides, and, on reserved capacity, the MINIMAL update strategy: the default
+        # one launches the new node before it terminates the old, which a full reservation cannot do,
+        # so an update would wait on capacity that never comes (EKS user guide, "managed node update
+        # behavior"; CfnNodegroup.UpdateConfigProperty.update_strategy).
+        cfn.add_property_override("NodeRepairConfig.NodeRepairConfigOverrides", [
+            {"NodeMonitoringCondition": "AcceleratedHardwareReady", "NodeUnhealthyReason": f"NvidiaXID{xid}Error",
+             "MinRepairWaitTimeMins": REPAIR_WAIT_MINUTES, "RepairAction": "NoAction"}
+            for xid in APPLICATION_XID_OVERRIDES
+        ])
+        if props.capacity_type != "on-demand":
+            cfn.add_property_override("UpdateConfig.UpdateStrategy", "MINIMAL")
         acknowledge_node_role(self.nodegroup.role)
 
 
@@ -136,12 +166,22 @@ def _network_interfaces(props: GpuNodegroupProps) -> list[ec2.CfnLaunchTemplate.
             network_card_index=card,
             # The primary interface is device 0; each further card carries its interface as device 1.
             device_index=0 if card == 0 else 1,
-            interface_type="efa" if card < facts.efa_interfaces else None,
+            interface_type=_interface_type(card, facts),
             groups=groups,
             delete_on_termination=True,
         )
         for card in range(facts.network_cards)
     ]
+
+
+def _interface_type(card: int, facts: InstanceFacts) -> str | None:
+    """The primary card's interface is `efa` (EFA with ENA: the node's IP traffic and one EFA device);
+    every other EFA card's is `efa-only`, which takes no IP address from the subnet (EKS user guide,
+    "EFA and EFA-only interfaces": card 0 cannot be EFA-only, VPC CNI 1.18.5 or later; terraform-aws-eks
+    does the same). None: a plain interface, on cards without EFA."""
+    if card >= facts.efa_interfaces:
+        return None
+    return "efa" if card == 0 else "efa-only"
 
 
 def _user_data(facts: InstanceFacts) -> ec2.MultipartUserData:

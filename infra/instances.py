@@ -18,20 +18,30 @@ class InstanceFacts:
     # Memory a pod may request: what the node has less kubelet/system reservations.
     pod_memory_gib: int
     hugepages_2mi_gib: int  # EFA uses hugepages for its bounce buffers
+    # The NCCL/EFA preflight's floor for nccl-tests all_reduce_perf bus bandwidth across nodes (GB/s, at
+    # the largest message size): 75% of the instance's EFA line rate (EC2 accelerated-computing specs:
+    # p5/p5en 3200 Gbps = 400 GB/s, p4d 400 Gbps = 50 GB/s). Across nodes the bus bandwidth of a ring
+    # all-reduce is bounded by, and on a healthy EFA fabric runs close to, that line rate; a run on TCP
+    # sockets or with lost EFA interfaces falls far below. 0: no EFA, nothing to check.
+    min_allreduce_busbw_gbs: float
 
 
 INSTANCE_TYPES: dict[str, InstanceFacts] = {
     facts.name: facts
     for facts in (
         InstanceFacts("p5.48xlarge", gpus=8, network_cards=32, efa_interfaces=32, memory_gib=2048,
-                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5),
+                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5,
+                      min_allreduce_busbw_gbs=300),
         InstanceFacts("p5en.48xlarge", gpus=8, network_cards=16, efa_interfaces=16, memory_gib=2048,
-                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5),
+                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5,
+                      min_allreduce_busbw_gbs=300),
         InstanceFacts("p4d.24xlarge", gpus=8, network_cards=4, efa_interfaces=4, memory_gib=1152,
-                      vcpus=96, local_nvme_count=8, pod_memory_gib=1000, hugepages_2mi_gib=5),
+                      vcpus=96, local_nvme_count=8, pod_memory_gib=1000, hugepages_2mi_gib=5,
+                      min_allreduce_busbw_gbs=37.5),
         # A small single-GPU type for trial deployments (no EFA).
         InstanceFacts("g6.xlarge", gpus=1, network_cards=1, efa_interfaces=0, memory_gib=16,
-                      vcpus=4, local_nvme_count=1, pod_memory_gib=12, hugepages_2mi_gib=0),
+                      vcpus=4, local_nvme_count=1, pod_memory_gib=12, hugepages_2mi_gib=0,
+                      min_allreduce_busbw_gbs=0),
     )
 }
 

@@ -33,14 +33,29 @@ class PlatformStacks:
         return [self.network, self.storage, self.cluster]
 
 
+class PlatformStack(Stack):
+    """A stack whose zones are the configured ones. With an account set, Stack.availability_zones is a
+    context lookup (`availability-zones:account=…`) that needs AWS credentials at synthesis; the VPC's
+    gateway endpoint and flow log ask for it. The config already names the zones, so nothing is looked up."""
+
+    def __init__(self, scope: Construct, construct_id: str, *, zones: list[str], **kwargs) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        self._zones = zones
+
+    @property
+    def availability_zones(self) -> list[str]:
+        return self._zones
+
+
 def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
     # The region is always pinned (the configured zones belong to it); the account only when given,
-    # so synthesis needs no credentials.
+    # and then the zones come from the config, so synthesis needs no credentials either way.
     env = Environment(account=config.account, region=config.region)
 
     def stack(construct_id: str, description: str) -> Stack:
         stack_name = f"{config.cluster_name}-{construct_id.lower()}"
-        return Stack(scope, construct_id, env=env, stack_name=stack_name, description=description)
+        return PlatformStack(scope, construct_id, env=env, stack_name=stack_name, description=description,
+                             zones=list(config.availability_zones))
 
     fsx_removal_policy = RemovalPolicy[config.fsx_removal_policy.upper()]  # "retain" -> RETAIN
 
@@ -101,6 +116,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             max_size=config.gpu_nodes_max,
             capacity_type=config.capacity_type,
             capacity_reservation_id=config.capacity_reservation_id,
+            placement_group_name=config.placement_group_name,
         ),
     )
     DevicePlugins(

@@ -23,6 +23,7 @@ import cdk8s  # noqa: E402  (needs the environment above)
 
 from infra.config import ConfigError, PlatformConfig  # noqa: E402
 from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
+from k8s.charts.preflight import build_preflight_app  # noqa: E402
 from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
 from k8s.charts.training import TrainingChart  # noqa: E402
 from k8s.job_config import FaultInjectionConfig, JobConfig, JobConfigError  # noqa: E402
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a pod stays on an unreachable or not-ready node before it is evicted "
                         "and replaced (default: %(default)s)")
     p.add_argument("--fault-injection", action="store_true", help="also render the chaos-drill CronJob")
+    p.add_argument("--preflight", action="store_true",
+                   help="render only the NCCL/EFA preflight MPIJob (nccl-tests all_reduce_perf on every GPU node "
+                        "of the Job) instead of the training; needs the MPI Operator")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
     p.add_argument("--fault-target-index", type=int, help="job index whose pod is evicted; default: any, at random")
     p.add_argument("--fault-grace-period", type=int, default=FaultInjectionConfig.grace_period_s,
@@ -92,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                         infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
                         nodes=args.nodes, spares=args.spares, termination_grace_s=args.grace_period,
                         node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection)
+        app = build_preflight_app(job, args.outdir) if args.preflight else build_app(job, args.outdir)
     except (ConfigError, TrainConfigError, JobConfigError, OutputsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     args.outdir.mkdir(parents=True, exist_ok=True)
     for stale in args.outdir.glob("*.k8s.yaml"):  # e.g. a chaos drill rendered by an earlier run
         stale.unlink()
-    build_app(job, args.outdir).synth()
+    app.synth()
     print(f"infra outputs: {job.infra.source}")
     print(f"job {job.name}: {job.nodes} x {job.instance.name} + {job.spares} spare, restart={job.restart_mode}, "
           f"fault injection {'on' if fault_injection else 'off'}")

@@ -10,6 +10,17 @@ import torch
 import torch.distributed as dist
 
 
+# The pod's NCCL_DEBUG for its first worker attempt (ft_launcher's TORCHELASTIC_RESTART_COUNT=0): NCCL
+# then logs its transport once per node (NET/OFI on EFA, NET/Socket after a silent TCP fallback).
+FIRST_ATTEMPT_NCCL_DEBUG_ENV = "NCCL_DEBUG_FIRST_ATTEMPT"
+
+
+def first_attempt_nccl_debug() -> None:
+    level = os.environ.get(FIRST_ATTEMPT_NCCL_DEBUG_ENV)
+    if level and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.environ["NCCL_DEBUG"] = level  # NCCL reads it at its first communicator in this process
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
@@ -34,6 +45,7 @@ def init_distributed(requested_device: str, timeout_s: float, store: dist.Store 
     device = choose_device(requested_device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        first_attempt_nccl_debug()
     default_launcher_env()
     # cpu:gloo alongside NCCL: DCP async saves and small CPU collectives need a CPU backend
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"

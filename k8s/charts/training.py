@@ -17,6 +17,7 @@ from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT,
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.distributed import FIRST_ATTEMPT_NCCL_DEBUG_ENV
 from training.fault_tolerance import DRAIN_MARKER_ENV, store_command
 
 CONTAINER = "trainer"
@@ -45,6 +46,11 @@ JOB_CHECKOV_SKIPS = {
     "CKV_K8S_23": "the NGC PyTorch image runs as root and the FSx root and node scratch directories are root-owned",
     "CKV_K8S_40": "the NGC PyTorch image runs as root and the FSx root and node scratch directories are root-owned",
     "CKV_K8S_43": "the ImageUri output tags the CDK asset by its content hash; its digest is not known when rendering",
+}
+# On EFA types only (container_security_context).
+EFA_CHECKOV_SKIPS = {
+    "CKV_K8S_25": "IPC_LOCK alone, on EFA instance types: libfabric pins the buffers EFA reads and writes "
+                  "beyond the container's locked-memory limit",
 }
 STORE_CHECKOV_SKIPS = {
     "CKV_K8S_11": "a CPU limit would only throttle the store during a rendezvous round, "
@@ -95,9 +101,34 @@ def _node_failure_tolerations(job: JobConfig) -> list[dict]:
              "tolerationSeconds": job.node_failure_toleration_s} for taint in NODE_FAILURE_TAINTS]
 
 
+def efa_env(job: JobConfig) -> dict[str, str]:
+    """libfabric's EFA settings for NCCL's aws-ofi-nccl plugin; none on instance types without EFA."""
+    if not job.instance.efa_interfaces:
+        return {}
+    return {
+        "FI_PROVIDER": "efa",
+        "FI_EFA_USE_DEVICE_RDMA": "1",  # GPUDirect RDMA on p4d/p5
+        "FI_EFA_FORK_SAFE": "1",  # data loader workers fork after EFA memory is registered
+    }
+
+
+def container_security_context(job: JobConfig) -> dict:
+    """No privilege escalation, no capabilities but IPC_LOCK on EFA: libfabric pins (registers) the
+    buffers EFA reads and writes, which the container's locked-memory limit would refuse; as root
+    (the NGC image) CAP_IPC_LOCK lifts that limit (libfabric EFA provider docs: memlock unlimited)."""
+    context = dict(CONTAINER_SECURITY_CONTEXT)
+    if job.instance.efa_interfaces:
+        context["capabilities"] = {**context["capabilities"], "add": ["IPC_LOCK"]}
+    return context
+
+
 def _training_env(job: JobConfig) -> list[dict[str, str]]:
     env: dict[str, str] = {
         "NCCL_DEBUG": "WARN",
+        # A pod's first worker attempt logs NCCL's transport at INFO (training/distributed.py): once per
+        # node, NET/OFI on EFA, NET/Socket when NCCL fell back to TCP.
+        FIRST_ATTEMPT_NCCL_DEBUG_ENV: "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
         # Flight recorder: the last collectives of each rank, dumped on a watchdog timeout to the run
         # directory on FSx, where they outlive the pod (NVRx fault attribution reads them).
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
@@ -105,12 +136,7 @@ def _training_env(job: JobConfig) -> list[dict[str, str]]:
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(PurePosixPath(job.train.run_dir) / "nccl_trace_rank_"),
         DRAIN_MARKER_ENV: DRAIN_MARKER_PATH,
     }
-    if job.instance.efa_interfaces:
-        env |= {
-            "FI_PROVIDER": "efa",
-            "FI_EFA_USE_DEVICE_RDMA": "1",  # GPUDirect RDMA on p4d/p5
-            "FI_EFA_FORK_SAFE": "1",  # data loader workers fork after EFA memory is registered
-        }
+    env |= efa_env(job)
     if job.inprocess:
         env |= {
             # NVRx in-process restart requirements (inprocess usage guide):
@@ -130,7 +156,8 @@ def _training_env(job: JobConfig) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
-def _resources(job: JobConfig) -> dict[str, str]:
+def gpu_pod_resources(job: JobConfig) -> dict[str, str]:
+    """A whole GPU node: its GPUs, EFA interfaces and EFA's huge pages; requests equal limits."""
     facts = job.instance
     resources = {
         "cpu": str(job.pod_cpus),
@@ -161,7 +188,7 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "scratch", "hostPath": {"path": NODE_SCRATCH_PATH, "type": "DirectoryOrCreate"}},
     ]
     volumes += [{"name": f.volume, "configMap": {"name": f.config_map}} for f in config_files]
-    resources = _resources(job)
+    resources = gpu_pod_resources(job)
     container = {
         "name": CONTAINER,
         "image": job.infra.image_uri,
@@ -170,7 +197,7 @@ def _pod_spec(job: JobConfig) -> dict:
         "args": launcher_args(job),
         "env": _training_env(job),
         "resources": {"requests": resources, "limits": resources},
-        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+        "securityContext": container_security_context(job),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", f"touch {DRAIN_MARKER_PATH}"]}}},
     }
@@ -319,12 +346,14 @@ class TrainingChart(Chart):
                        labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
                        body={"immutable": True, "data": f.data})
         # Ingress only from the job's own pods (the ranks' c10d store, NCCL bootstrap sockets);
-        # EFA traffic bypasses the kernel and is not subject to it. Enforced where the VPC CNI's
-        # network policy agent is on; egress stays open (FSx, ECR, S3).
+        # EFA traffic bypasses the kernel and is not subject to it. Enforced by the VPC CNI add-on's network
+        # policy agent (enableNetworkPolicy, infra/cluster.py); egress stays open (FSx, ECR, S3).
         pods = {"matchLabels": _pod_labels(job)}
         api_object(self, "network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
                    name=job.name, namespace=ns, body={"spec": {
                        "podSelector": pods, "policyTypes": ["Ingress"],
                        "ingress": [{"from": [{"podSelector": pods}]}]}})
         api_object(self, "job", api_version="batch/v1", kind="Job", name=job.name, namespace=ns,
-                   annotations=checkov_skips(JOB_CHECKOV_SKIPS), body={"spec": _job_spec(job)})
+                   annotations=checkov_skips({**JOB_CHECKOV_SKIPS, **(EFA_CHECKOV_SKIPS if job.instance.efa_interfaces
+                                                                      else {})}),
+                   body={"spec": _job_spec(job)})

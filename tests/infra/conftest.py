@@ -1,7 +1,7 @@
 """Synthesizes the platform offline, once per distinct config per session, and shares the result.
 
 Every app is built the way app.py builds it: cdk.json's context (defaults and feature flags) under
-the test's overrides, read through `PlatformConfig.from_context(app.node.try_get_context)`.
+the test's overrides, read through `PlatformConfig.from_cdk_context(app.node.get_all_context())`.
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ FULL = {"imageUri": IMAGE_URI, "adminRoleArn": ADMIN_ROLE_ARN, "fsxExportBucket"
 # One synthesis per instance type; each also takes one capacity option so no config is synthesized twice.
 VARIANTS = {
     "p5en": {"gpuInstanceType": "p5en.48xlarge", "capacityType": "capacity-reservation",
-             "capacityReservationId": "cr-0123456789abcdef0"},
+             "capacityReservationId": "cr-0123456789abcdef0", "placementGroupName": "p5en-odcr"},
+    # Created before its block is active: 0 nodes (the EKS capacity-block flow).
     "p4d": {"gpuInstanceType": "p4d.24xlarge", "capacityType": "capacity-block",
-            "capacityReservationId": "cr-0fedcba9876543210"},
+            "capacityReservationId": "cr-0fedcba9876543210", "gpuNodesMin": 0, "gpuNodesDesired": 0},
     "g6": {"gpuInstanceType": "g6.xlarge"},
 }
 
@@ -44,6 +45,8 @@ class Synth:
     config: PlatformConfig
     outdir: Path = field(repr=False)
     templates: dict[str, dict[str, Any]] = field(repr=False)  # stack id -> template
+    warnings: dict[str, list[str]] = field(repr=False, default_factory=dict)  # stack id -> synth warnings
+    missing_context: list[str] = field(repr=False, default_factory=list)  # lookups `cdk synth` would need AWS for
 
     def resources(self, stack: str, resource_type: str) -> dict[str, dict[str, Any]]:
         return {k: v for k, v in self.templates[stack]["Resources"].items() if v["Type"] == resource_type}
@@ -86,7 +89,15 @@ class Synth:
 
 def make_app(outdir: Path, overrides: dict[str, Any]) -> tuple[cdk.App, PlatformConfig]:
     app = cdk.App(outdir=str(outdir), context={**CDK_CONTEXT, **overrides})
-    return app, PlatformConfig.from_context(app.node.try_get_context)
+    return app, PlatformConfig.from_cdk_context(app.node.get_all_context())
+
+
+def _stack_metadata(outdir: Path, artifact: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """A stack's metadata entries, inline in manifest.json or in the file it names."""
+    metadata = dict(artifact.get("metadata", {}))
+    if "additionalMetadataFile" in artifact:
+        metadata |= json.loads((outdir / artifact["additionalMetadataFile"]).read_text())
+    return list(metadata.values())
 
 
 def _synthesize(outdir: Path, overrides: dict[str, Any]) -> Synth:
@@ -94,7 +105,13 @@ def _synthesize(outdir: Path, overrides: dict[str, Any]) -> Synth:
     build_platform(app, config)
     assembly = app.synth()
     templates = {stack_id: assembly.get_stack_artifact(stack_id).template for stack_id in STACK_IDS}
-    return Synth(config=config, outdir=outdir, templates=templates)
+    # The cloud assembly's manifest as the CLI reads it (jsii cannot hand its artifacts' metadata over).
+    manifest = json.loads((outdir / "manifest.json").read_text())
+    warnings = {stack_id: [str(entry["data"]) for entries in _stack_metadata(outdir, manifest["artifacts"][stack_id])
+                           for entry in entries if entry["type"] == "aws:cdk:warning"]
+                for stack_id in STACK_IDS}
+    missing = [m["key"] for m in manifest.get("missing", [])]
+    return Synth(config=config, outdir=outdir, templates=templates, warnings=warnings, missing_context=missing)
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +153,17 @@ def defaults(synth) -> Synth:
 @pytest.fixture(scope="session", params=sorted(VARIANTS))
 def variant(request, synth) -> Synth:
     return synth({**FULL, **VARIANTS[request.param]})
+
+
+@pytest.fixture(scope="session")
+def with_account(synth) -> Synth:
+    """Account-specific stacks (the account, and the admin role it requires), API open to one network."""
+    return synth({**FULL, "account": "123456789012", "apiAllowedCidrs": ["203.0.113.0/24"]})
+
+
+@pytest.fixture(scope="session")
+def kubernetes_133(synth) -> Synth:
+    return synth({**FULL, "kubernetesVersion": "1.33"})
 
 
 @pytest.fixture(scope="session")

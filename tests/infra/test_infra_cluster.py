@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from infra.cluster import FSX_CSI_SERVICE_ACCOUNT, SYSTEM_ROOT_VOLUME_GIB
-from infra.config import SYSTEM_NODE_LABEL
+from infra.cluster import ADDONS, SYSTEM_ROOT_VOLUME_GIB
+from infra.config import GPU_TAINT_KEY, SYSTEM_NODE_LABEL
 
 
 def test_cluster_version_name_and_node_group_capacity_without_auto_mode(full):
@@ -68,20 +68,56 @@ def test_admin_role_gets_a_cluster_admin_access_entry(full, defaults):
     ]
 
 
-def test_eks_addons(full):
-    names = sorted(a["Properties"]["AddonName"] for a in full.resources("Cluster", "AWS::EKS::Addon").values())
-    assert names == sorted(
+def _addons(synth) -> dict[str, dict]:
+    return {a["Properties"]["AddonName"]: a["Properties"] for a in synth.resources("Cluster", "AWS::EKS::Addon").values()}
+
+
+def test_eks_addons_are_pinned_per_kubernetes_version(full, kubernetes_133):
+    addons = _addons(full)
+    assert sorted(addons) == sorted(
         ["vpc-cni", "coredns", "kube-proxy", "eks-pod-identity-agent", "aws-fsx-csi-driver", "eks-node-monitoring-agent"]
     )
+    assert all(a["AddonVersion"].startswith("v") and "-eksbuild." in a["AddonVersion"] for a in addons.values())
+    # kube-proxy follows the control plane's minor version.
+    assert addons["kube-proxy"]["AddonVersion"].startswith("v1.34.")
+    older = _addons(kubernetes_133)
+    assert older["kube-proxy"]["AddonVersion"].startswith("v1.33.")
+    assert {name: a["AddonVersion"] for name, a in older.items()} == {s.name: s.versions["1.33"] for s in ADDONS}
 
 
-def test_fsx_csi_driver_has_a_pod_identity_role(full):
-    [fsx] = [a["Properties"] for a in full.resources("Cluster", "AWS::EKS::Addon").values()
-             if a["Properties"]["AddonName"] == "aws-fsx-csi-driver"]
-    [association] = fsx["PodIdentityAssociations"]
-    assert association["ServiceAccount"] == FSX_CSI_SERVICE_ACCOUNT
-    role = full.templates["Cluster"]["Resources"][association["RoleArn"]["Fn::GetAtt"][0]]["Properties"]
-    [statement] = role["AssumeRolePolicyDocument"]["Statement"]
-    assert statement["Principal"] == {"Service": "pods.eks.amazonaws.com"}
-    assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
-    assert "AmazonFSxFullAccess" in json.dumps(role["ManagedPolicyArns"])
+def test_vpc_cni_has_efa_only_support_and_enforces_network_policies(full):
+    vpc_cni = _addons(full)["vpc-cni"]
+    major, minor, patch = (int(p) for p in vpc_cni["AddonVersion"].lstrip("v").split("-")[0].split("."))
+    assert (major, minor, patch) >= (1, 18, 5)  # EFA-only interfaces need 1.18.5
+    assert json.loads(vpc_cni["ConfigurationValues"]) == {"enableNetworkPolicy": "true"}
+
+
+def test_node_monitoring_agent_dcgm_tolerates_the_gpu_taint(full):
+    config = json.loads(_addons(full)["eks-node-monitoring-agent"]["ConfigurationValues"])
+    assert config == {"dcgmAgent": {"tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]}}
+
+
+def test_fsx_csi_driver_gets_no_aws_permissions(full):
+    """A static PV is only mounted: no FSx API call, so no role that could delete the file system."""
+    fsx = _addons(full)["aws-fsx-csi-driver"]
+    assert "PodIdentityAssociations" not in fsx and "ServiceAccountRoleArn" not in fsx
+    assert "AmazonFSx" not in json.dumps(full.templates["Cluster"])
+    assert not [r for r in full.resources("Cluster", "AWS::EKS::PodIdentityAssociation")]
+
+
+def test_open_api_endpoint_and_missing_admin_role_warn_at_synth(defaults, with_account):
+    [open_endpoint] = [w for w in defaults.warnings["Cluster"] if "0.0.0.0/0" in w]
+    assert "apiAllowedCidrs" in open_endpoint
+    assert [w for w in defaults.warnings["Cluster"] if "adminRoleArn is not set" in w]
+    assert not [w for w in with_account.warnings["Cluster"] if "0.0.0.0/0" in w or "adminRoleArn" in w]
+
+
+def test_account_specific_stacks_synthesize_without_lookups(with_account):
+    """`cdk synth -c account=…` needs no AWS credentials: nothing is left for the CLI to look up."""
+    assert with_account.missing_context == []
+    assert with_account.config.account == "123456789012"
+    subnets = with_account.resources("Network", "AWS::EC2::Subnet").values()
+    assert sorted({s["Properties"]["AvailabilityZone"] for s in subnets}) == sorted(with_account.config.availability_zones)
+    [admin] = [e["Properties"] for e in with_account.resources("Cluster", "AWS::EKS::AccessEntry").values()
+               if e["Properties"]["PrincipalArn"] == with_account.config.admin_role_arn]
+    assert admin["AccessPolicies"][0]["AccessScope"] == {"Type": "cluster"}

@@ -48,6 +48,17 @@ from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
         pytest.param({"kubernetesVersion": "1.29"}, ["kubernetesVersion", "1.29", "1.34"], id="kubernetes-version"),
         pytest.param({"gpuNodesMax": "four"}, ["gpuNodesMax", "four", "whole number"], id="not-a-number"),
         pytest.param({"imageUri": "train:latest"}, ["imageUri", "train:latest"], id="image-uri-not-a-registry-path"),
+        pytest.param({"placementGroupName": "odcr-pg"}, ["placementGroupName", "odcr-pg", "capacity-reservation"],
+                     id="placement-group-on-demand"),
+        pytest.param({"capacityType": "capacity-reservation", "capacityReservationId": "cr-0123456789abcdef0",
+                      "placementGroupName": "bad name"}, ["placementGroupName", "bad name"], id="placement-group-name"),
+        pytest.param({"gpuNodesDesired": 0}, ["gpuNodesDesired", "0 only with capacityType=capacity-block"],
+                     id="zero-nodes-on-demand"),
+        pytest.param({"capacityType": "capacity-block", "capacityReservationId": "cr-0123456789abcdef0",
+                      "gpuNodesMin": 0, "gpuNodesDesired": 0, "gpuNodesSpare": 1},
+                     ["gpuNodesSpare=1", "gpuNodesDesired=0"], id="spare-before-the-block"),
+        pytest.param({"account": "123456789012"}, ["adminRoleArn", "account=123456789012", "Unauthorized"],
+                     id="account-without-admin-role"),
     ],
 )
 def test_bad_value_is_rejected_naming_key_value_and_allowed(overrides, named):
@@ -60,6 +71,21 @@ def test_bad_value_is_rejected_naming_key_value_and_allowed(overrides, named):
 def test_unknown_key_is_rejected_with_the_allowed_keys():
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['gpuNodeCount'\].*gpuNodesDesired"):
         PlatformConfig.from_context({"gpuNodeCount": 3})
+
+
+def test_unknown_camel_case_cdk_context_key_is_rejected_cdk_keys_pass():
+    """`cdk synth -c gpuNodeMin=3` must not synthesize with the default; CDK's own keys are not ours to judge."""
+    cdk_keys = {"@aws-cdk/core:defaultCrossStackReferences": "strong", "aws:cdk:enable-path-metadata": True,
+                "aws-cdk:enableDiffNoFail": "true", "availability-zones:account=1:region=us-east-1": ["a"]}
+    assert PlatformConfig.from_cdk_context({**cdk_keys, "gpuNodesMax": "5"}).gpu_nodes_max == 5
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['gpuNodeMin'\].*'gpuNodesMin'"):
+        PlatformConfig.from_cdk_context({**cdk_keys, "gpuNodeMin": "3"})
+
+
+def test_capacity_block_group_may_wait_at_zero_nodes():
+    config = PlatformConfig.from_context({"capacityType": "capacity-block", "capacityReservationId": "cr-0123456789abcdef0",
+                                          "gpuNodesMin": "0", "gpuNodesDesired": "0"})
+    assert (config.gpu_nodes_min, config.gpu_nodes_desired, config.spare_nodes, config.gpu_nodes_running) == (0, 0, 0, 0)
 
 
 def test_command_line_strings_are_converted():

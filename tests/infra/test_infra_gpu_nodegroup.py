@@ -44,7 +44,8 @@ def test_p5_has_32_efa_interfaces_one_per_network_card(full):
     assert len(interfaces) == 32
     assert [i["NetworkCardIndex"] for i in interfaces] == list(range(32))
     assert [i["DeviceIndex"] for i in interfaces] == [0] + [1] * 31
-    assert {i["InterfaceType"] for i in interfaces} == {"efa"}
+    # The primary carries the node's IP traffic and an EFA device; the other 31 take no subnet address.
+    assert [i["InterfaceType"] for i in interfaces] == ["efa"] + ["efa-only"] * 31
 
 
 def test_interfaces_follow_the_instance_table(variant):
@@ -54,8 +55,11 @@ def test_interfaces_follow_the_instance_table(variant):
     assert len(interfaces) == facts.network_cards
     assert [i["NetworkCardIndex"] for i in interfaces] == list(range(facts.network_cards))
     assert [i["DeviceIndex"] for i in interfaces] == [0] + [1] * (facts.network_cards - 1)
-    efa = [i for i in interfaces if i.get("InterfaceType") == "efa"]
+    efa = [i for i in interfaces if i.get("InterfaceType") in ("efa", "efa-only")]
     assert len(efa) == EXPECTED_EFA[facts.name]
+    if efa:
+        assert interfaces[0]["InterfaceType"] == "efa"
+        assert {i["InterfaceType"] for i in interfaces[1:]} == {"efa-only"}
 
 
 def test_g6_gets_a_single_normal_interface_without_the_efa_group(g6):
@@ -106,7 +110,7 @@ def test_efa_hugepages_reserved_for_efa_instances_only(full, variant):
         assert "nr_hugepages" not in _user_data(variant)
 
 
-def test_placement_group_only_without_reserved_capacity(full, variant):
+def test_placement_group_is_created_on_demand_and_taken_from_the_config_with_a_reservation(full, variant):
     def placement(synth):
         groups = synth.resources("Cluster", "AWS::EC2::PlacementGroup")
         return groups, _launch_template(synth).get("Placement")
@@ -115,8 +119,38 @@ def test_placement_group_only_without_reserved_capacity(full, variant):
     [(logical_id, group)] = groups.items()
     assert group["Properties"]["Strategy"] == "cluster"
     assert ref == {"GroupName": {"Fn::GetAtt": [logical_id, "GroupName"]}}
-    if variant.config.uses_reserved_capacity:
+    config = variant.config
+    if config.capacity_type == "capacity-reservation":
+        # The reservation was made in this cluster placement group: its instances must launch into it.
+        assert config.placement_group_name == "p5en-odcr"
+        assert placement(variant) == ({}, {"GroupName": "p5en-odcr"})
+    elif config.capacity_type == "capacity-block":
         assert placement(variant) == ({}, None)
+
+
+def test_capacity_block_group_is_created_at_zero_nodes(variant):
+    config = variant.config
+    if config.capacity_type != "capacity-block":
+        return
+    assert _gpu_nodegroup(variant)["ScalingConfig"] == {"MinSize": 0, "DesiredSize": 0, "MaxSize": config.gpu_nodes_max}
+    assert config.spare_nodes == 0
+
+
+def test_updates_replace_one_node_at_a_time_and_reserved_capacity_terminates_first(full, variant):
+    assert _gpu_nodegroup(full)["UpdateConfig"] == {"MaxUnavailable": 1}
+    expected = {"MaxUnavailable": 1}
+    if variant.config.capacity_type != "on-demand":
+        expected["UpdateStrategy"] = "MINIMAL"  # a full reservation has no room for a surge node
+    assert _gpu_nodegroup(variant)["UpdateConfig"] == expected
+
+
+def test_auto_repair_takes_no_action_on_xids_an_application_can_cause(full):
+    repair = _gpu_nodegroup(full)["NodeRepairConfig"]
+    assert repair["Enabled"] is True
+    assert repair["NodeRepairConfigOverrides"] == [{
+        "NodeMonitoringCondition": "AcceleratedHardwareReady", "NodeUnhealthyReason": "NvidiaXID109Error",
+        "MinRepairWaitTimeMins": 10, "RepairAction": "NoAction",
+    }]
 
 
 def test_capacity_options(full, variant):
@@ -142,7 +176,7 @@ def test_node_group_ami_labels_taint_repair_and_sizes(full):
     config = full.config
     assert group["Labels"] == {GPU_NODE_LABEL: "true"}
     assert group["Taints"] == [{"Key": GPU_TAINT_KEY, "Value": "true", "Effect": "NO_SCHEDULE"}]
-    assert group["NodeRepairConfig"] == {"Enabled": True}
+    assert group["NodeRepairConfig"]["Enabled"] is True
     # The training nodes and the default hot spare: desired 2 + 1, within max 4.
     assert group["ScalingConfig"] == {
         "MinSize": config.gpu_nodes_min, "DesiredSize": 3, "MaxSize": config.gpu_nodes_max

@@ -6,6 +6,7 @@ import json
 import re
 
 from infra.config import NAMESPACE, PVC_NAME
+from k8s.charts.preflight import ALL_REDUCE_PERF
 
 OUTPUT_KEYS = {
     "ClusterName", "UpdateKubeconfigCommand", "Namespace", "PvcName",
@@ -73,3 +74,19 @@ def test_output_values(full):
     assert outputs["FsxFileSystemId"] == {"Ref": fs_id}
     assert outputs["FsxDnsName"]["Fn::Join"][1][0] == {"Ref": fs_id}
     assert outputs["FsxMountName"] == {"Fn::GetAtt": [fs_id, "LustreMountName"]}
+
+
+def test_image_installs_and_pins_the_efa_stack_and_the_preflight_tools(repo_root):
+    """NCCL must not fall back to TCP sockets unnoticed: libfabric's EFA provider and aws-ofi-nccl are
+    installed and pinned (as awsome-distributed-training's image does), and the preflight's binary is built."""
+    dockerfile = (repo_root / "training" / "Dockerfile").read_text()
+    pins = dict(re.findall(r"^ARG (EFA_INSTALLER_VERSION|AWS_OFI_NCCL_VERSION|NCCL_TESTS_VERSION)=(\S+)$", dockerfile, re.M))
+    assert pins == {"EFA_INSTALLER_VERSION": "1.43.2", "AWS_OFI_NCCL_VERSION": "1.16.3", "NCCL_TESTS_VERSION": "v2.16.9"}
+    installer = next(line for line in dockerfile.splitlines() if "efa_installer.sh" in line)
+    assert "--skip-kmod" in installer and "-y" in installer.split()  # user space only: the AMI has the driver
+    assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in dockerfile
+    assert "aws-ofi-nccl-${AWS_OFI_NCCL_VERSION}.tar.gz" in dockerfile and "--enable-platform-aws" in dockerfile
+    assert "--with-libfabric=/opt/amazon/efa" in dockerfile
+    assert "/opt/aws-ofi-nccl/install/lib" in re.search(r"LD_LIBRARY_PATH=(\S+)", dockerfile)[1]
+    assert f"test -x {ALL_REDUCE_PERF}" in dockerfile and "MPI=1" in dockerfile
+    assert "openssh-server" in dockerfile  # the MPIJob's workers run sshd

@@ -107,7 +107,7 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     limits = r.container["resources"]["limits"]
     args = r.container["args"]
     assert limits["nvidia.com/gpu"] == args[args.index("--nproc-per-node") + 1] == str(facts.gpus)
-    efa_interfaces = [n for n in template_data["NetworkInterfaces"] if n.get("InterfaceType") == "efa"]
+    efa_interfaces = [n for n in template_data["NetworkInterfaces"] if n.get("InterfaceType") in ("efa", "efa-only")]
     assert len(efa_interfaces) == facts.efa_interfaces
     assert limits.get("vpc.amazonaws.com/efa") == (str(len(efa_interfaces)) if efa_interfaces else None)
     helm_charts = {c["Chart"] for c in _resources(cluster, "Custom::AWSCDK-EKS-HelmChart")}

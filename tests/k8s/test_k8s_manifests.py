@@ -320,3 +320,12 @@ def test_without_outputs_placeholders_are_used_and_announced(render):
     # The platform's own image, when configured, is no placeholder.
     image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"
     assert render(outputs=None, context={"imageUri": image}).container["image"] == image
+
+
+def test_efa_training_container_may_pin_memory_and_logs_the_nccl_transport_once(render):
+    r = render()
+    assert r.container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    # NCCL's INIT and NET lines (NET/OFI or NET/Socket) on a pod's first worker attempt only.
+    assert (r.env["NCCL_DEBUG"], r.env["NCCL_DEBUG_FIRST_ATTEMPT"], r.env["NCCL_DEBUG_SUBSYS"]) == ("WARN", "INFO", "INIT,NET")
+    g6 = render(*fitting("g6.xlarge"), context={"gpuInstanceType": "g6.xlarge", "gpuNodesMin": 1, "gpuNodesDesired": 1})
+    assert g6.container["securityContext"]["capabilities"] == {"drop": ["ALL"]}

@@ -22,3 +22,8 @@ def test_job_in_restart_mode(render, snapshot, mode):
 def test_job_on_a_single_gpu_instance_without_efa(render, snapshot):
     r = render(*fitting("g6.xlarge"), context={"gpuInstanceType": "g6.xlarge", "gpuNodesMin": 1, "gpuNodesDesired": 1})
     assert (r.outdir / "training.k8s.yaml").read_text() == snapshot
+
+
+def test_preflight_manifest(render, snapshot):
+    r = render("--preflight")
+    assert (r.outdir / "nccl-preflight.k8s.yaml").read_text() == snapshot

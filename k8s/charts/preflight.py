@@ -1,0 +1,115 @@
+"""The NCCL/EFA preflight (`python k8s/main.py --preflight`): nccl-tests all_reduce_perf across every GPU
+node the Job runs on (its training nodes and spares), checked by k8s/nccl_check.py.
+
+An MPIJob (Kubeflow MPI Operator v2, kubeflow.org/v2beta1), as awsome-distributed-training and the EKS
+user guide's EFA page run nccl-tests: multi-node nccl-tests are MPI programs, one rank per GPU, and the
+operator starts the workers, hands the launcher their hostfile and SSH keys, and runs mpirun once they
+are up. The operator is a cluster prerequisite (README). Workers and launcher run the training image,
+which carries the EFA installer's Open MPI, aws-ofi-nccl and nccl-tests (training/Dockerfile).
+"""
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import cdk8s
+from cdk8s import Chart
+from constructs import Construct
+
+from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, SYSTEM_NODE_LABEL
+from k8s.charts.objects import POD_SECURITY_CONTEXT, api_object
+from k8s.charts.training import container_security_context, efa_env, gpu_pod_resources
+from k8s.job_config import JobConfig, JobConfigError
+
+CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "nccl_check.py"
+CHECK_MOUNT = "/preflight"
+ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
+# 8 B to 16 GiB, doubling: the largest sizes show the fabric's bandwidth (awsome-distributed-training's run).
+ALL_REDUCE_ARGS = ["-b", "8", "-e", "16G", "-f", "2", "-g", "1", "-c", "1", "-n", "100"]
+# What sshd needs beyond IPC_LOCK to accept the launcher's connections (privilege separation).
+SSHD_CAPABILITIES = ["SETUID", "SETGID", "SYS_CHROOT", "CHOWN", "AUDIT_WRITE", "KILL"]
+
+
+def preflight_name(job: JobConfig) -> str:
+    return f"{job.name}-nccl-preflight"
+
+
+def _mpirun(job: JobConfig) -> list[str]:
+    gpus = job.instance.gpus
+    nccl_env = {**efa_env(job), "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+    exports = [arg for key, value in nccl_env.items() for arg in ("-x", f"{key}={value}")]
+    return [
+        "mpirun", "--allow-run-as-root", "--tag-output", "-np", str(job.pods * gpus), "-N", str(gpus),
+        "--bind-to", "none", "-x", "PATH", "-x", "LD_LIBRARY_PATH", *exports,
+        # Open MPI's own traffic (launch, bootstrap) over TCP on the pod network; NCCL's over EFA.
+        "--mca", "pml", "^ucx", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_exclude", "lo,docker0",
+        ALL_REDUCE_PERF, *ALL_REDUCE_ARGS,
+    ]
+
+
+def _launcher(job: JobConfig, config_map: str) -> dict:
+    script = str(PurePosixPath(CHECK_MOUNT) / CHECK_SCRIPT.name)
+    facts = job.instance
+    check = ["python3", script, "--instance-type", facts.name, "--min-busbw-gbs", f"{facts.min_allreduce_busbw_gbs:g}",
+             "--nodes", str(job.pods), "--"]
+    return {"replicas": 1, "template": {"spec": {
+        "restartPolicy": "Never",  # a failed preflight is a verdict, not something to retry
+        "nodeSelector": {SYSTEM_NODE_LABEL: "true"},  # no GPU needed: mpirun only starts the ranks
+        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "containers": [{
+            "name": "launcher", "image": job.infra.image_uri, "imagePullPolicy": "IfNotPresent",
+            "command": [*check, *_mpirun(job)],
+            "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}},
+            "securityContext": container_security_context(job),
+            "volumeMounts": [{"name": "check", "mountPath": CHECK_MOUNT, "readOnly": True}],
+        }],
+        "volumes": [{"name": "check", "configMap": {"name": config_map}}],
+    }}}
+
+
+def _worker(job: JobConfig) -> dict:
+    resources = gpu_pod_resources(job)
+    security = container_security_context(job)
+    security["capabilities"] = {**security["capabilities"],
+                                "add": [*security["capabilities"].get("add", []), *SSHD_CAPABILITIES]}
+    return {"replicas": job.pods, "template": {"spec": {
+        "nodeSelector": {"node.kubernetes.io/instance-type": job.instance.name, GPU_NODE_LABEL: "true"},
+        "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "containers": [{
+            "name": "worker", "image": job.infra.image_uri, "imagePullPolicy": "IfNotPresent",
+            "command": ["/usr/sbin/sshd", "-De"],  # the launcher's mpirun starts the ranks over SSH
+            "resources": {"requests": resources, "limits": resources},
+            "securityContext": security,
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        }],
+        # NCCL's intra-node buffers; the container default is 64 MiB.
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{job.shm_gib}Gi"}}],
+    }}}
+
+
+class PreflightChart(Chart):
+    def __init__(self, scope: Construct, id: str, job: JobConfig) -> None:
+        super().__init__(scope, id, labels={"app.kubernetes.io/name": preflight_name(job),
+                                            "app.kubernetes.io/part-of": job.infra.cluster_name})
+        if not job.instance.efa_interfaces:
+            raise JobConfigError(f"--preflight checks NCCL over EFA; gpuInstanceType={job.instance.name} has no "
+                                 "EFA interfaces (nothing to check)")
+        name, ns = preflight_name(job), job.namespace
+        config_map = f"{name}-check"
+        api_object(self, "check", api_version="v1", kind="ConfigMap", name=config_map, namespace=ns,
+                   body={"data": {CHECK_SCRIPT.name: CHECK_SCRIPT.read_text()}})
+        api_object(self, "mpijob", api_version="kubeflow.org/v2beta1", kind="MPIJob", name=name, namespace=ns,
+                   body={"spec": {
+                       "slotsPerWorker": job.instance.gpus,
+                       # The launcher's exit is the verdict; finished pods stay a day for `kubectl logs`.
+                       "runPolicy": {"backoffLimit": 0, "cleanPodPolicy": "Running",
+                                     "ttlSecondsAfterFinished": job.ttl_seconds_after_finished},
+                       "mpiReplicaSpecs": {"Launcher": _launcher(job, config_map), "Worker": _worker(job)},
+                   }})
+
+
+def build_preflight_app(job: JobConfig, outdir: Path) -> cdk8s.App:
+    """Only the preflight: applied alone, before the training Job takes the GPU nodes."""
+    app = cdk8s.App(outdir=str(outdir), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
+    PreflightChart(app, "nccl-preflight", job)
+    return app

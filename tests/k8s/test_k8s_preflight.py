@@ -1,0 +1,96 @@
+"""`python k8s/main.py --preflight`: an MPIJob running nccl-tests all_reduce_perf on every GPU node of the
+Job, checked by k8s/nccl_check.py (NET/OFI on every node, bus bandwidth above the instance type's floor).
+
+kubernetes-validate knows no CRDs: the MPIJob's shape is asserted here, and each pod template is
+validated strictly as a Pod."""
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL
+from infra.instances import instance_facts
+from k8s import nccl_check
+
+from k8s_render import IMAGE
+
+K8S_VERSION = "1.34.0"
+
+
+@pytest.fixture
+def preflight(render):
+    return render("--preflight")
+
+
+def _replica(r, kind: str) -> dict:
+    return r.one("MPIJob")["spec"]["mpiReplicaSpecs"][kind]
+
+
+def test_preflight_renders_only_the_mpijob_and_its_check(preflight):
+    assert sorted(preflight.files) == ["nccl-preflight.k8s.yaml"]
+    job = preflight.one("MPIJob")
+    assert job["apiVersion"] == "kubeflow.org/v2beta1"
+    assert job["metadata"] == {"name": "fsdp-train-nccl-preflight", "namespace": NAMESPACE,
+                               "labels": {"app.kubernetes.io/name": "fsdp-train-nccl-preflight",
+                                          "app.kubernetes.io/part-of": "ft-training"}}
+    assert job["spec"]["runPolicy"]["backoffLimit"] == 0
+    config_map = preflight.one("ConfigMap")
+    assert config_map["data"] == {"nccl_check.py": open(nccl_check.__file__).read()}
+    for obj in preflight.objects():
+        if obj["kind"] == "ConfigMap":
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("kind", ["Launcher", "Worker"])
+def test_pod_templates_validate_strictly_as_pods(preflight, kind):
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "preflight"},
+           "spec": _replica(preflight, kind)["template"]["spec"]}
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_one_worker_per_gpu_node_of_the_job_with_the_whole_node(preflight):
+    p5 = instance_facts("p5.48xlarge")
+    worker = _replica(preflight, "Worker")
+    assert worker["replicas"] == 3  # 2 training nodes and the default hot spare: every node the Job runs on
+    assert preflight.one("MPIJob")["spec"]["slotsPerWorker"] == p5.gpus
+    spec = worker["template"]["spec"]
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": p5.name, GPU_NODE_LABEL: "true"}
+    assert spec["tolerations"] == [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+    [container] = spec["containers"]
+    assert container["image"] == IMAGE
+    assert container["command"] == ["/usr/sbin/sshd", "-De"]
+    limits = container["resources"]["limits"]
+    assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"], limits["hugepages-2Mi"]) == ("8", "32", "5Gi")
+    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+
+
+def test_launcher_runs_all_reduce_perf_across_all_ranks_through_the_check(preflight):
+    p5 = instance_facts("p5.48xlarge")
+    spec = _replica(preflight, "Launcher")["template"]["spec"]
+    assert spec["nodeSelector"] == {SYSTEM_NODE_LABEL: "true"}
+    [container] = spec["containers"]
+    command = container["command"]
+    check, run = command[:command.index("--")], command[command.index("--") + 1:]
+    assert check == ["python3", "/preflight/nccl_check.py", "--instance-type", p5.name,
+                     "--min-busbw-gbs", f"{p5.min_allreduce_busbw_gbs:g}", "--nodes", "3"]
+    assert run[0] == "mpirun" and run[run.index("-np") + 1] == str(3 * p5.gpus) and run[run.index("-N") + 1] == "8"
+    exported = {run[i + 1] for i, arg in enumerate(run) if arg == "-x"}
+    assert {"NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,NET", "FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1"} <= exported
+    assert run[run.index("/opt/nccl-tests/build/all_reduce_perf"):][1:5] == ["-b", "8", "-e", "16G"]
+    assert container["volumeMounts"] == [{"name": "check", "mountPath": "/preflight", "readOnly": True}]
+    assert spec["volumes"] == [{"name": "check", "configMap": {"name": "fsdp-train-nccl-preflight-check"}}]
+
+
+def test_the_floor_follows_the_instance_table_and_the_node_count(render):
+    r = render("--preflight", "--nodes", "4", "--spares", "0",
+               context={"gpuInstanceType": "p4d.24xlarge", "gpuNodesMax": 4})
+    [container] = _replica(r, "Launcher")["template"]["spec"]["containers"]
+    assert container["command"][:8] == ["python3", "/preflight/nccl_check.py", "--instance-type", "p4d.24xlarge",
+                                        "--min-busbw-gbs", "37.5", "--nodes", "4"]
+    assert _replica(r, "Worker")["replicas"] == 4
+
+
+def test_preflight_on_an_instance_without_efa_is_refused(render_error):
+    err = render_error("--preflight", "--set", "model.preset=small",
+                       context={"gpuInstanceType": "g6.xlarge", "gpuNodesMin": 1, "gpuNodesDesired": 1})
+    assert "g6.xlarge has no EFA interfaces" in err
