@@ -18,20 +18,28 @@ class InstanceFacts:
     # Memory a pod may request: what the node has less kubelet/system reservations.
     pod_memory_gib: int
     hugepages_2mi_gib: int  # EFA uses hugepages for its bounce buffers
+    # Dense (no structured sparsity) bf16 tensor-core peak of one GPU, from NVIDIA's datasheets: H100 SXM
+    # 989 TFLOPs (the sheet's 1,979 is with sparsity), H200 SXM 989 (same compute as H100), A100 312, L4 121
+    # (242 with sparsity). The denominator of MFU; the charts pass it to training as metrics.gpu_peak_tflops.
+    gpu_peak_bf16_tflops: float
 
 
 INSTANCE_TYPES: dict[str, InstanceFacts] = {
     facts.name: facts
     for facts in (
         InstanceFacts("p5.48xlarge", gpus=8, network_cards=32, efa_interfaces=32, memory_gib=2048,
-                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5),
+                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5,
+                      gpu_peak_bf16_tflops=989.0),  # H100 SXM
         InstanceFacts("p5en.48xlarge", gpus=8, network_cards=16, efa_interfaces=16, memory_gib=2048,
-                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5),
+                      vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5,
+                      gpu_peak_bf16_tflops=989.0),  # H200 SXM
         InstanceFacts("p4d.24xlarge", gpus=8, network_cards=4, efa_interfaces=4, memory_gib=1152,
-                      vcpus=96, local_nvme_count=8, pod_memory_gib=1000, hugepages_2mi_gib=5),
+                      vcpus=96, local_nvme_count=8, pod_memory_gib=1000, hugepages_2mi_gib=5,
+                      gpu_peak_bf16_tflops=312.0),  # A100 40GB SXM
         # A small single-GPU type for trial deployments (no EFA).
         InstanceFacts("g6.xlarge", gpus=1, network_cards=1, efa_interfaces=0, memory_gib=16,
-                      vcpus=4, local_nvme_count=1, pod_memory_gib=12, hugepages_2mi_gib=0),
+                      vcpus=4, local_nvme_count=1, pod_memory_gib=12, hugepages_2mi_gib=0,
+                      gpu_peak_bf16_tflops=121.0),  # L4
     )
 }
 
