@@ -23,6 +23,7 @@ import cdk8s  # noqa: E402  (needs the environment above)
 
 from infra.config import ConfigError, PlatformConfig  # noqa: E402
 from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
+from k8s.charts.report import ReportChart, report_job_name, timeline_path  # noqa: E402
 from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
 from k8s.charts.training import TrainingChart  # noqa: E402
 from k8s.job_config import FaultInjectionConfig, JobConfig, JobConfigError  # noqa: E402
@@ -52,10 +53,19 @@ def build_app(job: JobConfig, outdir: Path) -> cdk8s.App:
     return app
 
 
+def build_report_app(job: JobConfig, outdir: Path) -> cdk8s.App:
+    app = cdk8s.App(outdir=str(outdir), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
+    ReportChart(app, "report", job)
+    return app
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python k8s/main.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--outdir", type=Path, default=REPO_ROOT / "dist")
+    p.add_argument("--outdir", type=Path, help="default: dist, with --report dist/report (apart, so that "
+                   "`kubectl apply -f dist/` never starts a report)")
+    p.add_argument("--report", action="store_true",
+                   help="render only the Job that prints the goodput report of the run on FSx and draws its timeline")
     p.add_argument("--cdk-json", type=Path, default=REPO_ROOT / "cdk.json")
     p.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE",
                    help="platform config override, as for `cdk synth -c`")
@@ -95,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TrainConfigError, JobConfigError, OutputsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.report:
+        return _write_report_job(job, args.outdir or REPO_ROOT / "dist" / "report")
+    args.outdir = args.outdir or REPO_ROOT / "dist"
     args.outdir.mkdir(parents=True, exist_ok=True)
     for stale in args.outdir.glob("*.k8s.yaml"):  # e.g. a chaos drill rendered by an earlier run
         stale.unlink()
@@ -104,6 +117,18 @@ def main(argv: list[str] | None = None) -> int:
           f"fault injection {'on' if fault_injection else 'off'}")
     for path in sorted(args.outdir.glob("*.k8s.yaml")):
         print(f"wrote {path}")
+    return 0
+
+
+def _write_report_job(job: JobConfig, outdir: Path) -> int:
+    outdir.mkdir(parents=True, exist_ok=True)
+    build_report_app(job, outdir).synth()
+    name, ns = report_job_name(job), job.namespace
+    print(f"wrote {outdir / 'report.k8s.yaml'}: the report of {job.train.run_dir}")
+    print(f"  kubectl delete job -n {ns} {name} --ignore-not-found && kubectl apply -f {outdir}/\n"
+          f"  kubectl logs -n {ns} -f job/{name}\n"
+          f"  kubectl cp -n {ns} $(kubectl get pod -n {ns} -l job-name={name} -o name | cut -d/ -f2):"
+          f"{timeline_path(job)} timeline.png")
     return 0
 
 
