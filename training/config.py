@@ -64,8 +64,9 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str | None = None  # pre-tokenized uint16/uint32 .bin file; None: synthetic tokens
-    dtype: str = "uint16"  # token width of the file at `path`
+    # pre-tokenized uint16/uint32 .bin file (`python -m training.data prepare`); None: synthetic tokens
+    path: str | None = None
+    dtype: str | None = None  # token width of the file at `path`; None: its sidecar's, else uint16
 
 
 @dataclass(frozen=True)
@@ -318,7 +319,7 @@ def _validate(c: TrainConfig) -> None:
         fail("training.device", t.device, f"one of {list(DEVICES)}")
     if not t.collective_timeout_s > 0:
         fail("training.collective_timeout_s", t.collective_timeout_s, "greater than 0")
-    if c.data.dtype not in DATA_DTYPES:
+    if c.data.dtype is not None and c.data.dtype not in DATA_DTYPES:
         fail("data.dtype", c.data.dtype, f"one of {list(DATA_DTYPES)}")
     ck = c.checkpoint
     if ck.when_busy not in WHEN_BUSY:

@@ -52,6 +52,7 @@ from pathlib import Path
 import psutil
 
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.data import DataError, check_token_file
 from training.distributed import free_port
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
@@ -437,6 +438,7 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         overrides.append("faults=[" + ",".join(specs) + "]")
     cfg = with_env_faults(load_train_config(args.config, overrides))
     parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
+    check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -483,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg, config_path = build_config(args)
-    except (TrainConfigError, FaultSpecError, OSError) as err:
+    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
         print(f"training.local: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from training.checkpoint import CheckpointManager, FreshStartRefused, committed_checkpoints
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
-from training.data import Batch, TokenStream
+from training.data import Batch, DataError, TokenStream, check_token_file
 from training.distributed import DistInfo, init_distributed, teardown
 from training.drain import Drained, DrainSignal, agree_on_save
 from training.events import EventLog, read_events
@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = with_env_faults(load_train_config(args.config, args.overrides))
         parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)))
-    except (TrainConfigError, FaultSpecError, OSError) as err:
+        check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
+    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
         print(f"training.train: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     try:
