@@ -1,6 +1,7 @@
 """`TrainConfig`: the typed training config, from a YAML/JSON file plus `--section.key value` overrides.
 
-Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging.
+Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging,
+plus metrics (rank 0's Prometheus endpoint, MFU) and peer_state.
 Unknown sections or keys and out-of-range values fail with a message naming the key, the value
 and what is allowed.
 """
