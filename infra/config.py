@@ -39,6 +39,8 @@ _ACCOUNT = re.compile(r"^\d{12}$")
 _REGION = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
 _IMAGE_URI = re.compile(r"^[\w.-]+(:\d+)?(/[\w.-]+)+(:[\w.-]+|@sha256:[0-9a-f]{64})$")
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_S3_PATH = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$")
+_FSX_PATH = re.compile(r"^(/[\w.-]+)+$")
 _DAILY_TIME = re.compile(r"^([01]\d|2[0-3]):[0-5]\d$")
 _PLACEMENT_GROUP = re.compile(r"^[\w.+=@,:-]{1,255}$")
 # A platform key is camelCase; CDK's own keys carry a ':' or '/' (aws:cdk:…, @aws-cdk/…) or a '-'.
@@ -79,6 +81,13 @@ class PlatformConfig:
     fsx_removal_policy: str = "retain"  # "destroy" is the one way `cdk destroy` deletes the checkpoints
     fsx_backup_retention_days: int = 7  # 0: no automatic backups
     fsx_backup_start_time: str = "03:00"  # UTC
+    # A dataset imported from S3 (s3://bucket/prefix) into the file system at fsx_import_fsx_path: a data
+    # repository association that lists the objects on creation and keeps up with new, changed and deleted
+    # ones (auto-import); their content is loaded on first read. None: no import.
+    fsx_import_s3_path: str | None = None
+    fsx_import_fsx_path: str = "/datasets"
+    # A Prometheus server in the cluster that scrapes the training pods' metrics (infra/metrics_collection.py).
+    prometheus_server: bool = False
     api_allowed_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
     admin_role_arn: str | None = None
     image_uri: str | None = None  # None: build training/Dockerfile as an ECR image asset
@@ -263,6 +272,19 @@ def _validate(c: PlatformConfig) -> None:
         fail("fsx_backup_retention_days", c.fsx_backup_retention_days,
              "0 with fsxExportBucket=true: FSx for Lustre takes no backups of a file system linked to S3 "
              "(the retained export bucket holds the copy)")
+    if c.fsx_import_s3_path is not None:
+        if not _S3_PATH.match(c.fsx_import_s3_path) or ".." in c.fsx_import_s3_path:
+            fail("fsx_import_s3_path", c.fsx_import_s3_path, "an S3 path s3://bucket/prefix (bucket name rules: "
+                 "lower-case letters, digits, '.' and '-'), or leave it unset")
+        if c.fsx_export_bucket:
+            fail("fsx_import_s3_path", c.fsx_import_s3_path, "unset with fsxExportBucket=true: its association "
+                 "covers the whole file system (/), and FSx associations cannot overlap")
+        if c.fsx_backup_retention_days:
+            fail("fsx_backup_retention_days", c.fsx_backup_retention_days,
+                 "0 with fsxImportS3Path set: FSx for Lustre takes no backups of a file system linked to S3")
+    if not _FSX_PATH.match(c.fsx_import_fsx_path) or ".." in c.fsx_import_fsx_path.split("/"):
+        fail("fsx_import_fsx_path", c.fsx_import_fsx_path,
+             "an absolute directory of the file system other than /, such as /datasets")
     if not _DAILY_TIME.match(c.fsx_backup_start_time):
         fail("fsx_backup_start_time", c.fsx_backup_start_time, "a daily UTC time HH:MM from 00:00 to 23:59, e.g. 03:00")
     if not c.api_allowed_cidrs:

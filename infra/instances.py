@@ -24,6 +24,10 @@ class InstanceFacts:
     # all-reduce is bounded by, and on a healthy EFA fabric runs close to, that line rate; a run on TCP
     # sockets or with lost EFA interfaces falls far below. 0: no EFA, nothing to check.
     min_allreduce_busbw_gbs: float
+    # Dense (no structured sparsity) bf16 tensor-core peak of one GPU, from NVIDIA's datasheets: H100 SXM
+    # 989 TFLOPs (the sheet's 1,979 is with sparsity), H200 SXM 989 (same compute as H100), A100 312, L4 121
+    # (242 with sparsity). The denominator of MFU; the charts pass it to training as metrics.gpu_peak_tflops.
+    gpu_peak_bf16_tflops: float
 
 
 INSTANCE_TYPES: dict[str, InstanceFacts] = {
@@ -31,17 +35,17 @@ INSTANCE_TYPES: dict[str, InstanceFacts] = {
     for facts in (
         InstanceFacts("p5.48xlarge", gpus=8, network_cards=32, efa_interfaces=32, memory_gib=2048,
                       vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5,
-                      min_allreduce_busbw_gbs=300),
+                      gpu_peak_bf16_tflops=989.0, min_allreduce_busbw_gbs=300),  # H100 SXM
         InstanceFacts("p5en.48xlarge", gpus=8, network_cards=16, efa_interfaces=16, memory_gib=2048,
                       vcpus=192, local_nvme_count=8, pod_memory_gib=1800, hugepages_2mi_gib=5,
-                      min_allreduce_busbw_gbs=300),
+                      gpu_peak_bf16_tflops=989.0, min_allreduce_busbw_gbs=300),  # H200 SXM
         InstanceFacts("p4d.24xlarge", gpus=8, network_cards=4, efa_interfaces=4, memory_gib=1152,
                       vcpus=96, local_nvme_count=8, pod_memory_gib=1000, hugepages_2mi_gib=5,
-                      min_allreduce_busbw_gbs=37.5),
+                      gpu_peak_bf16_tflops=312.0, min_allreduce_busbw_gbs=37.5),  # A100 40GB SXM
         # A small single-GPU type for trial deployments (no EFA).
         InstanceFacts("g6.xlarge", gpus=1, network_cards=1, efa_interfaces=0, memory_gib=16,
                       vcpus=4, local_nvme_count=1, pod_memory_gib=12, hugepages_2mi_gib=0,
-                      min_allreduce_busbw_gbs=0),
+                      gpu_peak_bf16_tflops=121.0, min_allreduce_busbw_gbs=0),  # L4
     )
 }
 

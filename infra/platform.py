@@ -17,6 +17,7 @@ from infra.config import NAMESPACE, PVC_NAME, PlatformConfig
 from infra.device_plugins import DevicePlugins, DevicePluginsProps
 from infra.gpu_nodegroup import GpuNodegroup, GpuNodegroupProps
 from infra.image import TrainingImage, TrainingImageProps
+from infra.metrics_collection import MetricsCollection, MetricsCollectionProps
 from infra.network import Network, NetworkProps
 from infra.storage import CheckpointStorage, CheckpointStorageProps
 from infra.training_volume import TrainingVolume, TrainingVolumeProps
@@ -84,6 +85,8 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             removal_policy=fsx_removal_policy,
             backup_retention_days=config.fsx_backup_retention_days,
             backup_start_time=config.fsx_backup_start_time,
+            import_s3_path=config.fsx_import_s3_path,
+            import_fsx_path=config.fsx_import_fsx_path,
         ),
     )
 
@@ -131,6 +134,8 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
         "TrainingVolume",
         TrainingVolumeProps(cluster=cluster, file_system=storage.file_system, storage_gib=config.fsx_storage_gib),
     )
+    if config.prometheus_server:
+        MetricsCollection(cluster_stack, "MetricsCollection", MetricsCollectionProps(cluster=cluster))
     image = TrainingImage(cluster_stack, "TrainingImage", TrainingImageProps(image_uri=config.image_uri))
 
     fs = storage.file_system

@@ -23,6 +23,8 @@ class CheckpointStorageProps:
     removal_policy: RemovalPolicy  # of the file system and of what it needs to stay usable
     backup_retention_days: int  # 0: no automatic backups
     backup_start_time: str  # HH:MM UTC
+    import_s3_path: str | None = None  # s3://bucket/prefix imported at import_fsx_path; None: no import
+    import_fsx_path: str = "/datasets"
 
 
 class CheckpointStorage(Construct):
@@ -95,6 +97,26 @@ class CheckpointStorage(Construct):
                     and rule.source_security_group_id == security_group.security_group_id):
                 rule.apply_removal_policy(props.removal_policy)
         self.bucket = self._export_bucket() if props.export_bucket else None
+        if props.import_s3_path:
+            self._import_dataset(props.import_s3_path, props.import_fsx_path)
+
+    def _import_dataset(self, s3_path: str, fsx_path: str) -> None:
+        """The objects under `s3_path` appear as files under `fsx_path`: listed when the association is
+        created, kept up with new, changed and deleted objects, their content loaded on first read (lazy
+        load: a run reads from Lustre, not S3). FSx reads the bucket with its service-linked role."""
+        fsx.CfnDataRepositoryAssociation(
+            self,
+            "ImportAssociation",
+            file_system_id=self.file_system.file_system_id,
+            file_system_path=fsx_path,
+            data_repository_path=s3_path,
+            batch_import_meta_data_on_create=True,
+            s3=fsx.CfnDataRepositoryAssociation.S3Property(
+                auto_import_policy=fsx.CfnDataRepositoryAssociation.AutoImportPolicyProperty(
+                    events=["NEW", "CHANGED", "DELETED"]
+                ),
+            ),
+        )
 
     def _export_bucket(self) -> s3.Bucket:
         """A bucket linked to the whole file system: new and changed files are exported automatically."""

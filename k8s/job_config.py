@@ -68,7 +68,7 @@ class JobConfig:
             object.__setattr__(self, "nodes", self.platform.gpu_nodes_desired)
         if self.spares is None:
             object.__setattr__(self, "spares", self.platform.spare_nodes)
-        object.__setattr__(self, "train", _with_fsx_paths(self.train, self.name))
+        object.__setattr__(self, "train", _with_gpu_peak(_with_fsx_paths(self.train, self.name), self.instance))
         _validate(self)
 
     @property
@@ -146,6 +146,13 @@ def _with_fsx_paths(train: TrainConfig, job_name: str) -> TrainConfig:
     if ckpt.dir is not None and not PurePosixPath(ckpt.dir).is_absolute():
         ckpt = replace(ckpt, dir=str(PurePosixPath(run_dir) / ckpt.dir))
     return replace(train, run_dir=run_dir, checkpoint=ckpt)
+
+
+def _with_gpu_peak(train: TrainConfig, instance: InstanceFacts) -> TrainConfig:
+    """MFU's denominator from the instance table, unless the training config names its own."""
+    if train.metrics.gpu_peak_tflops is not None:
+        return train
+    return replace(train, metrics=replace(train.metrics, gpu_peak_tflops=instance.gpu_peak_bf16_tflops))
 
 
 def _on_fsx(path: str) -> bool:

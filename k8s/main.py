@@ -3,6 +3,7 @@
 Inputs: the platform config (cdk.json "context" plus `-c key=value`, read by the same
 PlatformConfig.from_context as the CDK app), the training config (k8s/train.yaml plus
 `--set section.key=value`), and cdk-outputs.json from `cdk deploy --outputs-file` when present.
+`--report` renders instead the Job that reports the configured run from FSx (k8s/charts/report.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import cdk8s  # noqa: E402  (needs the environment above)
 from infra.config import ConfigError, PlatformConfig  # noqa: E402
 from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
 from k8s.charts.preflight import build_preflight_app  # noqa: E402
+from k8s.charts.report import ReportChart, report_job_name, timeline_path  # noqa: E402
 from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
 from k8s.charts.training import TrainingChart  # noqa: E402
 from k8s.job_config import FaultInjectionConfig, JobConfig, JobConfigError  # noqa: E402
@@ -53,10 +55,20 @@ def build_app(job: JobConfig, outdir: Path) -> cdk8s.App:
     return app
 
 
+def build_report_app(job: JobConfig, outdir: Path) -> cdk8s.App:
+    app = cdk8s.App(outdir=str(outdir), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
+    ReportChart(app, "report", job)
+    return app
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python k8s/main.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--outdir", type=Path, default=REPO_ROOT / "dist")
+    p.add_argument("--outdir", type=Path, help="default: dist, with --report dist/report (apart, so that "
+                   "`kubectl apply -f dist/` never starts a report)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--report", action="store_true",
+                      help="render only the Job that prints the goodput report of the run on FSx and draws its timeline")
     p.add_argument("--cdk-json", type=Path, default=REPO_ROOT / "cdk.json")
     p.add_argument("-c", "--context", action="append", default=[], metavar="KEY=VALUE",
                    help="platform config override, as for `cdk synth -c`")
@@ -76,9 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a pod stays on an unreachable or not-ready node before it is evicted "
                         "and replaced (default: %(default)s)")
     p.add_argument("--fault-injection", action="store_true", help="also render the chaos-drill CronJob")
-    p.add_argument("--preflight", action="store_true",
-                   help="render only the NCCL/EFA preflight MPIJob (nccl-tests all_reduce_perf on every GPU node "
-                        "of the Job) instead of the training; needs the MPI Operator")
+    only.add_argument("--preflight", action="store_true",
+                      help="render only the NCCL/EFA preflight MPIJob (nccl-tests all_reduce_perf on every GPU node "
+                           "of the Job) instead of the training; needs the MPI Operator")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
     p.add_argument("--fault-target-index", type=int, help="job index whose pod is evicted; default: any, at random")
     p.add_argument("--fault-grace-period", type=int, default=FaultInjectionConfig.grace_period_s,
@@ -96,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                         infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
                         nodes=args.nodes, spares=args.spares, termination_grace_s=args.grace_period,
                         node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection)
+        if args.report:
+            return _write_report_job(job, args.outdir or REPO_ROOT / "dist" / "report")
+        args.outdir = args.outdir or REPO_ROOT / "dist"
         app = build_preflight_app(job, args.outdir) if args.preflight else build_app(job, args.outdir)
     except (ConfigError, TrainConfigError, JobConfigError, OutputsError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -109,6 +124,18 @@ def main(argv: list[str] | None = None) -> int:
           f"fault injection {'on' if fault_injection else 'off'}")
     for path in sorted(args.outdir.glob("*.k8s.yaml")):
         print(f"wrote {path}")
+    return 0
+
+
+def _write_report_job(job: JobConfig, outdir: Path) -> int:
+    outdir.mkdir(parents=True, exist_ok=True)
+    build_report_app(job, outdir).synth()
+    name, ns = report_job_name(job), job.namespace
+    print(f"wrote {outdir / 'report.k8s.yaml'}: the report of {job.train.run_dir}")
+    print(f"  kubectl delete job -n {ns} {name} --ignore-not-found && kubectl apply -f {outdir}/\n"
+          f"  kubectl logs -n {ns} -f job/{name}\n"
+          f"  kubectl cp -n {ns} $(kubectl get pod -n {ns} -l job-name={name} -o name | cut -d/ -f2):"
+          f"{timeline_path(job)} timeline.png")
     return 0
 
 

@@ -1,6 +1,7 @@
 """`TrainConfig`: the typed training config, from a YAML/JSON file plus `--section.key value` overrides.
 
-Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging.
+Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging,
+plus metrics (rank 0's Prometheus endpoint, MFU) and peer_state.
 Unknown sections or keys and out-of-range values fail with a message naming the key, the value
 and what is allowed.
 """
@@ -64,8 +65,9 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str | None = None  # pre-tokenized uint16/uint32 .bin file; None: synthetic tokens
-    dtype: str = "uint16"  # token width of the file at `path`
+    # pre-tokenized uint16/uint32 .bin file (`python -m training.data prepare`); None: synthetic tokens
+    path: str | None = None
+    dtype: str | None = None  # token width of the file at `path`; None: its sidecar's, else uint16
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,19 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Rank 0's Prometheus endpoint (training/metrics.py) and MFU (training/flops.py)."""
+    # http://<rank 0>:port/metrics; 0: off. The EKS Job's pods carry the scrape annotations for it.
+    port: int = 0
+    # Dense bf16 peak TFLOPs of one GPU, the denominator of MFU; None: no MFU (a CPU run, or a GPU whose
+    # peak is not known). The k8s chart fills it from infra/instances.py for the node group's GPUs.
+    gpu_peak_tflops: float | None = None
+    # The goodput, restart and checkpoint figures re-read the event log (training/report.py) at most this
+    # often: a weeks-long log takes a while to read, and a scrape every 30-60 s needs no fresher figures.
+    event_log_refresh_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     run_dir: str = "runs/default"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -164,6 +179,7 @@ class TrainConfig:
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     peer_state: PeerStateConfig = field(default_factory=PeerStateConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     faults: tuple[str, ...] = ()  # fault specs; format in training/faults.py
 
     def __post_init__(self) -> None:
@@ -304,7 +320,7 @@ def _validate(c: TrainConfig) -> None:
         fail("training.device", t.device, f"one of {list(DEVICES)}")
     if not t.collective_timeout_s > 0:
         fail("training.collective_timeout_s", t.collective_timeout_s, "greater than 0")
-    if c.data.dtype not in DATA_DTYPES:
+    if c.data.dtype is not None and c.data.dtype not in DATA_DTYPES:
         fail("data.dtype", c.data.dtype, f"one of {list(DATA_DTYPES)}")
     ck = c.checkpoint
     if ck.when_busy not in WHEN_BUSY:
@@ -366,6 +382,13 @@ def _validate(c: TrainConfig) -> None:
         fail("fault_tolerance.calculate_timeouts_after", ft.calculate_timeouts_after, "at least 1 step")
     if ft.timeout_safety_factor < 1:
         fail("fault_tolerance.timeout_safety_factor", ft.timeout_safety_factor, "1 or more")
+    m = c.metrics
+    if not (m.port == 0 or 1024 <= m.port <= 65535):
+        fail("metrics.port", m.port, "0 (off) or a TCP port from 1024 to 65535")
+    if m.gpu_peak_tflops is not None and not m.gpu_peak_tflops > 0:
+        fail("metrics.gpu_peak_tflops", m.gpu_peak_tflops, "greater than 0, or null (no MFU)")
+    if m.event_log_refresh_s < 0:
+        fail("metrics.event_log_refresh_s", m.event_log_refresh_s, "0 (every scrape) or more seconds")
     if c.logging.log_interval < 1:
         fail("logging.log_interval", c.logging.log_interval, "at least 1 step")
     if not c.run_dir:

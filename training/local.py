@@ -58,6 +58,7 @@ from pathlib import Path
 import psutil
 
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.data import DataError, check_token_file
 from training.distributed import free_port
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
@@ -540,6 +541,7 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     specs = parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
     if not args.netns and any(spec.kind == "partition" for spec in specs):
         raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
+    check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -588,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg, config_path = build_config(args)
-    except (TrainConfigError, FaultSpecError, OSError) as err:
+    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
         print(f"training.local: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     try:

@@ -27,13 +27,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from training.checkpoint import CheckpointManager, FreshStartRefused, committed_checkpoints
 from training.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
-from training.data import Batch, TokenStream
+from training.data import Batch, DataError, TokenStream, check_token_file
 from training.distributed import DistInfo, init_distributed, teardown
 from training.drain import Drained, DrainSignal, agree_on_save
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR, TERMINATED
 from training.fault_tolerance import RankMonitor
 from training.faults import FaultInjector, FaultSpecError, parse_faults, with_env_faults
+from training.flops import flops_per_token
+from training.metrics import TrainingMetrics
 from training.model import PRESETS, Transformer, build_model
 from training.parallelize import parallelize
 from training.peer_state import PeerState, memory_root
@@ -288,13 +290,19 @@ def _announce_attempt(cfg: TrainConfig, info: DistInfo, events: EventLog, restar
 class _AfterStep:
     """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
     in-process restarts, the copy in node memory for the partner nodes, rank 0's step event (`events`:
-    None on other ranks) and progress line, the sample log."""
+    None on other ranks), metrics and progress line, the sample log."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, state: dict[str, Stateful],
                  events: EventLog | None, restart: Iteration | None, peer: PeerState | None) -> None:
         self.monitor, self.state, self.events, self.restart, self.peer = monitor, state, events, restart, peer
         self.tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * info.world_size
-        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=events is not None)
+        per_token = flops_per_token(cfg.model.preset, cfg.training.seq_len)
+        gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
+        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=events is not None,
+                                 flops_per_token=per_token, gpus=info.world_size, gpu_peak_tflops=gpu_peak)
+        self.metrics = (TrainingMetrics(cfg.metrics.port, cfg.run_dir, cfg.metrics.event_log_refresh_s,
+                                        info.world_size, per_token, gpu_peak)
+                        if events is not None and cfg.metrics.port else None)
         self.samples = _sample_log(cfg, info.rank)
 
     def __call__(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
@@ -312,11 +320,15 @@ class _AfterStep:
         if self.samples is not None:
             self.samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
             self.samples.flush()
+        if self.metrics is not None:
+            self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
         self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
 
     def close(self) -> None:
         if self.samples is not None:
             self.samples.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def _resume(cfg: TrainConfig, info: DistInfo, state: dict[str, Stateful], ckpt: CheckpointManager, rng: RngState,
@@ -396,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = with_env_faults(load_train_config(args.config, args.overrides))
         parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)))
-    except (TrainConfigError, FaultSpecError, OSError) as err:
+        check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
+    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
         print(f"training.train: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     try:

@@ -22,7 +22,8 @@ from training.fault_tolerance import DRAIN_MARKER_ENV, store_command
 
 CONTAINER = "trainer"
 STORE_COMPONENT = "rendezvous"  # the store's app.kubernetes.io/component label, container and port name
-CONFIG_COMPONENT = "config"  # the ConfigMaps' app.kubernetes.io/component label: how old ones are found
+CONFIG_COMPONENT = "config"
+METRICS_PATH = "/metrics"  # the ConfigMaps' app.kubernetes.io/component label: how old ones are found
 # AL2023 nodeadm `localStorage: {strategy: RAID0}` (setup-local-disks raid0) mounts the instance-store
 # RAID0 at /mnt/k8s-disks/0 and bind-mounts kubelet and containerd state from subdirectories of it:
 # the pod gets its own subdirectory, never the kubelet's files.
@@ -94,6 +95,15 @@ def _pod_labels(job: JobConfig) -> dict[str, str]:
 def _store_labels(job: JobConfig) -> dict[str, str]:
     # Another component than the training pods': the Job's NetworkPolicy does not select the store.
     return {"app.kubernetes.io/name": job.name, "app.kubernetes.io/component": STORE_COMPONENT}
+
+
+def _scrape_annotations(job: JobConfig) -> dict[str, dict[str, str]]:
+    """The prometheus.io annotations that Prometheus' kubernetes-pods job (and the CloudWatch agent's)
+    discover pods by. Every pod carries them; only the one running rank 0 answers."""
+    if not job.train.metrics.port:
+        return {}
+    return {"annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.train.metrics.port),
+                            "prometheus.io/path": METRICS_PATH}}
 
 
 def _node_failure_tolerations(job: JobConfig) -> list[dict]:
@@ -242,7 +252,7 @@ def _job_spec(job: JobConfig) -> dict:
                                                   "values": [CONFIG_ERROR, NO_PROGRESS]}},
         ]},
         "template": {
-            "metadata": {"labels": _pod_labels(job)},
+            "metadata": {"labels": _pod_labels(job), **_scrape_annotations(job)},
             "spec": _pod_spec(job),
         },
     }
@@ -345,14 +355,18 @@ class TrainingChart(Chart):
             api_object(self, f.volume, api_version="v1", kind="ConfigMap", name=f.config_map, namespace=ns,
                        labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
                        body={"immutable": True, "data": f.data})
-        # Ingress only from the job's own pods (the ranks' c10d store, NCCL bootstrap sockets);
-        # EFA traffic bypasses the kernel and is not subject to it. Enforced by the VPC CNI add-on's network
-        # policy agent (enableNetworkPolicy, infra/cluster.py); egress stays open (FSx, ECR, S3).
+        # Ingress from the job's own pods (the ranks' c10d store, NCCL bootstrap sockets) and, on the
+        # metrics port only, from any pod of the cluster (whichever collector scrapes it); EFA traffic
+        # bypasses the kernel and is not subject to it. Enforced by the VPC CNI add-on's network policy
+        # agent (enableNetworkPolicy, infra/cluster.py); egress stays open (FSx, ECR, S3).
         pods = {"matchLabels": _pod_labels(job)}
+        ingress: list[dict] = [{"from": [{"podSelector": pods}]}]
+        if job.train.metrics.port:
+            ingress.append({"from": [{"namespaceSelector": {}}],
+                            "ports": [{"protocol": "TCP", "port": job.train.metrics.port}]})
         api_object(self, "network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
                    name=job.name, namespace=ns, body={"spec": {
-                       "podSelector": pods, "policyTypes": ["Ingress"],
-                       "ingress": [{"from": [{"podSelector": pods}]}]}})
+                       "podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}})
         api_object(self, "job", api_version="batch/v1", kind="Job", name=job.name, namespace=ns,
                    annotations=checkov_skips({**JOB_CHECKOV_SKIPS, **(EFA_CHECKOV_SKIPS if job.instance.efa_interfaces
                                                                       else {})}),

@@ -28,7 +28,10 @@ IMAGE_URI = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"
 ADMIN_ROLE_ARN = "arn:aws:iam::123456789012:role/Admin"
 # Everything optional switched on; the image from a URI, since building one needs Docker. FSx takes no
 # backups of a file system linked to S3, so the export bucket comes without them.
-FULL = {"imageUri": IMAGE_URI, "adminRoleArn": ADMIN_ROLE_ARN, "fsxExportBucket": True, "fsxBackupRetentionDays": 0}
+FULL = {"imageUri": IMAGE_URI, "adminRoleArn": ADMIN_ROLE_ARN, "fsxExportBucket": True, "fsxBackupRetentionDays": 0,
+        "prometheusServer": True}
+# The S3 import's association would overlap the export's (on /): a variant has it instead.
+IMPORT = {"fsxExportBucket": False, "fsxImportS3Path": "s3://example-datasets/corpus/v1", "fsxImportFsxPath": "/datasets"}
 # One synthesis per instance type; each also takes one capacity option so no config is synthesized twice.
 VARIANTS = {
     "p5en": {"gpuInstanceType": "p5en.48xlarge", "capacityType": "capacity-reservation",
@@ -36,7 +39,7 @@ VARIANTS = {
     # Created before its block is active: 0 nodes (the EKS capacity-block flow).
     "p4d": {"gpuInstanceType": "p4d.24xlarge", "capacityType": "capacity-block",
             "capacityReservationId": "cr-0fedcba9876543210", "gpuNodesMin": 0, "gpuNodesDesired": 0},
-    "g6": {"gpuInstanceType": "g6.xlarge"},
+    "g6": {"gpuInstanceType": "g6.xlarge", **IMPORT},
 }
 
 

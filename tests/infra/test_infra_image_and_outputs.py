@@ -28,6 +28,16 @@ def test_dockerfile_builds_on_ngc_pytorch_with_pinned_nvrx_and_the_training_pack
     # the tests exercise the NVRx the image ships
     assert f"nvidia-resiliency-ext=={importlib.metadata.version('nvidia-resiliency-ext')}" in install.split()
     assert "COPY training/ /workspace/training/" in lines
+    # what the metrics endpoint and `training.data prepare` import, at the versions tested here
+    for package in ("prometheus-client", "tokenizers", "pyyaml", "matplotlib"):
+        assert f"{package}=={importlib.metadata.version(package)}" in install.split(), package
+
+
+def test_image_has_the_maintained_nvml_binding_not_the_warning_pynvml_shim(repo_root):
+    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+    [nvml] = [line for line in lines if "nvidia-ml-py==" in line]
+    assert nvml.startswith("RUN pip uninstall --yes pynvml && ")
+    assert f"nvidia-ml-py=={importlib.metadata.version('nvidia-ml-py')}" in nvml.split()
 
 
 def test_dockerignore_sends_only_the_training_package(repo_root):

@@ -165,3 +165,18 @@ def test_static_volume_binds_the_file_system_read_write_many(full):
     assert volume["spec"]["storageClassName"] == claim["spec"]["storageClassName"] == ""
     assert volume["spec"]["persistentVolumeReclaimPolicy"] == "Retain"
     assert claim["spec"]["volumeName"] == PV_NAME
+
+
+def test_s3_dataset_import_is_an_auto_import_association_when_configured(synth, defaults):
+    from conftest import FULL, IMPORT  # noqa: PLC0415  (the g6 variant's import settings)
+
+    imported = synth({**FULL, **IMPORT})
+    associations = list(imported.resources("Storage", "AWS::FSx::DataRepositoryAssociation").values())
+    assert len(associations) == 1
+    props = associations[0]["Properties"]
+    [fs_id] = imported.resources("Storage", "AWS::FSx::FileSystem")
+    assert props["FileSystemId"] == {"Ref": fs_id}
+    assert (props["DataRepositoryPath"], props["FileSystemPath"]) == ("s3://example-datasets/corpus/v1", "/datasets")
+    assert props["BatchImportMetaDataOnCreate"] is True
+    assert props["S3"] == {"AutoImportPolicy": {"Events": ["NEW", "CHANGED", "DELETED"]}}
+    assert not defaults.resources("Storage", "AWS::FSx::DataRepositoryAssociation")  # off by default

@@ -3,6 +3,7 @@ an annotation on the object with its reason, used by checkov (no stale skips). O
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def test_checkov_passes_with_reasoned_skips_only(render, tmp_path):
     if not CHECKOV.exists():
         pytest.fail(f"{CHECKOV} is missing: run `make setup` (checkov has its own virtual environment)")
     r = render("--fault-injection", "--set", "fault_tolerance.restart=both")
+    report_job = render("--report")  # `--report` writes apart from the training manifests; scanned with them
+    shutil.copy(report_job.outdir / "report.k8s.yaml", r.outdir)
     proc = subprocess.run([str(CHECKOV), "--directory", str(r.outdir), "--framework", "kubernetes",
                            "--skip-download", "--output", "json"],  # --skip-download: offline, no API calls
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -40,9 +43,9 @@ def test_checkov_passes_with_reasoned_skips_only(render, tmp_path):
     assert summary["parsing_errors"] == 0
     checked = {c["resource"] for kind in ("passed_checks", "skipped_checks") for c in results[kind]}
     workloads = {"Job.training.fsdp-train", "Deployment.training.fsdp-train-rendezvous",
-                 "CronJob.training.fsdp-train-chaos"}
+                 "CronJob.training.fsdp-train-chaos", "Job.training.fsdp-train-report"}
     assert workloads <= checked  # the workloads were scanned
 
     skipped = {(c["resource"], c["check_id"]): c["check_result"]["suppress_comment"] for c in results["skipped_checks"]}
-    assert skipped == _annotated_skips(r)
+    assert skipped == _annotated_skips(r) | _annotated_skips(report_job)
     assert all(len(reason) > 20 for reason in skipped.values())

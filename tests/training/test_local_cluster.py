@@ -1,40 +1,16 @@
 """The local controller: it replaces a node whose launcher died, and Ctrl-C leaves no process behind."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from training.events import read_events
-from training_helpers import REPO_ROOT
+from training_helpers import start_local as _start, wait_for_step as _wait_for_step
 
 pytestmark = pytest.mark.slow
-
-
-def _start(run_dir: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
-                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        try:
-            if any(e["event"] == "step" and e["step"] >= step for e in read_events(run_dir)):
-                return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"no step {step} within {timeout} s: {proc.communicate()[0][-3000:]}")
 
 
 def _node(controller: subprocess.Popen, node: int) -> psutil.Process:

@@ -4,8 +4,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from training.events import read_events
 from training.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
@@ -36,6 +39,28 @@ def run_local(run_dir: Path, *args: str, timeout: float = 240, env: dict[str, st
     proc = subprocess.run([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return LocalRun(run_dir, proc.returncode, proc.stdout + proc.stderr)
+
+
+def start_local(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`python -m training.local --run-dir RUN_DIR ARGS…`, started (output piped)."""
+    return subprocess.Popen([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    """Until rank 0 logged `step` (the run failing or `timeout` fails the test)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        try:
+            if any(e["event"] == "step" and e["step"] >= step for e in read_events(run_dir)):
+                return
+        except FileNotFoundError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"no step {step} within {timeout} s: {proc.communicate()[0][-3000:]}")
 
 
 def completed(run: LocalRun) -> LocalRun:

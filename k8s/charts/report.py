@@ -1,0 +1,89 @@
+"""The goodput report of the run on FSx: a small Job (`python k8s/main.py --report`) that runs
+`python -m training.report --plot RUN_DIR` on the run directory and prints the report to its log.
+
+The report and its picture are written beside the event log (RUN_DIR/report.json, RUN_DIR/timeline.png),
+on FSx, where they stay. To copy the picture out, the pod then waits REPORT_HOLD_S seconds with the
+volume mounted, so that `kubectl cp` (which needs a running pod) can reach it; the Job ends by itself.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import PurePosixPath
+
+from cdk8s import Chart
+from constructs import Construct
+
+from infra.config import CHECKPOINT_MOUNT_PATH, SYSTEM_NODE_LABEL
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
+from k8s.charts.training import JOB_CHECKOV_SKIPS
+from k8s.job_config import JobConfig
+
+CONTAINER = "report"
+REPORT_HOLD_S = 600  # long enough for a `kubectl cp` by hand; bounded, so no pod is left behind
+# Reading a weeks-long event log and drawing it: a CPU, a few GiB, on a system node (no GPU needed).
+REPORT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
+REPORT_CHECKOV_SKIPS = {check: JOB_CHECKOV_SKIPS[check] for check in ("CKV_K8S_15", "CKV_K8S_43")} | dict.fromkeys(
+    ("CKV_K8S_23", "CKV_K8S_40"), "the training image (NGC PyTorch) runs as root and the FSx root directory is root-owned")
+
+
+def _pod_labels(job: JobConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": job.name, "app.kubernetes.io/component": CONTAINER}
+
+
+def report_job_name(job: JobConfig) -> str:
+    return f"{job.name}-report"
+
+
+def timeline_path(job: JobConfig) -> PurePosixPath:
+    return PurePosixPath(job.train.run_dir) / "timeline.png"
+
+
+def report_command(job: JobConfig) -> list[str]:
+    """The report, then the hold for `kubectl cp`; a report that fails ends the pod at once, failed."""
+    run_dir = shlex.quote(job.train.run_dir)
+    return ["/bin/sh", "-c",
+            f"python -m training.report --plot {run_dir} && "
+            f"echo 'kubectl cp needs this pod: it stays {REPORT_HOLD_S} s' && sleep {REPORT_HOLD_S}"]
+
+
+def _report_job_spec(job: JobConfig) -> dict:
+    container = {
+        "name": CONTAINER,
+        "image": job.infra.image_uri,
+        "imagePullPolicy": "IfNotPresent",
+        "command": report_command(job),
+        # matplotlib keeps its font cache under MPLCONFIGDIR: the root filesystem is read-only
+        "env": [{"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"}],
+        "resources": REPORT_RESOURCES,
+        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
+        "volumeMounts": [{"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH},  # writes report.json, timeline.png
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "backoffLimit": 0,  # a report that fails once fails again: the log says why
+        "activeDeadlineSeconds": REPORT_HOLD_S + 1800,  # the report of a long run, then the hold
+        "ttlSecondsAfterFinished": 3600,  # the Job and its log stay an hour after the hold
+        "template": {"metadata": {"labels": _pod_labels(job)},
+                     "spec": {
+                         "restartPolicy": "Never",
+                         "automountServiceAccountToken": False,  # it never calls the Kubernetes API
+                         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
+                         "securityContext": dict(POD_SECURITY_CONTEXT),
+                         "containers": [container],
+                         "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name}},
+                                     {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
+                     }},
+    }
+
+
+class ReportChart(Chart):
+    def __init__(self, scope: Construct, id: str, job: JobConfig) -> None:
+        super().__init__(scope, id, labels={"app.kubernetes.io/name": job.name,
+                                            "app.kubernetes.io/part-of": job.infra.cluster_name})
+        api_object(self, "job", api_version="batch/v1", kind="Job", name=report_job_name(job),
+                   namespace=job.namespace, annotations=checkov_skips(REPORT_CHECKOV_SKIPS),
+                   body={"spec": _report_job_spec(job)})
+        # It serves nothing: no ingress at all (egress stays open: FSx, ECR)
+        api_object(self, "network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
+                   name=report_job_name(job), namespace=job.namespace, body={"spec": {
+                       "podSelector": {"matchLabels": _pod_labels(job)}, "policyTypes": ["Ingress"]}})
