@@ -10,7 +10,8 @@ measured interval (the condition of the measurement); in-process recovery <= 0.5
 the step reached); the in-memory rollback, and the peer state's copy, after each step <= 5% of the step
 time; a node lost with peer state loses no completed step; losing node 0 costs
 what losing another node costs (within 1.5x either way: the rendezvous store is off the nodes); a
-hot spare's takeover <= 1.5x an in-job restart.
+hot spare's takeover <= 1.5x an in-job restart; a network partition is detected by NVRx's timeouts, before
+gloo's collective timeout.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from bench.floor import FloorResult
-from bench.mechanisms import MechanismResult
+from bench.mechanisms import COLLECTIVE_TIMEOUT_S, MechanismResult
 from bench.peer import PeerResult
 from bench.rollback import RollbackResult
 from bench.stall import StallResult, leaves_no_cpu_spare
@@ -129,6 +130,11 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
         checks.append(_check("hot spare recovery / in-job recovery",
                              spare / injob if spare is not None and injob is not None else None, "x",
                              f"<= {SPARE_VS_INJOB:g}", ISSUE, lambda v: v <= SPARE_VS_INJOB, why("hot_spare", "injob")))
+    if "partition" in mechanisms:
+        detected = recovery["partition"].median_detection_s if "partition" in recovery else None
+        checks.append(_check("partition detection (NVRx timeouts), median", detected, "s",
+                             f"< {COLLECTIVE_TIMEOUT_S} s (gloo's timeout)", ISSUE, lambda v: v < COLLECTIVE_TIMEOUT_S,
+                             why("partition")))
     for name, most in ((n, m) for n, m in MAX_STEPS_LOST.items() if n in mechanisms):
         checks.append(_check(f"{name} steps lost per fault (max)",
                              float(recovery[name].max_steps_lost) if name in recovery else None, "steps",

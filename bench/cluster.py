@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.local import Cluster, build_config, parse_args
+from training.netns import VirtualNetwork
 
 
 @dataclass(frozen=True)
@@ -18,14 +19,16 @@ class ClusterSpec:
     node_retries: int = 0  # replacements per node after its launcher was killed
     spares: int = 0  # hot spare nodes
     replacement_delay_s: float = 0.0  # a lost node's replacement starts this much later
+    netns: bool = False  # each node on its own emulated machine (training/netns.py)
 
 
 def run_cluster(spec: ClusterSpec) -> int:
     """Run to completion; returns the controller's status (0: every node finished)."""
     args = parse_args(["--nodes", str(spec.nodes), "--nproc-per-node", str(spec.nproc_per_node),
                        "--steps", str(spec.steps), "--run-dir", str(spec.run_dir), "--faults", ",".join(spec.faults),
-                       "--node-retries", str(spec.node_retries), "--spares", str(spec.spares), *spec.overrides])
+                       "--node-retries", str(spec.node_retries), "--spares", str(spec.spares),
+                       *(["--netns"] if spec.netns else []), *spec.overrides])
     cfg, config_path = build_config(args)
     cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares,
-                      spec.replacement_delay_s)
+                      spec.replacement_delay_s, VirtualNetwork() if spec.netns else None)
     return cluster.run()

@@ -24,6 +24,11 @@ completed step) and steps lost, and the run's training and infra goodput.
   drain             drain of the last node: the controller (the kubelet here) writes the drain marker
                     and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
                     the controller starts a replacement, training resumes from that step.
+  partition         the node that runs the last rank is cut off from the network for PARTITION_S (each
+                    node on its own emulated machine, training/netns.py; needs root), with one hot spare:
+                    NVRx's timeouts stop every rank, the spare takes its place in the next round, the
+                    cut-off node comes back as the new spare (Kubernetes would replace it only after
+                    minutes; here after PARTITION_EVICTION_S, which the heal comes well before).
   k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
                     every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
                     restart does; resume from the last checkpoint on disk.
@@ -42,6 +47,7 @@ from typing import Any
 from bench.cluster import ClusterSpec, run_cluster
 from bench.profile import Profile
 from training.faults import KINDS
+from training.netns import unavailable_reason as netns_unavailable_reason
 from training.report import GoodputReport, ReportError, report_run
 
 
@@ -57,8 +63,13 @@ class Mechanism:
     spares: int = 0  # hot spare nodes; their node faults name the last rank (whichever node runs it)
     needs_module: str | None = None
     overrides: tuple[str, ...] = ()  # training config overrides of this mechanism
+    fault_options: str = ""  # appended to each fault spec, e.g. ":duration=5"
+    netns: bool = False  # each node on its own emulated machine (training.local --netns)
+    replacement_delay_s: float | None = None  # a lost node's replacement delay; None: REPLACEMENT_DELAY_S with spares
 
 
+PARTITION_S = 5  # how long a partition lasts: the cut-off node is back before the next fault
+PARTITION_EVICTION_S = 120.0  # its pod is never replaced within a partition (EKS: node-monitor grace + toleration)
 MECHANISMS = (
     Mechanism("inprocess", "in-process restart", "inprocess", "exception", True, "inprocess",
               needs_module="training.inprocess"),
@@ -73,6 +84,9 @@ MECHANISMS = (
     Mechanism("peer_state", "node lost, hot spare, state from peers", "injob", "node-loss", True, "node", spares=1,
               overrides=("peer_state.enabled=true",)),
     Mechanism("drain", "node drained (SIGTERM), replaced", "injob", "drain", True, "node"),
+    Mechanism("partition", "node cut off (network partition), hot spare takes over", "injob", "partition", True,
+              "injob", spares=1, fault_options=f":duration={PARTITION_S}", netns=True,
+              replacement_delay_s=PARTITION_EVICTION_S),
     Mechanism("k8s_restart", "plain Kubernetes restart (every pod replaced)", "injob", "node-loss", False, "node",
               fault_on_host=True),
 )
@@ -82,8 +96,9 @@ MECHANISMS = (
 REPLACEMENT_DELAY_S = 3.0
 # Async checkpoints, a short gloo timeout (a CPU collective cannot be aborted; it bounds
 # how long survivors of a fault can hang), generous NVRx timeouts for a busy machine.
+COLLECTIVE_TIMEOUT_S = 30
 BASE_OVERRIDES = ("checkpoint.mode=async", "checkpoint.keep=1",
-                  "training.collective_timeout_s=30", "logging.log_interval=50",
+                  f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "logging.log_interval=50",
                   "fault_tolerance.timeout_safety_factor=10")
 
 
@@ -114,6 +129,8 @@ def unavailable_reason(m: Mechanism) -> str | None:
         return f"{m.needs_module.replace('.', '/')}.py does not exist in this checkout yet"
     if m.fault not in KINDS:
         return f"training/faults.py has no {m.fault!r} fault kind"
+    if m.netns:
+        return netns_unavailable_reason()
     return None
 
 
@@ -122,7 +139,7 @@ def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
         target = f"node={0 if m.fault_on_host else profile.nodes - 1}"
     else:
         target = f"rank={0 if m.fault_on_host else profile.world - 1}"
-    return tuple(f"{m.fault}@{step}:{target}" for step in profile.fault_steps())
+    return tuple(f"{m.fault}@{step}:{target}{m.fault_options}" for step in profile.fault_steps())
 
 
 def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
@@ -136,8 +153,9 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
         overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
-        faults=fault_specs(m, profile), node_retries=retries, spares=m.spares,
-        replacement_delay_s=REPLACEMENT_DELAY_S if m.spares else 0.0)
+        faults=fault_specs(m, profile), node_retries=retries, spares=m.spares, netns=m.netns,
+        replacement_delay_s=(m.replacement_delay_s if m.replacement_delay_s is not None
+                             else REPLACEMENT_DELAY_S if m.spares else 0.0))
 
 
 def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:

@@ -113,6 +113,10 @@ def test_checks_pass_and_miss_against_targets() -> None:
                                         "node_zero": mechanism(10.0), "hot_spare": mechanism(4.6)}, {}, floor, ALL))
     assert nodes["node 0 loss recovery / other node loss recovery"] == "MISS"  # node 0 still special
     assert nodes["hot spare recovery / in-job recovery"] == "MISS"
+    partition = "partition detection (NVRx timeouts), median"
+    assert _by_figure(recovery_checks({"partition": mechanism(7.0)}, {}, floor, ALL))[partition] == "PASS"
+    assert _by_figure(recovery_checks({"partition": replace(mechanism(40.0), median_detection_s=31.0)}, {}, floor,
+                                      ALL))[partition] == "MISS"  # gloo's timeout, not NVRx, ended the wait
     rollback = sample_result().rollback
     assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.05), "")] == ["PASS"]
     assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.08), "")] == ["MISS"]
