@@ -167,10 +167,8 @@ def test_static_volume_binds_the_file_system_read_write_many(full):
     assert claim["spec"]["volumeName"] == PV_NAME
 
 
-def test_s3_dataset_import_is_an_auto_import_association_when_configured(synth, defaults):
-    from conftest import FULL, IMPORT  # noqa: PLC0415  (the g6 variant's import settings)
-
-    imported = synth({**FULL, **IMPORT})
+def test_s3_dataset_import_is_an_auto_import_association_when_configured(g6, defaults):
+    imported = g6  # the variant that imports a dataset (tests/infra/conftest.py: IMPORT)
     associations = list(imported.resources("Storage", "AWS::FSx::DataRepositoryAssociation").values())
     assert len(associations) == 1
     props = associations[0]["Properties"]
