@@ -24,6 +24,7 @@ import cdk8s  # noqa: E402  (needs the environment above)
 
 from infra.config import ConfigError, PlatformConfig  # noqa: E402
 from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
+from k8s.charts.network import NetworkDefaultsChart  # noqa: E402
 from k8s.charts.preflight import build_preflight_app  # noqa: E402
 from k8s.charts.report import ReportChart, report_job_name, timeline_path  # noqa: E402
 from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
@@ -48,6 +49,7 @@ def load_platform(cdk_json: Path, overrides: list[str]) -> PlatformConfig:
 def build_app(job: JobConfig, outdir: Path) -> cdk8s.App:
     """One chart, one file per concern; the file names sort in `kubectl apply -f dist/` order."""
     app = cdk8s.App(outdir=str(outdir), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
+    NetworkDefaultsChart(app, "network-defaults", job)
     ServiceAccountChart(app, "service-account", job)
     TrainingChart(app, "training", job)
     if job.fault_injection is not None:
