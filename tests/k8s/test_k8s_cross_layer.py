@@ -73,6 +73,10 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     namespaces = [o["metadata"]["name"] for o in applied if o["kind"] == "Namespace"]
     (claim,) = [o for o in applied if o["kind"] == "PersistentVolumeClaim"]
     assert namespaces == [job["metadata"]["namespace"]] == [NAMESPACE]
+    # Pod Security Admission: baseline enforced on the namespace the stack applies, restricted warned
+    (namespace,) = [o for o in applied if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/warn"] == "restricted"
     assert claim["metadata"]["namespace"] == job["metadata"]["namespace"]
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}} in r.pod["volumes"]
     assert claim["metadata"]["name"] == PVC_NAME
