@@ -25,6 +25,11 @@ RENDEZVOUS_PORT = 29500
 GPU_TAINT_KEY = "nvidia.com/gpu"
 GPU_NODE_LABEL = "platform.training/gpu-node"
 SYSTEM_NODE_LABEL = "platform.training/system-node"
+# The training image's user (training/Dockerfile USER): the trainer, the store and the report run as it
+# and own the Job's directory on FSx. Above 10000: no clash with a node's own users.
+TRAINING_UID = 10001
+VPC_CIDR = "10.0.0.0/16"
+MONITORING_NAMESPACE = "monitoring"  # the optional Prometheus server's (infra/metrics_collection.py)
 
 CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
 FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from aws_cdk import aws_eks_v2 as eks
 from constructs import Construct
 
-from infra.config import SYSTEM_NODE_LABEL
+from infra.config import MONITORING_NAMESPACE, SYSTEM_NODE_LABEL
 from infra.device_plugins import ChartSpec
 
 PROMETHEUS = ChartSpec("prometheus", "prometheus", "https://prometheus-community.github.io/helm-charts", "27.19.0")
-MONITORING_NAMESPACE = "monitoring"
 RETENTION = "15d"
 
 

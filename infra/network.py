@@ -7,6 +7,8 @@ from typing import Sequence
 from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_logs as logs
 from constructs import Construct
 
+from infra.config import VPC_CIDR
+
 # One /18 per zone: each p5 node takes an IP for every EFA interface plus one per pod.
 _PRIVATE_CIDR_MASK = 18
 _PUBLIC_CIDR_MASK = 24
@@ -34,7 +36,7 @@ class Network(Construct):
         self.vpc = ec2.Vpc(
             self,
             "Vpc",
-            ip_addresses=ec2.IpAddresses.cidr("10.0.0.0/16"),
+            ip_addresses=ec2.IpAddresses.cidr(VPC_CIDR),
             availability_zones=list(props.availability_zones),
             # A NAT gateway per zone: a zone outage must not cut the other zone's nodes off the registries.
             nat_gateways=len(props.availability_zones),

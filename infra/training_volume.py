@@ -10,6 +10,15 @@ from constructs import Construct
 from infra.config import NAMESPACE, PV_NAME, PVC_NAME
 
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
+# Pod Security Admission: enforce baseline (no privileged pod, no host namespaces, ports or paths, only
+# baseline's capabilities); warn and audit restricted. Not enforced restricted because two things need root:
+# the NCCL preflight's mpirun and sshd (k8s/charts/preflight.py) and the training pod's fsx-owner init
+# container (k8s/charts/training.py); the trainer, store, report and chaos containers meet restricted.
+POD_SECURITY = {
+    "pod-security.kubernetes.io/enforce": "baseline",
+    "pod-security.kubernetes.io/warn": "restricted",
+    "pod-security.kubernetes.io/audit": "restricted",
+}
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ class TrainingVolume(Construct):
         super().__init__(scope, construct_id)
         fs = props.file_system
         capacity = {"storage": f"{props.storage_gib}Gi"}
-        namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+        namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE, "labels": POD_SECURITY}}
         volume: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "PersistentVolume",

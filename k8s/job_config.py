@@ -6,6 +6,7 @@ properties so the charts, the launcher command and the tests read one definition
 """
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
@@ -15,6 +16,7 @@ from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
 from training.config import TrainConfig
 from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
+from training.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
 from training.k8s_delays import EKS
 from training.model import parameter_count
 from training.peer_state import node_memory_bytes
@@ -62,13 +64,17 @@ class JobConfig:
     # projection (training/k8s_delays.py) uses the same figure.
     node_failure_toleration_s: int = int(EKS.toleration_s)
     fault_injection: FaultInjectionConfig | None = None
+    # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-loss, partition)
+    # fire in the pods; written into the training config's immutable ConfigMap (allow_destructive_faults).
+    allow_destructive_faults: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes is None:
             object.__setattr__(self, "nodes", self.platform.gpu_nodes_desired)
         if self.spares is None:
             object.__setattr__(self, "spares", self.platform.spare_nodes)
-        object.__setattr__(self, "train", _with_gpu_peak(_with_fsx_paths(self.train, self.name), self.instance))
+        train = replace(_with_fsx_paths(self.train, self.name), allow_destructive_faults=self.allow_destructive_faults)
+        object.__setattr__(self, "train", _with_gpu_peak(train, self.instance))
         _validate(self)
 
     @property
@@ -100,6 +106,20 @@ class JobConfig:
     def store_name(self) -> str:
         """The rendezvous store's Deployment and Service."""
         return f"{self.name}-rendezvous"
+
+    @property
+    def job_dir(self) -> str:
+        """The Job's own directory on FSx, relative to the volume's root: the only part of FSx its pods
+        mount read-write (a volumeMount subPath), at the same path (its run_dir)."""
+        return str(PurePosixPath(self.train.run_dir).relative_to(CHECKPOINT_MOUNT_PATH))
+
+    @property
+    def data_dir(self) -> str | None:
+        """The directory of the token file on FSx, mounted read-only; None when the data is elsewhere."""
+        path = self.train.data.path
+        if path is None or not _on_fsx(path):
+            return None
+        return str(PurePosixPath(path).parent.relative_to(CHECKPOINT_MOUNT_PATH))
 
     @property
     def rendezvous_endpoint(self) -> str:
@@ -138,14 +158,21 @@ def _ceil(seconds: float) -> int:
 
 
 def _with_fsx_paths(train: TrainConfig, job_name: str) -> TrainConfig:
-    """Relative run/checkpoint dirs would die with the pod: root them on the shared FSx volume."""
+    """Relative run/checkpoint dirs would die with the pod: root them on the shared FSx volume. Every
+    path is normalised first ('..' and '.' folded), so that the FSx checks judge where it really points:
+    /fsx/../etc is /etc. Symlinks cannot be resolved here (FSx is not mounted when rendering): the pods
+    mount the Job's directory by subPath, and the kubelet refuses a subPath that is a symlink out of it."""
     run_dir = train.run_dir
     if not PurePosixPath(run_dir).is_absolute():
         run_dir = str(PurePosixPath(CHECKPOINT_MOUNT_PATH) / "runs" / job_name)
+    run_dir = posixpath.normpath(run_dir)
     ckpt = train.checkpoint
-    if ckpt.dir is not None and not PurePosixPath(ckpt.dir).is_absolute():
-        ckpt = replace(ckpt, dir=str(PurePosixPath(run_dir) / ckpt.dir))
-    return replace(train, run_dir=run_dir, checkpoint=ckpt)
+    if ckpt.dir is not None:
+        ckpt = replace(ckpt, dir=posixpath.normpath(posixpath.join(run_dir, ckpt.dir)))
+    data = train.data
+    if data.path is not None and PurePosixPath(data.path).is_absolute():
+        data = replace(data, path=posixpath.normpath(data.path))
+    return replace(train, run_dir=run_dir, checkpoint=ckpt, data=data)
 
 
 def _with_gpu_peak(train: TrainConfig, instance: InstanceFacts) -> TrainConfig:
@@ -175,9 +202,14 @@ def _validate(j: JobConfig) -> None:
                              f"{j.platform.gpu_nodes_max}: every pod needs a GPU node of its own; allowed: "
                              f"at most {j.platform.gpu_nodes_max - j.nodes} spares with these nodes")
     for path, key in ((j.train.run_dir, "run_dir"), (j.train.checkpoint_dir, "checkpoint.dir")):
-        if not _on_fsx(path):
-            raise JobConfigError(f"{key}={path!r} is not allowed on the cluster: it must be under "
+        if not _on_fsx(path) or path == CHECKPOINT_MOUNT_PATH:
+            raise JobConfigError(f"{key}={path!r} is not allowed on the cluster: it must be a directory below "
                                  f"{CHECKPOINT_MOUNT_PATH} (FSx), or relative, so it outlives the pod")
+    if not PurePosixPath(j.train.checkpoint_dir).is_relative_to(j.train.run_dir):
+        raise JobConfigError(f"checkpoint.dir={j.train.checkpoint_dir!r} is not allowed on the cluster: it must be "
+                             f"inside run_dir={j.train.run_dir!r}, the Job's own directory, the only part of FSx "
+                             "its pods can write")
+    _validate_faults(j)
     if j.backoff_limit_per_index < 0:
         raise JobConfigError(f"backoff_limit_per_index={j.backoff_limit_per_index} is not allowed: 0 or more")
     if j.ttl_seconds_after_finished < 0:
@@ -212,6 +244,18 @@ def _validate(j: JobConfig) -> None:
         _validate_drill_interval(j, fi.schedule)
         if fi.grace_period_s < 1:
             raise JobConfigError(f"fault_injection.grace_period_s={fi.grace_period_s} is not allowed: 1 or more")
+
+
+def _validate_faults(j: JobConfig) -> None:
+    try:
+        specs = parse_faults(j.train.faults)
+    except FaultSpecError as err:
+        raise JobConfigError(str(err)) from None
+    destructive = [s.text for s in specs if s.kind in DESTRUCTIVE_KINDS]
+    if destructive and not j.allow_destructive_faults:
+        raise JobConfigError(f"faults={destructive} are not allowed without the chaos switch: "
+                             f"{sorted(DESTRUCTIVE_KINDS)} destroy checkpoints or take a node down; render with "
+                             "--allow-destructive-faults to let them fire in the pods")
 
 
 def _validate_drill_interval(j: JobConfig, schedule: str) -> None:

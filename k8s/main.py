@@ -24,6 +24,7 @@ import cdk8s  # noqa: E402  (needs the environment above)
 
 from infra.config import ConfigError, PlatformConfig  # noqa: E402
 from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
+from k8s.charts.network import NetworkDefaultsChart  # noqa: E402
 from k8s.charts.preflight import build_preflight_app  # noqa: E402
 from k8s.charts.report import ReportChart, report_job_name, timeline_path  # noqa: E402
 from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
@@ -48,6 +49,7 @@ def load_platform(cdk_json: Path, overrides: list[str]) -> PlatformConfig:
 def build_app(job: JobConfig, outdir: Path) -> cdk8s.App:
     """One chart, one file per concern; the file names sort in `kubectl apply -f dist/` order."""
     app = cdk8s.App(outdir=str(outdir), yaml_output_type=cdk8s.YamlOutputType.FILE_PER_CHART)
+    NetworkDefaultsChart(app, "network-defaults", job)
     ServiceAccountChart(app, "service-account", job)
     TrainingChart(app, "training", job)
     if job.fault_injection is not None:
@@ -91,6 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     only.add_argument("--preflight", action="store_true",
                       help="render only the NCCL/EFA preflight MPIJob (nccl-tests all_reduce_perf on every GPU node "
                            "of the Job) instead of the training; needs the MPI Operator")
+    p.add_argument("--allow-destructive-faults", action="store_true",
+                   help="the chaos switch: let the fault kinds that destroy checkpoints or take a node down "
+                        "(corrupt-ckpt, disk-full, node-loss, partition) fire in the pods; without it the pods "
+                        "refuse them, from the training config and from TRAINING_FAULTS alike")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
     p.add_argument("--fault-target-index", type=int, help="job index whose pod is evicted; default: any, at random")
     p.add_argument("--fault-grace-period", type=int, default=FaultInjectionConfig.grace_period_s,
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         job = JobConfig(platform=platform, train=load_train_config(args.train_config, args.set),
                         infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
                         nodes=args.nodes, spares=args.spares, termination_grace_s=args.grace_period,
-                        node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection)
+                        node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection,
+                        allow_destructive_faults=args.allow_destructive_faults)
         if args.report:
             return _write_report_job(job, args.outdir or REPO_ROOT / "dist" / "report")
         args.outdir = args.outdir or REPO_ROOT / "dist"

@@ -181,6 +181,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     faults: tuple[str, ...] = ()  # fault specs; format in training/faults.py
+    # The chaos switch: in a Kubernetes pod the destructive fault kinds (training/faults.py DESTRUCTIVE_KINDS)
+    # fire only when this is true. The k8s Job sets it from `k8s/main.py --allow-destructive-faults`.
+    allow_destructive_faults: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)

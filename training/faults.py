@@ -86,6 +86,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENV_VAR = "TRAINING_FAULTS"
+# Kinds that destroy data (checkpoints) or take a node's pod or network down. In a pod they need the
+# config's chaos switch (allow_destructive_faults, in the Job's immutable ConfigMap): TRAINING_FAULTS, an
+# environment variable, cannot turn them on by itself. The local cluster and tests run outside a pod.
+DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "node-loss", "partition"})
+POD_ENV = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container
 CONTROLLER_WAIT_S = 30.0  # a drain or partition fault waits this long for the controller to act
 
 
@@ -348,6 +353,15 @@ def parse_faults(texts: tuple[str, ...] | list[str], world_size: int | None = No
     if duplicates:
         raise FaultSpecError(f"fault specs repeated: {duplicates}")
     return specs
+
+
+def check_chaos_switch(specs: list[FaultSpec], allowed: bool) -> None:
+    """In a pod, destructive faults only with the config's chaos switch on."""
+    destructive = [s.text for s in specs if s.kind in DESTRUCTIVE_KINDS]
+    if destructive and not allowed and POD_ENV in os.environ:
+        raise FaultSpecError(f"fault spec(s) {destructive}: {sorted(DESTRUCTIVE_KINDS)} destroy checkpoints or take "
+                             "a node down; in a pod they need allow_destructive_faults=true in the training config "
+                             "(k8s/main.py --allow-destructive-faults)")
 
 
 def with_env_faults(cfg: TrainConfig) -> TrainConfig:

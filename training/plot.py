@@ -1,12 +1,13 @@
 """Timeline picture of a run: step number over wall time, attempts, faults, recoveries, checkpoint saves."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from training.report import Fault, GoodputReport, Timeline
+from training.report import Fault, GoodputReport, Timeline, replace_file
 
 MAX_MARKED_STEPS = 300  # markers on every step only while they stay distinguishable
 MAX_LISTED_FAULTS = 12  # the caption lists these; report.json has all
@@ -41,7 +42,9 @@ def plot_timeline(timeline: Timeline, report: GoodputReport, path: Path) -> Path
     by_label = dict(zip(labels, handles))
     ax.legend(by_label.values(), by_label.keys(), loc="upper left", fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png")
+    replace_file(path, picture.getvalue())
     return path
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from collections import Counter
@@ -391,11 +392,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `path` as a new regular file, never through a symlink planted there: the bytes go to a fresh
+    temporary file beside it (O_CREAT|O_EXCL|O_NOFOLLOW), which then replaces the name; a symlink at
+    `path` is replaced, its target untouched. The run directory is writable by the training pods."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    tmp = f".{path.name}.{os.getpid()}.tmp"
+    try:
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
+        try:
+            os.write(out, data)
+            os.fsync(out)
+        finally:
+            os.close(out)
+        os.replace(tmp, path.name, src_dir_fd=fd, dst_dir_fd=fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+
+
 def write_report(run_dir: Path, plot: bool, png: Path | None = None) -> str:
     """Report a run: RUN_DIR/report.json, and the timeline picture when asked; returns the text."""
     timeline, report = report_run(run_dir)
     json_path = run_dir / "report.json"
-    json_path.write_text(report.to_json() + "\n")
+    replace_file(json_path, (report.to_json() + "\n").encode())
     lines = [format_report(report), f"wrote {json_path}"]
     if plot:
         from training.plot import plot_timeline  # matplotlib only when a picture is asked for

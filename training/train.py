@@ -33,7 +33,7 @@ from training.drain import Drained, DrainSignal, agree_on_save
 from training.events import EventLog, read_events
 from training.exit_codes import CONFIG_ERROR, TERMINATED
 from training.fault_tolerance import RankMonitor
-from training.faults import FaultInjector, FaultSpecError, parse_faults, with_env_faults
+from training.faults import FaultInjector, FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
 from training.flops import flops_per_token
 from training.metrics import TrainingMetrics
 from training.model import PRESETS, Transformer, build_model
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[%(asctime)s] [rank{rank}] %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = with_env_faults(load_train_config(args.config, args.overrides))
-        parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)))
+        check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1))), cfg.allow_destructive_faults)
         check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
     except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
         print(f"training.train: invalid config: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ from pathlib import Path
 from cdk8s import Chart
 from constructs import Construct
 
+from k8s.charts.network import DNS, KUBERNETES_API, network_policy
 from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 
@@ -49,8 +50,7 @@ class FaultInjectionChart(Chart):
             "imagePullPolicy": "Always",
             "command": ["python", "-c", EVICT_SCRIPT.read_text(), ns, selector, str(fi.grace_period_s)],
             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "128Mi"}},
-            "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True,
-                                "runAsNonRoot": True, "runAsUser": 65532},
+            "securityContext": {**CONTAINER_SECURITY_CONTEXT, "runAsNonRoot": True, "runAsUser": 65532},
         }
         api_object(self, "cronjob", api_version="batch/v1", kind="CronJob", name=name, namespace=ns,
                    annotations=checkov_skips(CHECKOV_SKIPS), body={"spec": {
@@ -61,7 +61,7 @@ class FaultInjectionChart(Chart):
                        "jobTemplate": {"spec": {
                            "backoffLimit": 0,  # a missed drill is not retried: the schedule brings the next
                            "ttlSecondsAfterFinished": 3600,
-                           "template": {"spec": {
+                           "template": {"metadata": {"labels": {"app.kubernetes.io/name": name}}, "spec": {
                                "restartPolicy": "Never",
                                "serviceAccountName": name,
                                "securityContext": dict(POD_SECURITY_CONTEXT),
@@ -69,3 +69,6 @@ class FaultInjectionChart(Chart):
                            }},
                        }},
                    }})
+        # The drill reaches the Kubernetes API (kubernetes.default.svc) and nothing else.
+        network_policy(self, "network-policy", job, name, {"app.kubernetes.io/name": name},
+                       egress=[KUBERNETES_API, DNS])

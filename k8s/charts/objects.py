@@ -6,10 +6,19 @@ from typing import Any, Mapping
 from cdk8s import ApiObject, JsonPatch
 from constructs import Construct
 
+from infra.config import TRAINING_UID
+
 # Every pod of the charts: the container runtime's default seccomp profile.
 POD_SECURITY_CONTEXT: Mapping[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
-# Every container of the charts: no privilege escalation, no Linux capabilities.
-CONTAINER_SECURITY_CONTEXT: Mapping[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# The pods of the training image (trainer, store, report): its own user, never root. No fsGroup: the FSx
+# CSI driver does not apply one to a ReadWriteMany volume (and a recursive chown of a Lustre tree would
+# take hours); the Job's directory on FSx is given to this user by the trainer's init container.
+TRAINING_POD_SECURITY_CONTEXT: Mapping[str, Any] = {**POD_SECURITY_CONTEXT, "runAsNonRoot": True,
+                                                    "runAsUser": TRAINING_UID, "runAsGroup": TRAINING_UID}
+# Every container of the charts: no privilege escalation, no Linux capabilities, a read-only root
+# filesystem (what a container writes goes to an emptyDir or its directory on FSx).
+CONTAINER_SECURITY_CONTEXT: Mapping[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                                 "readOnlyRootFilesystem": True}
 
 
 def api_object(scope: Construct, id: str, *, api_version: str, kind: str, name: str,

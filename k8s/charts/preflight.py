@@ -16,8 +16,9 @@ from cdk8s import Chart
 from constructs import Construct
 
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, SYSTEM_NODE_LABEL
-from k8s.charts.objects import POD_SECURITY_CONTEXT, api_object
-from k8s.charts.training import container_security_context, efa_env, gpu_pod_resources
+from k8s.charts.network import among_themselves, network_policy
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object
+from k8s.charts.training import efa_env, gpu_pod_resources
 from k8s.job_config import JobConfig, JobConfigError
 
 CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "nccl_check.py"
@@ -25,8 +26,13 @@ CHECK_MOUNT = "/preflight"
 ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
 # 8 B to 16 GiB, doubling: the largest sizes show the fabric's bandwidth (awsome-distributed-training's run).
 ALL_REDUCE_ARGS = ["-b", "8", "-e", "16G", "-f", "2", "-g", "1", "-c", "1", "-n", "100"]
-# What sshd needs beyond IPC_LOCK to accept the launcher's connections (privilege separation).
+# What sshd needs to accept the launcher's connections (privilege separation): all within PSA baseline.
 SSHD_CAPABILITIES = ["SETUID", "SETGID", "SYS_CHROOT", "CHOWN", "AUDIT_WRITE", "KILL"]
+# mpirun and sshd run as root here (the MPI Operator's keys, sshd's privilege separation) and sshd writes
+# its pid and host state on the root filesystem: the preflight is why the namespace enforces PSA baseline,
+# not restricted. It runs briefly, before the training, with no FSx and no service account token.
+PREFLIGHT_CONTAINER_SECURITY_CONTEXT = {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": False}
+PREFLIGHT_POD_SECURITY_CONTEXT = {**POD_SECURITY_CONTEXT, "runAsUser": 0}  # the image's USER is the training user
 
 
 def preflight_name(job: JobConfig) -> str:
@@ -46,20 +52,24 @@ def _mpirun(job: JobConfig) -> list[str]:
     ]
 
 
+def _pod_labels(job: JobConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": preflight_name(job)}
+
+
 def _launcher(job: JobConfig, config_map: str) -> dict:
     script = str(PurePosixPath(CHECK_MOUNT) / CHECK_SCRIPT.name)
     facts = job.instance
     check = ["python3", script, "--instance-type", facts.name, "--min-busbw-gbs", f"{facts.min_allreduce_busbw_gbs:g}",
              "--nodes", str(job.pods), "--"]
-    return {"replicas": 1, "template": {"spec": {
+    return {"replicas": 1, "template": {"metadata": {"labels": _pod_labels(job)}, "spec": {
         "restartPolicy": "Never",  # a failed preflight is a verdict, not something to retry
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},  # no GPU needed: mpirun only starts the ranks
-        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "securityContext": dict(PREFLIGHT_POD_SECURITY_CONTEXT),
         "containers": [{
             "name": "launcher", "image": job.infra.image_uri, "imagePullPolicy": "IfNotPresent",
             "command": [*check, *_mpirun(job)],
             "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}},
-            "securityContext": container_security_context(job),
+            "securityContext": dict(PREFLIGHT_CONTAINER_SECURITY_CONTEXT),
             "volumeMounts": [{"name": "check", "mountPath": CHECK_MOUNT, "readOnly": True}],
         }],
         "volumes": [{"name": "check", "configMap": {"name": config_map}}],
@@ -68,13 +78,11 @@ def _launcher(job: JobConfig, config_map: str) -> dict:
 
 def _worker(job: JobConfig) -> dict:
     resources = gpu_pod_resources(job)
-    security = container_security_context(job)
-    security["capabilities"] = {**security["capabilities"],
-                                "add": [*security["capabilities"].get("add", []), *SSHD_CAPABILITIES]}
-    return {"replicas": job.pods, "template": {"spec": {
+    security = {**PREFLIGHT_CONTAINER_SECURITY_CONTEXT, "capabilities": {"drop": ["ALL"], "add": SSHD_CAPABILITIES}}
+    return {"replicas": job.pods, "template": {"metadata": {"labels": _pod_labels(job)}, "spec": {
         "nodeSelector": {"node.kubernetes.io/instance-type": job.instance.name, GPU_NODE_LABEL: "true"},
         "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
-        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "securityContext": dict(PREFLIGHT_POD_SECURITY_CONTEXT),
         "containers": [{
             "name": "worker", "image": job.infra.image_uri, "imagePullPolicy": "IfNotPresent",
             "command": ["/usr/sbin/sshd", "-De"],  # the launcher's mpirun starts the ranks over SSH
@@ -106,6 +114,9 @@ class PreflightChart(Chart):
                                      "ttlSecondsAfterFinished": job.ttl_seconds_after_finished},
                        "mpiReplicaSpecs": {"Launcher": _launcher(job, config_map), "Worker": _worker(job)},
                    }})
+        # mpirun reaches the workers' sshd, Open MPI's daemons and TCP transport connect on ports of their
+        # choosing among the preflight's pods; NCCL's data goes over EFA.
+        network_policy(self, "network-policy", job, name, _pod_labels(job), **among_themselves(_pod_labels(job)))
 
 
 def build_preflight_app(job: JobConfig, outdir: Path) -> cdk8s.App:

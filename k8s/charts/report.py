@@ -13,17 +13,16 @@ from pathlib import PurePosixPath
 from cdk8s import Chart
 from constructs import Construct
 
-from infra.config import CHECKPOINT_MOUNT_PATH, SYSTEM_NODE_LABEL
-from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
-from k8s.charts.training import JOB_CHECKOV_SKIPS
+from infra.config import SYSTEM_NODE_LABEL
+from k8s.charts.network import network_policy
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, TRAINING_POD_SECURITY_CONTEXT, api_object, checkov_skips
+from k8s.charts.training import IMAGE_CHECKOV_SKIPS, fsx_mounts
 from k8s.job_config import JobConfig
 
 CONTAINER = "report"
 REPORT_HOLD_S = 600  # long enough for a `kubectl cp` by hand; bounded, so no pod is left behind
 # Reading a weeks-long event log and drawing it: a CPU, a few GiB, on a system node (no GPU needed).
 REPORT_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}
-REPORT_CHECKOV_SKIPS = {check: JOB_CHECKOV_SKIPS[check] for check in ("CKV_K8S_15", "CKV_K8S_43")} | dict.fromkeys(
-    ("CKV_K8S_23", "CKV_K8S_40"), "the training image (NGC PyTorch) runs as root and the FSx root directory is root-owned")
 
 
 def _pod_labels(job: JobConfig) -> dict[str, str]:
@@ -55,9 +54,9 @@ def _report_job_spec(job: JobConfig) -> dict:
         # matplotlib keeps its font cache under MPLCONFIGDIR: the root filesystem is read-only
         "env": [{"name": "MPLCONFIGDIR", "value": "/tmp/matplotlib"}],
         "resources": REPORT_RESOURCES,
-        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
-        "volumeMounts": [{"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH},  # writes report.json, timeline.png
-                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+        # the run's directory alone: writes report.json and timeline.png (never through a symlink)
+        "volumeMounts": [*fsx_mounts(job, read_only=False)[:1], {"name": "tmp", "mountPath": "/tmp"}],
     }
     return {
         "backoffLimit": 0,  # a report that fails once fails again: the log says why
@@ -68,7 +67,7 @@ def _report_job_spec(job: JobConfig) -> dict:
                          "restartPolicy": "Never",
                          "automountServiceAccountToken": False,  # it never calls the Kubernetes API
                          "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
-                         "securityContext": dict(POD_SECURITY_CONTEXT),
+                         "securityContext": dict(TRAINING_POD_SECURITY_CONTEXT),
                          "containers": [container],
                          "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name}},
                                      {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
@@ -81,9 +80,7 @@ class ReportChart(Chart):
         super().__init__(scope, id, labels={"app.kubernetes.io/name": job.name,
                                             "app.kubernetes.io/part-of": job.infra.cluster_name})
         api_object(self, "job", api_version="batch/v1", kind="Job", name=report_job_name(job),
-                   namespace=job.namespace, annotations=checkov_skips(REPORT_CHECKOV_SKIPS),
+                   namespace=job.namespace, annotations=checkov_skips(IMAGE_CHECKOV_SKIPS),
                    body={"spec": _report_job_spec(job)})
-        # It serves nothing: no ingress at all (egress stays open: FSx, ECR)
-        api_object(self, "network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
-                   name=report_job_name(job), namespace=job.namespace, body={"spec": {
-                       "podSelector": {"matchLabels": _pod_labels(job)}, "policyTypes": ["Ingress"]}})
+        # It serves nothing and connects to nothing (FSx is the node's kernel client): no traffic at all.
+        network_policy(self, "network-policy", job, report_job_name(job), _pod_labels(job))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import PurePosixPath
 from typing import NamedTuple
 
@@ -11,9 +12,10 @@ import yaml
 from cdk8s import Chart
 from constructs import Construct
 
-from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, RENDEZVOUS_PORT, SERVICE_ACCOUNT,
-                          SYSTEM_NODE_LABEL)
-from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
+from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, MONITORING_NAMESPACE, RENDEZVOUS_PORT,
+                          SERVICE_ACCOUNT, SYSTEM_NODE_LABEL, TRAINING_UID)
+from k8s.charts.network import among_themselves, network_policy, pods
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, TRAINING_POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
 from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
@@ -24,11 +26,13 @@ CONTAINER = "trainer"
 STORE_COMPONENT = "rendezvous"  # the store's app.kubernetes.io/component label, container and port name
 CONFIG_COMPONENT = "config"
 METRICS_PATH = "/metrics"  # the ConfigMaps' app.kubernetes.io/component label: how old ones are found
-# AL2023 nodeadm `localStorage: {strategy: RAID0}` (setup-local-disks raid0) mounts the instance-store
-# RAID0 at /mnt/k8s-disks/0 and bind-mounts kubelet and containerd state from subdirectories of it:
-# the pod gets its own subdirectory, never the kubelet's files.
-NODE_SCRATCH_PATH = "/mnt/k8s-disks/0/training-scratch"
+# The pod's scratch (JIT and library caches: HOME points here): an emptyDir, which lives under the
+# kubelet's root, on these nodes already the instance-store NVMe RAID0 (nodeadm localStorage RAID0). A
+# hostPath there would outlive the pod, but nothing reads it back, and hostPath is what PSA baseline forbids.
 SCRATCH_MOUNT_PATH = "/scratch"
+FSX_OWNER_CONTAINER = "fsx-owner"
+# The Prometheus server's pods (infra/metrics_collection.py, the prometheus chart's labels): the only scrapers.
+PROMETHEUS_SERVER = {"app.kubernetes.io/name": "prometheus"}
 # Written by the preStop hook, which the kubelet runs before it sends SIGTERM: the ranks then take
 # that SIGTERM for a drain and commit before they leave (training/drain.py). In the pod's own
 # memory-backed /dev/shm, so a replacement pod starts without it.
@@ -39,26 +43,22 @@ DRAIN_MARKER_PATH = "/dev/shm/training-drain"
 # Job's podFailurePolicy does not count it against the index's retries.
 NODE_FAILURE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 
-# checkov findings that are inherent to this training pod, each with its reason.
-JOB_CHECKOV_SKIPS = {
+# checkov findings that are inherent to the training image's pods, each with its reason.
+IMAGE_CHECKOV_SKIPS = {
     "CKV_K8S_15": "the tag is fixed per build (CDK asset hash or the given imageUri); "
                   "IfNotPresent lets a replacement pod start without ECR",
-    "CKV_K8S_22": "PyTorch, Triton and CUDA write JIT caches under HOME and /tmp of the NGC image",
-    "CKV_K8S_23": "the NGC PyTorch image runs as root and the FSx root and node scratch directories are root-owned",
-    "CKV_K8S_40": "the NGC PyTorch image runs as root and the FSx root and node scratch directories are root-owned",
     "CKV_K8S_43": "the ImageUri output tags the CDK asset by its content hash; its digest is not known when rendering",
 }
-# On EFA types only (container_security_context).
-EFA_CHECKOV_SKIPS = {
-    "CKV_K8S_25": "IPC_LOCK alone, on EFA instance types: libfabric pins the buffers EFA reads and writes "
-                  "beyond the container's locked-memory limit",
+JOB_CHECKOV_SKIPS = {
+    **IMAGE_CHECKOV_SKIPS,
+    **dict.fromkeys(("CKV_K8S_23", "CKV_K8S_25"),
+                    "the fsx-owner init container alone runs as root with CHOWN and FOWNER: it gives the Job's "
+                    "directory on FSx to the training user (Lustre has no uid mount option, the CSI driver no fsGroup)"),
 }
 STORE_CHECKOV_SKIPS = {
     "CKV_K8S_11": "a CPU limit would only throttle the store during a rendezvous round, "
                   "while every launcher waits on it",
-    **{check: JOB_CHECKOV_SKIPS[check] for check in ("CKV_K8S_15", "CKV_K8S_43")},
-    **dict.fromkeys(("CKV_K8S_23", "CKV_K8S_40"),
-                    "the store runs the training image, whose NGC PyTorch base runs as root"),
+    **IMAGE_CHECKOV_SKIPS,
 }
 
 
@@ -122,16 +122,6 @@ def efa_env(job: JobConfig) -> dict[str, str]:
     }
 
 
-def container_security_context(job: JobConfig) -> dict:
-    """No privilege escalation, no capabilities but IPC_LOCK on EFA: libfabric pins (registers) the
-    buffers EFA reads and writes, which the container's locked-memory limit would refuse; as root
-    (the NGC image) CAP_IPC_LOCK lifts that limit (libfabric EFA provider docs: memlock unlimited)."""
-    context = dict(CONTAINER_SECURITY_CONTEXT)
-    if job.instance.efa_interfaces:
-        context["capabilities"] = {**context["capabilities"], "add": ["IPC_LOCK"]}
-    return context
-
-
 def _training_env(job: JobConfig) -> list[dict[str, str]]:
     env: dict[str, str] = {
         "NCCL_DEBUG": "WARN",
@@ -145,6 +135,9 @@ def _training_env(job: JobConfig) -> list[dict[str, str]]:
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(PurePosixPath(job.train.run_dir) / "nccl_trace_rank_"),
         DRAIN_MARKER_ENV: DRAIN_MARKER_PATH,
+        # The root filesystem is read-only: CUDA's, Triton's and the libraries' caches under HOME go to
+        # the scratch emptyDir, TorchInductor's and NVRx's sockets to /tmp (another emptyDir).
+        "HOME": SCRATCH_MOUNT_PATH,
     }
     env |= efa_env(job)
     if job.inprocess:
@@ -181,11 +174,42 @@ def gpu_pod_resources(job: JobConfig) -> dict[str, str]:
     return resources
 
 
+def fsx_mounts(job: JobConfig, *, read_only: bool) -> list[dict]:
+    """The Job's own directory on FSx (its run_dir, checkpoints inside), mounted by subPath at the same
+    path: a pod never sees the rest of the file system, another Job's checkpoints included. Write access
+    to it is code execution in every rank on resume: DCP's .metadata and non-tensor items are pickles that
+    dcp.load unpickles. The token file's directory, when on FSx, comes read-only."""
+    mounts = [{"name": "fsx", "mountPath": job.train.run_dir, "subPath": job.job_dir, "readOnly": read_only}]
+    if job.data_dir is not None:
+        mounts.append({"name": "fsx", "mountPath": str(PurePosixPath(CHECKPOINT_MOUNT_PATH) / job.data_dir),
+                       "subPath": job.data_dir, "readOnly": True})
+    return mounts
+
+
+def _fsx_owner_container(job: JobConfig) -> dict:
+    """Creates the Job's directory on FSx and gives it to the training user, mode 0700, before the trainer
+    starts; the one root process of the pod, with CHOWN and FOWNER only, running this command only. Lustre
+    has no uid/gid mount option, and the FSx CSI driver applies no fsGroup to a ReadWriteMany volume."""
+    path = shlex.quote(job.train.run_dir)
+    owner = f"{TRAINING_UID}:{TRAINING_UID}"
+    return {
+        "name": FSX_OWNER_CONTAINER,
+        "image": job.infra.image_uri,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["/bin/sh", "-c", f"mkdir -p {path} && chown {owner} {path} && chmod 0700 {path}"],
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
+        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}},
+        "volumeMounts": [{"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH}],
+    }
+
+
 def _pod_spec(job: JobConfig) -> dict:
     mounts = [
-        {"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH},
+        *fsx_mounts(job, read_only=False),
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": SCRATCH_MOUNT_PATH},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     config_files = _config_files(job)
     mounts += [{"name": f.volume, "mountPath": str(PurePosixPath(f.path).parent), "readOnly": True}
@@ -194,8 +218,8 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name}},
         # NCCL and the data loaders share memory through /dev/shm; the container default is 64 MiB.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{job.shm_gib}Gi"}},
-        # Survives pod replacement on the same node (node-local checkpoints, caches).
-        {"name": "scratch", "hostPath": {"path": NODE_SCRATCH_PATH, "type": "DirectoryOrCreate"}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": "100Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "10Gi"}},
     ]
     volumes += [{"name": f.volume, "configMap": {"name": f.config_map}} for f in config_files]
     resources = gpu_pod_resources(job)
@@ -207,7 +231,7 @@ def _pod_spec(job: JobConfig) -> dict:
         "args": launcher_args(job),
         "env": _training_env(job),
         "resources": {"requests": resources, "limits": resources},
-        "securityContext": container_security_context(job),
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", f"touch {DRAIN_MARKER_PATH}"]}}},
     }
@@ -223,7 +247,8 @@ def _pod_spec(job: JobConfig) -> dict:
             {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
             *_node_failure_tolerations(job),
         ],
-        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "securityContext": dict(TRAINING_POD_SECURITY_CONTEXT),
+        "initContainers": [_fsx_owner_container(job)],
         "containers": [container],
         "volumes": volumes,
     }
@@ -273,10 +298,10 @@ def _store_container(job: JobConfig, train_config: _ConfigFile) -> dict:
         "readinessProbe": {"tcpSocket": port, "periodSeconds": 5},
         # Lenient: a restart loses the rendezvous state (see _store_pod_spec).
         "livenessProbe": {"tcpSocket": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
-        "securityContext": {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True},
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
                          # the run's event log, read to tell a stalled run (training.store)
-                         {"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH, "readOnly": True},
+                         *fsx_mounts(job, read_only=True)[:1],
                          {"name": train_config.volume, "mountPath": str(PurePosixPath(train_config.path).parent),
                           "readOnly": True}],
     }
@@ -296,7 +321,7 @@ def _store_pod_spec(job: JobConfig) -> dict:
         "automountServiceAccountToken": False,  # it never calls the Kubernetes API
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
         "tolerations": _node_failure_tolerations(job),
-        "securityContext": dict(POD_SECURITY_CONTEXT),
+        "securityContext": dict(TRAINING_POD_SECURITY_CONTEXT),
         "containers": [_store_container(job, train_config)],
         # Python's tempfile module probes for a writable directory (torch's import uses it): the root
         # filesystem is read-only.
@@ -322,18 +347,31 @@ def _store_deployment_spec(job: JobConfig) -> dict:
 
 def _rendezvous_store(chart: Chart, job: JobConfig) -> None:
     """The store's Deployment, the Service the launchers reach it by (JobConfig.rendezvous_endpoint),
-    and ingress to it on the rendezvous port from the training pods only."""
+    and ingress to it on the rendezvous port from the training pods only: the c10d store has no
+    authentication and every launcher unpickles its rendezvous state. It connects to nothing."""
     ns, labels = job.namespace, _store_labels(job)
     api_object(chart, "rendezvous", api_version="apps/v1", kind="Deployment", name=job.store_name, namespace=ns,
                annotations=checkov_skips(STORE_CHECKOV_SKIPS), body={"spec": _store_deployment_spec(job)})
     api_object(chart, "rendezvous-service", api_version="v1", kind="Service", name=job.store_name, namespace=ns,
                body={"spec": {"type": "ClusterIP", "selector": labels, "ports": [
                    {"name": STORE_COMPONENT, "port": RENDEZVOUS_PORT, "targetPort": STORE_COMPONENT}]}})
-    api_object(chart, "rendezvous-network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
-               name=job.store_name, namespace=ns, body={"spec": {
-                   "podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"],
-                   "ingress": [{"from": [{"podSelector": {"matchLabels": _pod_labels(job)}}],
-                                "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}]}})
+    network_policy(chart, "rendezvous-network-policy", job, job.store_name, labels,
+                   ingress=[{"from": [pods(_pod_labels(job))], "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}])
+
+
+def _training_network_policy(chart: Chart, job: JobConfig) -> None:
+    """The training pods talk among themselves on any port (the ranks' c10d store, gloo and NCCL
+    bootstrap sockets, the in-process Wrapper's store, peer state), reach the store on the rendezvous
+    port and DNS, and let the Prometheus server in on the metrics port; nothing else in or out."""
+    labels = _pod_labels(job)
+    rules = among_themselves(labels, egress=({"to": [pods(_store_labels(job))],
+                                              "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]},))
+    if job.train.metrics.port:
+        rules["ingress"].append({
+            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}},
+                      "podSelector": {"matchLabels": PROMETHEUS_SERVER}}],
+            "ports": [{"protocol": "TCP", "port": job.train.metrics.port}]})
+    network_policy(chart, "network-policy", job, job.name, labels, **rules)
 
 
 class TrainingChart(Chart):
@@ -355,19 +393,6 @@ class TrainingChart(Chart):
             api_object(self, f.volume, api_version="v1", kind="ConfigMap", name=f.config_map, namespace=ns,
                        labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
                        body={"immutable": True, "data": f.data})
-        # Ingress from the job's own pods (the ranks' c10d store, NCCL bootstrap sockets) and, on the
-        # metrics port only, from any pod of the cluster (whichever collector scrapes it); EFA traffic
-        # bypasses the kernel and is not subject to it. Enforced by the VPC CNI add-on's network policy
-        # agent (enableNetworkPolicy, infra/cluster.py); egress stays open (FSx, ECR, S3).
-        pods = {"matchLabels": _pod_labels(job)}
-        ingress: list[dict] = [{"from": [{"podSelector": pods}]}]
-        if job.train.metrics.port:
-            ingress.append({"from": [{"namespaceSelector": {}}],
-                            "ports": [{"protocol": "TCP", "port": job.train.metrics.port}]})
-        api_object(self, "network-policy", api_version="networking.k8s.io/v1", kind="NetworkPolicy",
-                   name=job.name, namespace=ns, body={"spec": {
-                       "podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress}})
+        _training_network_policy(self, job)
         api_object(self, "job", api_version="batch/v1", kind="Job", name=job.name, namespace=ns,
-                   annotations=checkov_skips({**JOB_CHECKOV_SKIPS, **(EFA_CHECKOV_SKIPS if job.instance.efa_interfaces
-                                                                      else {})}),
-                   body={"spec": _job_spec(job)})
+                   annotations=checkov_skips(JOB_CHECKOV_SKIPS), body={"spec": _job_spec(job)})

@@ -74,6 +74,10 @@ class Rendered:
         return container
 
     @property
+    def pod_volumes(self) -> dict[str, dict[str, Any]]:
+        return {v["name"]: v for v in self.pod["volumes"]}
+
+    @property
     def env(self) -> dict[str, str]:
         return {e["name"]: e["value"] for e in self.container["env"]}
 

@@ -14,7 +14,6 @@ from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, 
                           PlatformConfig)
 from infra.instances import INSTANCE_TYPES
 from infra.platform import build_platform
-from k8s.charts.training import NODE_SCRATCH_PATH
 from k8s.outputs import REQUIRED_KEYS
 from k8s_render import fitting
 
@@ -74,11 +73,17 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     namespaces = [o["metadata"]["name"] for o in applied if o["kind"] == "Namespace"]
     (claim,) = [o for o in applied if o["kind"] == "PersistentVolumeClaim"]
     assert namespaces == [job["metadata"]["namespace"]] == [NAMESPACE]
+    # Pod Security Admission: baseline enforced on the namespace the stack applies, restricted warned
+    (namespace,) = [o for o in applied if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "baseline"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/warn"] == "restricted"
     assert claim["metadata"]["namespace"] == job["metadata"]["namespace"]
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}} in r.pod["volumes"]
     assert claim["metadata"]["name"] == PVC_NAME
     assert "ReadWriteMany" in claim["spec"]["accessModes"]  # every pod of the Job mounts it
-    assert {"name": "fsx", "mountPath": CHECKPOINT_MOUNT_PATH} in r.container["volumeMounts"]
+    # the Job's own directory of the file system, at its run_dir
+    assert {"name": "fsx", "mountPath": f"{CHECKPOINT_MOUNT_PATH}/runs/fsdp-train", "subPath": "runs/fsdp-train",
+            "readOnly": False} in r.container["volumeMounts"]
     assert r.container["image"] == IMAGE
 
     # GPU nodes: the Job selects their label and instance type and tolerates their taint.
@@ -114,9 +119,9 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     assert ("aws-efa-k8s-device-plugin" in helm_charts) == bool(efa_interfaces)
     assert "nvidia-device-plugin" in helm_charts
 
-    # Node setup: hugepages reserved as requested, and the NVMe RAID0 that the scratch hostPath is on.
+    # Node setup: hugepages reserved as requested, and the NVMe RAID0 under the kubelet that the pod's emptyDirs are on.
     user_data = _text(template_data["UserData"])
     if facts.hugepages_2mi_gib:
         assert f"vm.nr_hugepages = {facts.hugepages_2mi_gib * _HUGEPAGES_2MI_PER_GIB}" in user_data
         assert limits["hugepages-2Mi"] == f"{facts.hugepages_2mi_gib}Gi"
-    assert "strategy: RAID0" in user_data and NODE_SCRATCH_PATH.startswith("/mnt/k8s-disks/0/")
+    assert "strategy: RAID0" in user_data and "emptyDir" in r.pod_volumes["scratch"]

@@ -10,7 +10,6 @@ import yaml
 from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, PVC_NAME,
                           RENDEZVOUS_PORT, SERVICE_ACCOUNT, SYSTEM_NODE_LABEL)
 from infra.instances import INSTANCE_TYPES
-from k8s.charts.training import NODE_SCRATCH_PATH
 from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s.outputs import PLACEHOLDER_IMAGE
@@ -27,7 +26,7 @@ K8S_VERSION = "1.34.0"
 def test_every_manifest_validates_strictly_against_kubernetes_1_34(render, mode, instance_type):
     r = render("--fault-injection", "--set", f"fault_tolerance.restart={mode}", *fitting(instance_type),
                context={"gpuInstanceType": instance_type})
-    assert sorted(r.files) == ["service-account.k8s.yaml", "training-fault-injection.k8s.yaml", "training.k8s.yaml"]
+    assert sorted(r.files) == ["network-defaults.k8s.yaml", "service-account.k8s.yaml", "training-fault-injection.k8s.yaml", "training.k8s.yaml"]
     for obj in r.objects():
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises ValidationError
 
@@ -121,11 +120,13 @@ def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
     assert spec["selector"]["matchLabels"] == spec["template"]["metadata"]["labels"]
     assert container["image"] == r.container["image"]
     assert container["command"][:3] == ["python", "-m", "training.store"] and "nvrx-control" in container["command"]
-    # it reads the run's event log (read-only) and the config the trainers run with
+    # it reads the run's event log (read-only, the run's directory alone) and the config the trainers run with
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
-    assert mounts[CHECKPOINT_MOUNT_PATH]["readOnly"] and mounts["/etc/training"]["readOnly"]
+    run_dir = f"{CHECKPOINT_MOUNT_PATH}/runs/fsdp-train"
+    assert mounts[run_dir]["readOnly"] and mounts[run_dir]["subPath"] == "runs/fsdp-train"
+    assert mounts["/etc/training"]["readOnly"] and CHECKPOINT_MOUNT_PATH not in mounts
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts[CHECKPOINT_MOUNT_PATH]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    assert volumes[mounts[run_dir]["name"]]["persistentVolumeClaim"]["readOnly"] is True
     config = r.config_map_object("fsdp-train-config")["metadata"]["name"]
     assert volumes[mounts["/etc/training"]["name"]]["configMap"]["name"] == config
     assert "--rdzv-id=fsdp-train" in container["command"] and "--rdzv-id=fsdp-train" in r.container["args"]
@@ -142,23 +143,6 @@ def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
     assert pod["securityContext"] == r.pod["securityContext"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"allowPrivilegeEscalation", "capabilities"} <= set(container["securityContext"])
-
-
-def test_only_the_training_pods_reach_the_store_and_only_on_the_rendezvous_port(render):
-    r = render()
-    policies = {o["metadata"]["name"]: o["spec"] for o in r.objects() if o["kind"] == "NetworkPolicy"}
-    trainer_labels = r.one("Job")["spec"]["template"]["metadata"]["labels"]
-    store_labels = _store(r)["spec"]["template"]["metadata"]["labels"]
-    store_policy = policies["fsdp-train-rendezvous"]
-    assert store_policy["podSelector"] == {"matchLabels": store_labels}
-    assert store_policy["policyTypes"] == ["Ingress"]
-    assert store_policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": trainer_labels}}],
-                                        "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}]
-    # The training pods' own policy does not select the store: each pod is under its own rules.
-    trainer_policy = policies["fsdp-train"]
-    assert trainer_policy["podSelector"] == {"matchLabels": trainer_labels}
-    assert not set(trainer_labels.items()) >= set(store_labels.items())
-    assert not set(store_labels.items()) >= set(trainer_labels.items())
 
 
 def test_config_maps_carry_the_training_config_rooted_on_fsx(render):
@@ -220,17 +204,21 @@ def test_resources_come_from_the_instance_table_with_requests_equal_to_limits(re
     assert (efa_env <= set(r.env)) == bool(facts.efa_interfaces)
 
 
-def test_volumes_fsx_shared_memory_and_node_nvme(render):
+def test_volumes_the_jobs_fsx_directory_shared_memory_and_scratch(render):
     r = render()
     volumes = {v["name"]: v for v in r.pod["volumes"]}
-    mounts = {m["name"]: m["mountPath"] for m in r.container["volumeMounts"]}
+    mounts = {m["name"]: m for m in r.container["volumeMounts"]}
     assert volumes["fsx"]["persistentVolumeClaim"] == {"claimName": PVC_NAME}
-    assert mounts["fsx"] == CHECKPOINT_MOUNT_PATH
+    # the Job's own directory, at its run_dir: never the FSx root
+    assert (mounts["fsx"]["mountPath"], mounts["fsx"]["subPath"]) == (f"{CHECKPOINT_MOUNT_PATH}/runs/fsdp-train",
+                                                                      "runs/fsdp-train")
+    mounts = {name: m["mountPath"] for name, m in mounts.items()}
     assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and volumes["dshm"]["emptyDir"]["sizeLimit"].endswith("Gi")
     assert mounts["dshm"] == "/dev/shm"
-    # AL2023 nodeadm localStorage RAID0 mounts the array at /mnt/k8s-disks/0; the pod gets a subdirectory.
-    assert volumes["scratch"]["hostPath"] == {"path": NODE_SCRATCH_PATH, "type": "DirectoryOrCreate"}
-    assert NODE_SCRATCH_PATH.startswith("/mnt/k8s-disks/0/")
+    # emptyDirs (on the kubelet's NVMe RAID0) for what the read-only root cannot take: caches under HOME, /tmp
+    assert "emptyDir" in volumes["scratch"] and "emptyDir" in volumes["tmp"]
+    assert mounts["tmp"] == "/tmp" and r.env["HOME"] == mounts["scratch"]
+    assert not [v for o in r.objects() for v in _pod_spec_of(o).get("volumes", []) if "hostPath" in v]
 
 
 def test_pod_tolerates_the_gpu_taint_and_runs_as_the_service_account(render):
@@ -322,10 +310,19 @@ def test_without_outputs_placeholders_are_used_and_announced(render):
     assert render(outputs=None, context={"imageUri": image}).container["image"] == image
 
 
-def test_efa_training_container_may_pin_memory_and_logs_the_nccl_transport_once(render):
+def test_training_container_has_no_capability_and_logs_the_nccl_transport_once(render):
     r = render()
-    assert r.container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    # No IPC_LOCK on EFA either: a non-root process never holds an added capability (README, Security model).
+    assert r.container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     # NCCL's INIT and NET lines (NET/OFI or NET/Socket) on a pod's first worker attempt only.
     assert (r.env["NCCL_DEBUG"], r.env["NCCL_DEBUG_FIRST_ATTEMPT"], r.env["NCCL_DEBUG_SUBSYS"]) == ("WARN", "INFO", "INIT,NET")
     g6 = render(*fitting("g6.xlarge"), context={"gpuInstanceType": "g6.xlarge", "gpuNodesMin": 1, "gpuNodesDesired": 1})
     assert g6.container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def _pod_spec_of(obj: dict) -> dict:
+    """The pod spec of a workload (Job, Deployment, CronJob), {} for anything else."""
+    spec = obj.get("spec", {})
+    if obj["kind"] == "CronJob":
+        spec = spec["jobTemplate"]["spec"]
+    return spec.get("template", {}).get("spec", {})

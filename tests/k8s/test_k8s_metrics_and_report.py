@@ -7,7 +7,7 @@ import yaml
 
 from infra.config import CHECKPOINT_MOUNT_PATH, PVC_NAME, SYSTEM_NODE_LABEL
 from infra.instances import INSTANCE_TYPES
-from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
+from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, TRAINING_POD_SECURITY_CONTEXT
 from k8s.charts.report import REPORT_HOLD_S
 from k8s_render import IMAGE, fitting
 
@@ -26,9 +26,11 @@ def test_training_pods_carry_the_scrape_annotations_and_admit_the_scrape(render)
         "prometheus.io/scrape": "true", "prometheus.io/port": "9464", "prometheus.io/path": "/metrics"}
     policy = next(o for o in r.objects() if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "fsdp-train")
     ingress = policy["spec"]["ingress"]
-    # the job's own pods on every port; any namespace's scraper on the metrics port only
+    # the job's own pods on every port; the Prometheus server of the monitoring namespace on the metrics port only
     assert {"from": [{"podSelector": policy["spec"]["podSelector"]}]} in ingress
-    assert {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 9464}]} in ingress
+    assert {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                      "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+            "ports": [{"protocol": "TCP", "port": 9464}]} in ingress
 
 
 def test_metrics_off_leaves_no_annotation_or_opening(render):
@@ -60,16 +62,18 @@ def test_report_job_reads_the_run_on_fsx_and_stays_for_kubectl_cp(render):
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert pod["nodeSelector"] == {SYSTEM_NODE_LABEL: "true"}  # no GPU node for a report
-    assert pod["securityContext"] == dict(POD_SECURITY_CONTEXT)
+    assert pod["securityContext"] == dict(TRAINING_POD_SECURITY_CONTEXT)  # the training user, never root
     (container,) = pod["containers"]
     assert container["image"] == IMAGE
-    assert container["securityContext"] == {**CONTAINER_SECURITY_CONTEXT, "readOnlyRootFilesystem": True}
+    assert container["securityContext"] == CONTAINER_SECURITY_CONTEXT and CONTAINER_SECURITY_CONTEXT["readOnlyRootFilesystem"]
     assert container["resources"]["limits"]["memory"] and container["resources"]["requests"]["cpu"]
     shell = container["command"][-1]
     assert shell.startswith("python -m training.report --plot /fsx/runs/exp-7 && ")
     assert shell.endswith(f"sleep {REPORT_HOLD_S}")  # bounded: kubectl cp can reach timeline.png, then it ends
     volumes = {v["name"]: v for v in pod["volumes"]}
-    fsx = next(m for m in container["volumeMounts"] if m["mountPath"] == CHECKPOINT_MOUNT_PATH)
+    # the run's directory alone
+    fsx = next(m for m in container["volumeMounts"] if m["mountPath"] == f"{CHECKPOINT_MOUNT_PATH}/runs/exp-7")
+    assert fsx["subPath"] == "runs/exp-7"
     assert volumes[fsx["name"]]["persistentVolumeClaim"] == {"claimName": PVC_NAME}
     assert not fsx.get("readOnly")  # it writes report.json and timeline.png beside the event log
     assert "kubectl cp" in r.stdout and "/fsx/runs/exp-7/timeline.png" in r.stdout

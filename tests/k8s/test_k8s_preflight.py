@@ -11,6 +11,7 @@ import pytest
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL
 from infra.instances import instance_facts
 from k8s import nccl_check
+from k8s.charts.preflight import SSHD_CAPABILITIES
 
 from k8s_render import IMAGE
 
@@ -61,7 +62,9 @@ def test_one_worker_per_gpu_node_of_the_job_with_the_whole_node(preflight):
     assert container["command"] == ["/usr/sbin/sshd", "-De"]
     limits = container["resources"]["limits"]
     assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"], limits["hugepages-2Mi"]) == ("8", "32", "5Gi")
-    assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+    # sshd's capabilities, all within PSA baseline; no IPC_LOCK, which baseline forbids
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": SSHD_CAPABILITIES}
+    assert spec["securityContext"]["runAsUser"] == 0  # sshd and mpirun: the image's USER is the training user
 
 
 def test_launcher_runs_all_reduce_perf_across_all_ranks_through_the_check(preflight):
