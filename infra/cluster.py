@@ -11,7 +11,10 @@ from constructs import Construct
 
 from infra.config import SYSTEM_NODE_LABEL
 from infra.device_plugins import GPU_TOLERATIONS
-from infra.nag import acknowledge, acknowledge_node_role, managed_policy_rule
+from infra.log_archive import LogArchive
+from infra.nag import acknowledge, managed_policy_rule
+from infra.node_defaults import IMDS_V2_ONE_HOP, encrypted_root_volume, node_role
+from infra.pod_identity import pod_identity_role
 
 # kubectl talks to a control plane one minor version older or newer than itself (version skew policy).
 KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
@@ -33,6 +36,13 @@ class AddonSpec:
     # reviewed change, not whatever EKS defaults to on the day of a redeploy.
     versions: Mapping[str, str]
     configuration: Mapping[str, Any] | None = None  # the add-on's configuration values (its Helm values)
+    # The add-on's service account (in kube-system) and the AWS managed policies of its Pod Identity role;
+    # none: the add-on calls no AWS API.
+    service_account: str | None = None
+    managed_policies: tuple[str, ...] = ()
+    # Created before the node groups, which wait for it: a node's networking needs it from the node's first
+    # minute (the pattern of terraform-aws-eks's `before_compute`). The others need a node to run on.
+    before_nodes: bool = False
 
 
 def _same_version(version: str) -> dict[str, str]:
@@ -45,10 +55,16 @@ def _same_version(version: str) -> dict[str, str]:
 ADDONS = (
     # 1.18.5 or later: EFA-only interfaces. enableNetworkPolicy starts the network policy agent, without
     # which the Job's NetworkPolicies are accepted and silently not enforced.
-    AddonSpec("vpc-cni", _same_version("v1.20.1-eksbuild.3"), {"enableNetworkPolicy": "true"}),
+    # Its AWS calls (ENIs, IP addresses) run as the aws-node service account's Pod Identity role, not as
+    # the node role (EKS user guide, "Configure Amazon VPC CNI plugin to use IRSA": the plugin supports
+    # Pod Identity, and a separate role is the recommended setup). aws-node needs them before a node can
+    # run any pod, so this add-on, its association and the Pod Identity agent exist before any node does;
+    # the agent runs in the host network and takes the node role's eks-auth:AssumeRoleForPodIdentity.
+    AddonSpec("vpc-cni", _same_version("v1.20.1-eksbuild.3"), {"enableNetworkPolicy": "true"},
+              service_account="aws-node", managed_policies=("AmazonEKS_CNI_Policy",), before_nodes=True),
+    AddonSpec("eks-pod-identity-agent", _same_version("v1.3.8-eksbuild.2"), before_nodes=True),
     AddonSpec("coredns", _same_version("v1.12.4-eksbuild.1")),
     AddonSpec("kube-proxy", {"1.33": "v1.33.5-eksbuild.2", "1.34": "v1.34.1-eksbuild.2"}),
-    AddonSpec("eks-pod-identity-agent", _same_version("v1.3.8-eksbuild.2")),
     # No IAM role: the checkpoint volume is a static PV, which the driver only mounts (Lustre client on
     # the node); FSx API calls serve dynamic provisioning, resizing and deletion, which nothing here
     # asks for. AmazonFSxFullAccess would let a compromised controller delete the checkpoints.
@@ -69,6 +85,7 @@ class EksClusterProps:
     admin_role_arn: str | None
     system_instance_type: str
     system_nodes: int
+    logs: LogArchive  # the stack's: the control plane's log group and the kubectl provider's
 
 
 class EksCluster(Construct):
@@ -76,10 +93,20 @@ class EksCluster(Construct):
 
     cluster: eks.Cluster
     system_nodegroup: eks.Nodegroup
+    system_launch_template: ec2.CfnLaunchTemplate
+    # The add-ons every node group waits for (AddonSpec.before_nodes).
+    node_prerequisites: list[eks.CfnAddon]
 
     def __init__(self, scope: Construct, construct_id: str, props: EksClusterProps) -> None:
         super().__init__(scope, construct_id)
         layer = KUBECTL_LAYERS[props.kubernetes_version]
+        # EKS writes the control plane's logs to this group, and creates it, unencrypted and kept forever,
+        # unless it exists. It goes with the stack: a kept group of this fixed name would stop the stack
+        # from being created again after `cdk destroy`.
+        control_plane_logs = props.logs.log_group(
+            self, "ControlPlaneLogs", name=f"/aws/eks/{props.cluster_name}/cluster",
+            removal_policy=RemovalPolicy.DESTROY,
+        )
         self.cluster = eks.Cluster(
             self,
             "Cluster",
@@ -102,6 +129,7 @@ class EksCluster(Construct):
             # The platform writes its own UpdateKubeconfigCommand output under a fixed key.
             output_config_command=False,
         )
+        self.cluster.node.default_child.node.add_dependency(control_plane_logs)  # the AWS::EKS::Cluster only
         if OPEN_CIDR in props.api_allowed_cidrs:
             Annotations.of(self.cluster).add_warning_v2(
                 "platform:open-api-endpoint",
@@ -125,37 +153,66 @@ class EksCluster(Construct):
                     )
                 ],
             )
+        self.node_prerequisites = [
+            self._add_addon(spec, props.kubernetes_version) for spec in ADDONS if spec.before_nodes
+        ]
         # Add-ons, controllers and the training's rendezvous store land here (the store selects the
         # label: on-demand nodes, the default, that outlive any GPU node); the GPU nodes are tainted
-        # for training pods only.
+        # for training pods only. Of the pods here on the pod network, which IMDS_V2_ONE_HOP keeps from
+        # the node role, none calls AWS with it: CoreDNS, the rendezvous store and Prometheus call no AWS
+        # API, the FSx CSI controller has no IAM role on purpose (static volume), the add-ons that do call
+        # AWS use Pod Identity.
+        self.system_launch_template = ec2.CfnLaunchTemplate(
+            self,
+            "SystemLaunchTemplate",
+            launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
+                metadata_options=IMDS_V2_ONE_HOP,
+                block_device_mappings=[encrypted_root_volume(SYSTEM_ROOT_VOLUME_GIB)],
+            ),
+        )
         self.system_nodegroup = self.cluster.add_nodegroup_capacity(
             "SystemNodes",
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_STANDARD,
             instance_types=[ec2.InstanceType(props.system_instance_type)],
+            launch_template_spec=eks.LaunchTemplateSpec(
+                id=self.system_launch_template.ref,
+                version=self.system_launch_template.attr_latest_version_number,
+            ),
+            node_role=node_role(self, "SystemNodeRole"),
             min_size=props.system_nodes,
             desired_size=props.system_nodes,
             max_size=props.system_nodes,
             subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS),
-            disk_size=SYSTEM_ROOT_VOLUME_GIB,
             labels={SYSTEM_NODE_LABEL: "true"},
         )
+        self.system_nodegroup.node.add_dependency(*self.node_prerequisites)
         for spec in ADDONS:
-            self._add_addon(spec, props.kubernetes_version)
+            if not spec.before_nodes:
+                # CoreDNS and controllers stay degraded until a node can run them.
+                self._add_addon(spec, props.kubernetes_version).node.add_dependency(self.system_nodegroup)
         self._acknowledge_findings()
 
-    def _add_addon(self, spec: AddonSpec, kubernetes_version: str) -> None:
-        addon = eks.CfnAddon(
+    def _add_addon(self, spec: AddonSpec, kubernetes_version: str) -> eks.CfnAddon:
+        associations = None
+        if spec.service_account:
+            role = pod_identity_role(
+                self, f"{spec.name}-role", cluster=self.cluster, managed_policies=spec.managed_policies,
+                why=f"is what AWS documents for the {spec.name} add-on, on its own Pod Identity role.",
+            )
+            associations = [eks.CfnAddon.PodIdentityAssociationProperty(
+                role_arn=role.role_arn, service_account=spec.service_account
+            )]
+        return eks.CfnAddon(
             self,
             spec.name,
             addon_name=spec.name,
             addon_version=spec.versions[kubernetes_version],
             cluster_name=self.cluster.cluster_name,
             configuration_values=json.dumps(spec.configuration) if spec.configuration else None,
+            pod_identity_associations=associations,
             # EKS bootstrapped self-managed vpc-cni/coredns/kube-proxy; the managed add-ons take them over.
             resolve_conflicts="OVERWRITE",
         )
-        # CoreDNS and controllers stay degraded until a node can run them.
-        addon.node.add_dependency(self.system_nodegroup)
 
     def _acknowledge_findings(self) -> None:
         acknowledge(
@@ -163,7 +220,6 @@ class EksCluster(Construct):
             managed_policy_rule("AmazonEKSClusterPolicy"),
             "The EKS service role needs exactly AmazonEKSClusterPolicy, which AWS maintains.",
         )
-        acknowledge_node_role(self.system_nodegroup.role)
         # The kubectl provider is aws-cdk-lib's: its roles, policies and runtime are not ours to shape.
         provider = self.cluster.node.find_child("KubectlProvider")
         handler = provider.node.find_child("Handler")

@@ -36,6 +36,9 @@ FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
 # CloudFormation can retain or delete a file system; it cannot snapshot one (DeletionPolicy Snapshot).
 FSX_REMOVAL_POLICIES = ("retain", "destroy")
 FSX_MAX_BACKUP_RETENTION_DAYS = 90
+# The retention periods CloudWatch Logs accepts (AWS::Logs::LogGroup RetentionInDays), in days.
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
+                      3288, 3653)
 KUBERNETES_VERSIONS = ("1.33", "1.34")  # kubectl 1.34 (the provider layer) serves 1.33-1.35
 
 _RESERVATION_ID = re.compile(r"^cr-[0-9a-f]{8}([0-9a-f]{9})?$")
@@ -93,6 +96,8 @@ class PlatformConfig:
     fsx_import_fsx_path: str = "/datasets"
     # A Prometheus server in the cluster that scrapes the training pods' metrics (infra/metrics_collection.py).
     prometheus_server: bool = False
+    # How long VPC flow logs, EKS control-plane logs (audit included) and the Lambda handlers' logs are kept.
+    log_retention_days: int = 90
     api_allowed_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
     admin_role_arn: str | None = None
     image_uri: str | None = None  # None: build training/Dockerfile as an ECR image asset
@@ -292,6 +297,8 @@ def _validate(c: PlatformConfig) -> None:
              "an absolute directory of the file system other than /, such as /datasets")
     if not _DAILY_TIME.match(c.fsx_backup_start_time):
         fail("fsx_backup_start_time", c.fsx_backup_start_time, "a daily UTC time HH:MM from 00:00 to 23:59, e.g. 03:00")
+    if c.log_retention_days not in LOG_RETENTION_DAYS:
+        fail("log_retention_days", c.log_retention_days, f"one of {list(LOG_RETENTION_DAYS)} days (what CloudWatch Logs takes)")
     if not c.api_allowed_cidrs:
         fail("api_allowed_cidrs", [], "at least one CIDR such as 203.0.113.0/24")
     for cidr in c.api_allowed_cidrs:

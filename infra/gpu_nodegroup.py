@@ -8,7 +8,7 @@ from constructs import Construct
 
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 from infra.instances import InstanceFacts
-from infra.nag import acknowledge_node_role
+from infra.node_defaults import IMDS_V2_ONE_HOP, encrypted_root_volume, node_role
 
 # Node auto repair acts on what the node monitoring agent reports (aws/eks-node-monitoring-agent,
 # monitors/nvidia/dcgm/dcgm_policies.go): a well-known XID sets AcceleratedHardwareReady false with
@@ -80,20 +80,8 @@ class GpuNodegroup(Construct):
                 # NVIDIA AMI type when instance_types is given.
                 instance_type=props.instance.name,
                 network_interfaces=_network_interfaces(props),
-                metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(
-                    http_tokens="required",
-                    http_endpoint="enabled",
-                    # Pods take AWS credentials from Pod Identity, never from the node role.
-                    http_put_response_hop_limit=1,
-                ),
-                block_device_mappings=[
-                    ec2.CfnLaunchTemplate.BlockDeviceMappingProperty(
-                        device_name="/dev/xvda",
-                        ebs=ec2.CfnLaunchTemplate.EbsProperty(
-                            volume_size=ROOT_VOLUME_GIB, volume_type="gp3", encrypted=True, delete_on_termination=True
-                        ),
-                    )
-                ],
+                metadata_options=IMDS_V2_ONE_HOP,
+                block_device_mappings=[encrypted_root_volume(ROOT_VOLUME_GIB)],
                 user_data=Fn.base64(_user_data(props.instance).render()),
                 placement=(
                     ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group_name)
@@ -121,6 +109,7 @@ class GpuNodegroup(Construct):
             "Nodegroup",
             cluster=props.cluster,
             ami_type=eks.NodegroupAmiType.AL2023_X86_64_NVIDIA,
+            node_role=node_role(self, "NodeRole"),
             launch_template_spec=eks.LaunchTemplateSpec(
                 id=self.launch_template.ref, version=self.launch_template.attr_latest_version_number
             ),
@@ -151,7 +140,6 @@ class GpuNodegroup(Construct):
         ])
         if props.capacity_type != "on-demand":
             cfn.add_property_override("UpdateConfig.UpdateStrategy", "MINIMAL")
-        acknowledge_node_role(self.nodegroup.role)
 
 
 def _network_interfaces(props: GpuNodegroupProps) -> list[ec2.CfnLaunchTemplate.NetworkInterfaceProperty]:

@@ -7,9 +7,6 @@ from __future__ import annotations
 from aws_cdk import Acknowledgment, Validations
 from constructs import IConstruct
 
-# What EKS documents for managed node groups' node role.
-NODE_ROLE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEKS_CNI_Policy", "AmazonEC2ContainerRegistryReadOnly")
-
 
 def acknowledge(scope: IConstruct, rule: str, reason: str) -> None:
     """Acknowledge one AwsSolutions finding (`rule` as cdk-nag prints it) on scope and its children."""
@@ -21,11 +18,7 @@ def managed_policy_rule(policy_name: str) -> str:
     return f"AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/{policy_name}]"
 
 
-def acknowledge_node_role(role: IConstruct) -> None:
-    for policy in NODE_ROLE_POLICIES:
-        acknowledge(
-            role,
-            managed_policy_rule(policy),
-            f"{policy} is what EKS requires on a managed node group's role; AWS keeps it in step with "
-            "what kubelet, the VPC CNI and image pulls call.",
-        )
+def acknowledge_managed_policies(scope: IConstruct, policies: tuple[str, ...], why: str) -> None:
+    """One IAM4 acknowledgment per AWS managed policy; `why` completes "<policy> ..." into the reason."""
+    for policy in policies:
+        acknowledge(scope, managed_policy_rule(policy), f"{policy} {why}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_logs as logs
+from aws_cdk import RemovalPolicy, aws_ec2 as ec2
 from constructs import Construct
 
 from infra.config import VPC_CIDR
+from infra.log_archive import LogArchive
 
 # One /18 per zone: each p5 node takes an IP for every EFA interface plus one per pod.
 _PRIVATE_CIDR_MASK = 18
@@ -21,6 +22,7 @@ class NetworkProps:
     # The file system's: a retained one keeps its network interfaces in the GPU subnet, and CloudFormation
     # could delete neither that subnet nor the VPC, so `cdk destroy` would fail on this stack.
     gpu_subnet_removal_policy: RemovalPolicy
+    logs: LogArchive  # the stack's: the flow logs' group
 
 
 class Network(Construct):
@@ -46,10 +48,13 @@ class Network(Construct):
                     name="private", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=_PRIVATE_CIDR_MASK
                 ),
             ],
+            # The default group, which anything launched without a group of its own gets, admits its members
+            # and lets all traffic out: a custom resource removes its rules (CIS AWS Foundations 5.4).
+            restrict_default_security_group=True,
         )
         # Image layers and checkpoint exports go to S3 without paying for NAT traffic.
         self.vpc.add_gateway_endpoint("S3", service=ec2.GatewayVpcEndpointAwsService.S3)
-        flow_log_group = logs.LogGroup(self, "FlowLogs", retention=logs.RetentionDays.ONE_MONTH)
+        flow_log_group = props.logs.log_group(self, "FlowLogs")
         self.vpc.add_flow_log(
             "FlowLog",
             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),

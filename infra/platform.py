@@ -17,6 +17,7 @@ from infra.config import NAMESPACE, PVC_NAME, PlatformConfig
 from infra.device_plugins import DevicePlugins, DevicePluginsProps
 from infra.gpu_nodegroup import GpuNodegroup, GpuNodegroupProps
 from infra.image import TrainingImage, TrainingImageProps
+from infra.log_archive import LogArchive, LogArchiveProps
 from infra.metrics_collection import MetricsCollection, MetricsCollectionProps
 from infra.network import Network, NetworkProps
 from infra.storage import CheckpointStorage, CheckpointStorageProps
@@ -61,6 +62,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
     fsx_removal_policy = RemovalPolicy[config.fsx_removal_policy.upper()]  # "retain" -> RETAIN
 
     network_stack = stack("Network", "VPC, NAT, S3 endpoint, flow logs and the GPU node / EFA security groups")
+    log_archive = LogArchiveProps(retention_days=config.log_retention_days)
     network = Network(
         network_stack,
         "Network",
@@ -68,6 +70,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             availability_zones=config.availability_zones,
             gpu_availability_zone=config.gpu_availability_zone,
             gpu_subnet_removal_policy=fsx_removal_policy,
+            logs=LogArchive(network_stack, "Logs", log_archive),
         ),
     )
 
@@ -102,10 +105,11 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             admin_role_arn=config.admin_role_arn,
             system_instance_type=config.system_instance_type,
             system_nodes=config.system_nodes,
+            logs=LogArchive(cluster_stack, "Logs", log_archive),
         ),
     )
     cluster = eks_cluster.cluster
-    GpuNodegroup(
+    gpu_nodes = GpuNodegroup(
         cluster_stack,
         "GpuNodes",
         GpuNodegroupProps(
@@ -122,6 +126,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             placement_group_name=config.placement_group_name,
         ),
     )
+    gpu_nodes.nodegroup.node.add_dependency(*eks_cluster.node_prerequisites)
     DevicePlugins(
         cluster_stack,
         "DevicePlugins",

@@ -59,6 +59,20 @@ class Synth:
         assert len(found) == 1, f"expected one {resource_type} in {stack}, found {len(found)}"
         return found[0]["Properties"]
 
+    def nodegroup(self, ami_type: str) -> dict[str, Any]:
+        """Properties of the one node group of this AMI type (system: AL2023_x86_64_STANDARD)."""
+        [group] = [g["Properties"] for g in self.resources("Cluster", "AWS::EKS::Nodegroup").values()
+                   if g["Properties"]["AmiType"] == ami_type]
+        return group
+
+    def launch_template(self, nodegroup: dict[str, Any]) -> dict[str, Any]:
+        """LaunchTemplateData of the template a node group starts from, at its latest version."""
+        logical_id = nodegroup["LaunchTemplate"]["Id"]["Ref"]
+        assert nodegroup["LaunchTemplate"]["Version"] == {"Fn::GetAtt": [logical_id, "LatestVersionNumber"]}
+        template = self.templates["Cluster"]["Resources"][logical_id]
+        assert template["Type"] == "AWS::EC2::LaunchTemplate"
+        return template["Properties"]["LaunchTemplateData"]
+
     def security_group(self, stack: str, description_word: str) -> str:
         """Logical id of the one security group whose description holds the word."""
         [logical_id] = [k for k, v in self.resources(stack, "AWS::EC2::SecurityGroup").items()

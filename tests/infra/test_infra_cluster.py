@@ -38,8 +38,7 @@ def test_endpoint_public_only_from_configured_cidrs_and_private(full):
 
 
 def test_system_node_group_is_al2023_with_configured_size_label_and_disk(full):
-    groups = [g["Properties"] for g in full.resources("Cluster", "AWS::EKS::Nodegroup").values()]
-    [system] = [g for g in groups if g["AmiType"] == "AL2023_x86_64_STANDARD"]
+    system = full.nodegroup("AL2023_x86_64_STANDARD")
     assert system["InstanceTypes"] == [full.config.system_instance_type]
     n = full.config.system_nodes
     assert system["ScalingConfig"] == {"MinSize": n, "DesiredSize": n, "MaxSize": n}
@@ -47,7 +46,66 @@ def test_system_node_group_is_al2023_with_configured_size_label_and_disk(full):
     # The label the rendezvous store selects (k8s/charts/training.py): it needs no toleration.
     assert system["Labels"] == {SYSTEM_NODE_LABEL: "true"}
     # ... from the training image, which EKS's default 20 GiB root volume cannot hold
-    assert system["DiskSize"] == SYSTEM_ROOT_VOLUME_GIB >= 100
+    [root] = full.launch_template(system)["BlockDeviceMappings"]
+    assert root["Ebs"] == {"VolumeSize": SYSTEM_ROOT_VOLUME_GIB, "VolumeType": "gp3", "Encrypted": True,
+                           "DeleteOnTermination": True}
+    assert SYSTEM_ROOT_VOLUME_GIB >= 100 and "DiskSize" not in system
+
+
+def test_system_nodes_require_imdsv2_with_one_hop(full):
+    """As the GPU nodes: a pod on the pod network (the rendezvous store, CoreDNS, Prometheus) cannot reach IMDS
+    and take the node role's credentials."""
+    template = full.launch_template(full.nodegroup("AL2023_x86_64_STANDARD"))
+    assert template["MetadataOptions"] == {"HttpTokens": "required", "HttpEndpoint": "enabled",
+                                           "HttpPutResponseHopLimit": 1}
+
+
+def _managed_policies(synth, role: dict) -> set[str]:
+    return {arn["Fn::Join"][1][-1].rsplit("/", 1)[-1] for arn in role["Properties"].get("ManagedPolicyArns", [])}
+
+
+def _role_of(synth, arn: dict) -> dict:
+    logical_id = arn["Fn::GetAtt"][0]
+    assert arn == {"Fn::GetAtt": [logical_id, "Arn"]}
+    return synth.templates["Cluster"]["Resources"][logical_id]
+
+
+def test_node_roles_carry_no_cni_policy_which_aws_node_gets_by_pod_identity(variant):
+    for ami_type in ("AL2023_x86_64_STANDARD", "AL2023_x86_64_NVIDIA"):
+        role = _role_of(variant, variant.nodegroup(ami_type)["NodeRole"])
+        assert _managed_policies(variant, role) == {"AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryReadOnly"}
+    [cni] = [a["Properties"] for a in variant.resources("Cluster", "AWS::EKS::Addon").values()
+             if a["Properties"]["AddonName"] == "vpc-cni"]
+    [association] = cni["PodIdentityAssociations"]
+    assert association["ServiceAccount"] == "aws-node"  # kube-system, the add-on's namespace
+    role = _role_of(variant, association["RoleArn"])
+    assert _managed_policies(variant, role) == {"AmazonEKS_CNI_Policy"}
+    [trust] = role["Properties"]["AssumeRolePolicyDocument"]["Statement"]
+    assert trust["Principal"] == {"Service": "pods.eks.amazonaws.com"}
+    assert sorted(trust["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+    # Without AmazonEKS_CNI_Policy on the node role, aws-node needs its association, and the agent that serves
+    # it, before a node starts: both add-ons come before every node group.
+    addons = {a["Properties"]["AddonName"]: k for k, a in variant.resources("Cluster", "AWS::EKS::Addon").items()}
+    for group in variant.resources("Cluster", "AWS::EKS::Nodegroup").values():
+        assert {addons["vpc-cni"], addons["eks-pod-identity-agent"]} <= set(group.get("DependsOn", []))
+
+
+def test_every_pod_identity_role_trusts_this_cluster_only(variant):
+    cluster_id = next(iter(variant.resources("Cluster", "AWS::EKS::Cluster")))
+    trusting = []
+    for stack, template in variant.templates.items():
+        for logical_id, role in template["Resources"].items():
+            if role["Type"] != "AWS::IAM::Role":
+                continue
+            for statement in role["Properties"]["AssumeRolePolicyDocument"]["Statement"]:
+                if "pods.eks.amazonaws.com" in json.dumps(statement.get("Principal")):
+                    trusting.append(logical_id)
+                    assert stack == "Cluster"
+                    assert statement["Condition"] == {
+                        "StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}},
+                        "ArnEquals": {"aws:SourceArn": {"Fn::GetAtt": [cluster_id, "Arn"]}},
+                    }, logical_id
+    assert trusting  # the VPC CNI's role at least
 
 
 def test_kubectl_provider_layer_matches_the_kubernetes_minor_version(full):

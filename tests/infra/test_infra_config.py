@@ -42,6 +42,8 @@ from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
         pytest.param({"gpuNodesSpare": 3}, ["gpuNodesSpare=3", "gpuNodesDesired + gpuNodesSpare = 5", "gpuNodesMax=4",
                                             "at most 2"], id="spares-above-max"),
         pytest.param({"systemNodes": 0}, ["systemNodes", "0", "at least 1"], id="zero-system-nodes"),
+        pytest.param({"logRetentionDays": 100}, ["logRetentionDays", "100", "[1, 3, 5,", "3653]"], id="log-retention-100"),
+        pytest.param({"logRetentionDays": 0}, ["logRetentionDays", "0", "CloudWatch"], id="log-retention-forever"),
         pytest.param({"apiAllowedCidrs": ["10.0.0.0/33"]}, ["apiAllowedCidrs", "10.0.0.0/33", "CIDR"], id="cidr-bad-mask"),
         pytest.param({"apiAllowedCidrs": ["10.0.0.1/24"]}, ["apiAllowedCidrs", "10.0.0.1/24", "host bits"], id="cidr-host-bits"),
         pytest.param({"apiAllowedCidrs": "not-a-cidr"}, ["apiAllowedCidrs", "not-a-cidr"], id="cidr-garbage"),

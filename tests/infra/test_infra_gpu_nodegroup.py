@@ -11,14 +11,12 @@ from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 EXPECTED_EFA = {"p5.48xlarge": 32, "p5en.48xlarge": 16, "p4d.24xlarge": 4, "g6.xlarge": 0}
 
 
-def _launch_template(synth) -> dict:
-    return synth.one("Cluster", "AWS::EC2::LaunchTemplate")["LaunchTemplateData"]
-
-
 def _gpu_nodegroup(synth) -> dict:
-    [gpu] = [g["Properties"] for g in synth.resources("Cluster", "AWS::EKS::Nodegroup").values()
-             if g["Properties"]["AmiType"] == "AL2023_x86_64_NVIDIA"]
-    return gpu
+    return synth.nodegroup("AL2023_x86_64_NVIDIA")
+
+
+def _launch_template(synth) -> dict:
+    return synth.launch_template(_gpu_nodegroup(synth))
 
 
 def _imported_group(synth, description_word: str) -> dict:
@@ -83,8 +81,11 @@ def test_instance_type_is_in_the_launch_template_not_the_node_group(variant):
     assert "InstanceTypes" not in _gpu_nodegroup(variant)
 
 
-def test_imdsv2_required(full):
-    assert _launch_template(full)["MetadataOptions"]["HttpTokens"] == "required"
+def test_imdsv2_required_one_hop(full):
+    # Pods on the pod network cannot reach IMDS (one hop further) and so never get the node role's credentials.
+    assert _launch_template(full)["MetadataOptions"] == {
+        "HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1
+    }
 
 
 def test_root_volume_is_encrypted_gp3(full):
@@ -182,10 +183,7 @@ def test_node_group_ami_labels_taint_repair_and_sizes(full):
         "MinSize": config.gpu_nodes_min, "DesiredSize": 3, "MaxSize": config.gpu_nodes_max
     }
     assert config.gpu_nodes_desired + config.spare_nodes == 3
-    launch_template = next(iter(full.resources("Cluster", "AWS::EC2::LaunchTemplate")))
-    assert group["LaunchTemplate"] == {
-        "Id": {"Ref": launch_template}, "Version": {"Fn::GetAtt": [launch_template, "LatestVersionNumber"]}
-    }
+    assert _launch_template(full)["InstanceType"] == config.gpu_instance_type  # its own template, latest version
 
 
 def test_gpu_nodes_run_in_the_gpu_zone_subnet_only(full):

@@ -15,29 +15,67 @@ OUTPUT_KEYS = {
 
 
 def _instructions(dockerfile: str) -> list[str]:
-    return [line.strip() for line in dockerfile.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    """One string per instruction, its continuation lines joined, comments left out."""
+    joined = re.sub(r"\s*\\\n\s*", " ", dockerfile)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_dockerfile_builds_on_ngc_pytorch_with_pinned_nvrx_and_the_training_package(repo_root):
-    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+def _image_lock(repo_root) -> dict[str, tuple[str, str]]:
+    """training/requirements-image.txt: package -> (version, sha256); every line must be `name==version
+    --hash=sha256:<64 hex>`, the one form pip's --require-hashes mode takes without a resolver's guess."""
+    locked: dict[str, tuple[str, str]] = {}
+    for line in (repo_root / "training" / "requirements-image.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            match = re.fullmatch(r"([a-z0-9-]+)==(\S+) --hash=sha256:([0-9a-f]{64})", line)
+            assert match, f"not a hash-locked pin: {line!r}"
+            name, version, digest = match.groups()
+            assert name not in locked, f"{name} locked twice"
+            locked[name] = (version, digest)
+    return locked
+
+
+def _pins(requirements: str) -> dict[str, str]:
+    return {name.lower().replace("_", "-"): version
+            for name, version in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", requirements, re.M)}
+
+
+def test_dockerfile_builds_on_ngc_pytorch_pinned_by_digest_and_the_training_package(repo_root):
+    dockerfile = (repo_root / "training" / "Dockerfile").read_text()
+    lines = _instructions(dockerfile)
     [base] = [line for line in lines if line.startswith("ARG BASE_IMAGE=")]
-    assert re.fullmatch(r"ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:25\.\d\d-py3", base)
+    # A tag can be pushed again; the digest of the image index cannot change.
+    match = re.fullmatch(r"ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:(25\.\d\d-py3)@sha256:[0-9a-f]{64}", base)
+    assert match, base
+    assert re.search(rf"^# nvcr\.io/nvidia/pytorch:{re.escape(match[1])},", dockerfile, re.M)  # the tag, readable
     assert "FROM ${BASE_IMAGE}" in lines
-    [install] = [line for line in lines if line.startswith("RUN pip install")]
-    assert "nvidia-resiliency-ext==0.7.0" in install.split()
-    # the tests exercise the NVRx the image ships
-    assert f"nvidia-resiliency-ext=={importlib.metadata.version('nvidia-resiliency-ext')}" in install.split()
     assert "COPY training/ /workspace/training/" in lines
-    # what the metrics endpoint and `training.data prepare` import, at the versions tested here
-    for package in ("prometheus-client", "tokenizers", "pyyaml", "matplotlib"):
-        assert f"{package}=={importlib.metadata.version(package)}" in install.split(), package
+
+
+def test_image_pip_installs_only_hash_locked_packages(repo_root):
+    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+    installs = [line for line in lines if "pip install" in line]
+    assert len(installs) == 2
+    for install in installs:
+        assert "--require-hashes" in install.split() and "-r" in install.split(), install
+    locked = _image_lock(repo_root)
+    # the tests exercise the NVRx the image ships; the metrics endpoint and `training.data prepare` too
+    for package in ("nvidia-resiliency-ext", "prometheus-client", "tokenizers", "pyyaml", "matplotlib", "nvidia-ml-py"):
+        assert locked[package][0] == importlib.metadata.version(package), package
+    # where requirements.txt pins a package too, the image runs the version tested here
+    tested = _pins((repo_root / "requirements.txt").read_text())
+    assert {name: version for name, (version, _) in locked.items() if tested.get(name, version) != version} == {}
+    # torch (and what the base built against it) comes from the base image, never from PyPI
+    assert not {"torch", "numpy"} & set(locked)
 
 
 def test_image_has_the_maintained_nvml_binding_not_the_warning_pynvml_shim(repo_root):
     lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
-    [nvml] = [line for line in lines if "nvidia-ml-py==" in line]
+    [nvml] = [line for line in lines if "pip uninstall --yes pynvml" in line]
     assert nvml.startswith("RUN pip uninstall --yes pynvml && ")
-    assert f"nvidia-ml-py=={importlib.metadata.version('nvidia-ml-py')}" in nvml.split()
+    # the binding is written again after the shim's removal, from its locked file
+    assert "grep '^nvidia-ml-py==' /tmp/requirements-image.txt" in nvml
+    assert "--force-reinstall" in nvml.split() and "--no-deps" in nvml.split()
+    assert _image_lock(repo_root)["nvidia-ml-py"][0] == importlib.metadata.version("nvidia-ml-py")
 
 
 def test_dockerignore_sends_only_the_training_package(repo_root):

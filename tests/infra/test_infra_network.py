@@ -46,3 +46,10 @@ def test_efa_group_allows_all_traffic_to_and_from_itself_only(full):
     assert "SecurityGroupIngress" not in group
     # No inline 0.0.0.0/0 egress: CDK writes a disallow-all placeholder when outbound is closed.
     assert all(rule.get("CidrIp") != "0.0.0.0/0" for rule in group.get("SecurityGroupEgress", []))
+
+
+def test_default_security_group_is_left_without_rules(full):
+    """What launches without a group of its own gets the VPC's default group: a custom resource empties it."""
+    vpc = next(iter(full.resources("Network", "AWS::EC2::VPC")))
+    restrict = full.one("Network", "Custom::VpcRestrictDefaultSG")
+    assert restrict["DefaultSecurityGroupId"] == {"Fn::GetAtt": [vpc, "DefaultSecurityGroup"]}
