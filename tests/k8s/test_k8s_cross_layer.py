@@ -92,7 +92,8 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
     assert r.pod["nodeSelector"][GPU_NODE_LABEL] == gpu_group["Labels"][GPU_NODE_LABEL]
     assert {(t["Key"], t["Effect"]) for t in gpu_group["Taints"]} == {(GPU_TAINT_KEY, "NO_SCHEDULE")}
     assert {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"} in r.pod["tolerations"]
-    (template_data,) = [lt["LaunchTemplateData"] for lt in _resources(cluster, "AWS::EC2::LaunchTemplate")]
+    (template_data,) = [lt["LaunchTemplateData"] for lt in _resources(cluster, "AWS::EC2::LaunchTemplate")
+                        if "InstanceType" in lt["LaunchTemplateData"]]  # the GPU nodes (the system nodes name none)
     assert r.pod["nodeSelector"]["node.kubernetes.io/instance-type"] == template_data["InstanceType"]
 
     # Node counts: a pod per training node and per hot spare, and the node group runs that many.
