@@ -77,7 +77,7 @@ class VirtualNetwork:
         reason = unavailable_reason()
         if reason:
             raise NetworkUnavailable(reason)
-        self.tag = uuid.uuid4().hex[:5]
+        self.tag = uuid.uuid4().hex[:8]
         self.subnet = _free_subnet()
         hosts = self.subnet.hosts()
         self.host_address = str(next(hosts))  # the bridge's: the host side (the rendezvous store)
@@ -85,6 +85,10 @@ class VirtualNetwork:
         self.bridge = f"tlb{self.tag}"
         self.machines: list[Machine] = []
         _ip("link", "add", self.bridge, "type", "bridge")
+        # A bridge takes the lowest MAC address of its ports unless given one: each machine added (a spare, a
+        # replacement) could change it, and the other machines' ARP entries for the host would go stale,
+        # cutting them off from the store for a minute or more. A fixed, locally administered address does not move.
+        _ip("link", "set", self.bridge, "address", "02:00:" + ":".join(self.tag[i:i + 2] for i in range(0, 8, 2)))
         _ip("addr", "add", f"{self.host_address}/{self.subnet.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -39,6 +40,7 @@ def _fetch(network: VirtualNetwork, client, server_address: str, timeout: float)
 def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
     network = VirtualNetwork()
     try:
+        host_mac = Path(f"/sys/class/net/{network.bridge}/address").read_text()
         a, b = network.add_machine("node0-m0"), network.add_machine("node1-m1")
         assert _on(network, a, _RESOLVE).stdout.split() == ["node0-m0", a.address]  # as in a pod
         assert socket.gethostname() not in ("node0-m0", "node1-m1")  # the host's name is untouched
@@ -50,6 +52,10 @@ def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
         network.set_link(a, up=True)
         assert _fetch(network, b, a.address, timeout=10) == "hello"
         server.wait(timeout=10)
+        # Machines coming and going leave the host's address as it was, so the other machines' ARP entries
+        # for it (the rendezvous store's) stay valid: a bridge would otherwise take its lowest port's MAC.
+        network.add_machine("node2-m2")
+        assert Path(f"/sys/class/net/{network.bridge}/address").read_text() == host_mac
     finally:
         network.close()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
