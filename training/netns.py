@@ -46,12 +46,18 @@ def unavailable_reason() -> str | None:
     missing = [tool for tool in ("ip", "unshare") if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} not found (iproute2, util-linux); install them or leave out --netns"
-    probe = f"tl-probe-{uuid.uuid4().hex[:6]}"
+    probe = f"tl-probe-{uuid.uuid4().hex[:6]}"  # a namespace with a bridge and a veth pair, as a network needs
     try:
         _ip("netns", "add", probe)
     except NetworkUnavailable as err:
         return f"cannot create a network namespace: {err}"
-    _ip("netns", "delete", probe)
+    try:
+        _ip("-n", probe, "link", "add", "probe-br", "type", "bridge")
+        _ip("-n", probe, "link", "add", "probe-a", "type", "veth", "peer", "name", "probe-b")
+    except NetworkUnavailable as err:
+        return f"cannot create a bridge or veth pair: {err}"
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
     return None
 
 
