@@ -26,6 +26,10 @@ CHECK_MOUNT = "/preflight"
 ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
 # 8 B to 16 GiB, doubling: the largest sizes show the fabric's bandwidth (awsome-distributed-training's run).
 ALL_REDUCE_ARGS = ["-b", "8", "-e", "16G", "-f", "2", "-g", "1", "-c", "1", "-n", "100"]
+# Each worker writes "<pod hostname> <node name>" here at start (the downward API's spec.nodeName): NCCL
+# names hosts by pod hostname, the check names the node to cordon too. On the shm emptyDir: writable, and
+# a process that mpirun starts over SSH does not inherit the container's environment.
+NODE_NAME_FILE = "/dev/shm/node-name"
 # What sshd needs to accept the launcher's connections (privilege separation): all within PSA baseline.
 SSHD_CAPABILITIES = ["SETUID", "SETGID", "SYS_CHROOT", "CHOWN", "AUDIT_WRITE", "KILL"]
 # mpirun and sshd run as root here (the MPI Operator's keys, sshd's privilege separation) and sshd writes
@@ -52,6 +56,11 @@ def _mpirun(job: JobConfig) -> list[str]:
     ]
 
 
+def _node_names(job: JobConfig) -> str:
+    """The check's --node-names: each worker's NODE_NAME_FILE, one line per worker."""
+    return f"mpirun --allow-run-as-root -np {job.pods} -N 1 cat {NODE_NAME_FILE}"
+
+
 def _pod_labels(job: JobConfig) -> dict[str, str]:
     return {"app.kubernetes.io/name": preflight_name(job)}
 
@@ -60,7 +69,7 @@ def _launcher(job: JobConfig, config_map: str) -> dict:
     script = str(PurePosixPath(CHECK_MOUNT) / CHECK_SCRIPT.name)
     facts = job.instance
     check = ["python3", script, "--instance-type", facts.name, "--min-busbw-gbs", f"{facts.min_allreduce_busbw_gbs:g}",
-             "--nodes", str(job.pods), "--"]
+             "--nodes", str(job.pods), "--node-names", _node_names(job), "--"]
     return {"replicas": 1, "template": {"metadata": {"labels": _pod_labels(job)}, "spec": {
         "restartPolicy": "Never",  # a failed preflight is a verdict, not something to retry
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},  # no GPU needed: mpirun only starts the ranks
@@ -85,7 +94,9 @@ def _worker(job: JobConfig) -> dict:
         "securityContext": dict(PREFLIGHT_POD_SECURITY_CONTEXT),
         "containers": [{
             "name": "worker", "image": job.infra.image_uri, "imagePullPolicy": "IfNotPresent",
-            "command": ["/usr/sbin/sshd", "-De"],  # the launcher's mpirun starts the ranks over SSH
+            # the launcher's mpirun starts the ranks over SSH
+            "command": ["/bin/sh", "-c", f'echo "$(hostname) $NODE_NAME" > {NODE_NAME_FILE} && exec /usr/sbin/sshd -De'],
+            "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
             "resources": {"requests": resources, "limits": resources},
             "securityContext": security,
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],

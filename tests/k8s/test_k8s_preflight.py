@@ -11,7 +11,7 @@ import pytest
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL
 from infra.instances import instance_facts
 from k8s import nccl_check
-from k8s.charts.preflight import SSHD_CAPABILITIES
+from k8s.charts.preflight import NODE_NAME_FILE, SSHD_CAPABILITIES
 
 from k8s_render import IMAGE
 
@@ -59,7 +59,11 @@ def test_one_worker_per_gpu_node_of_the_job_with_the_whole_node(preflight):
     assert spec["tolerations"] == [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
     [container] = spec["containers"]
     assert container["image"] == IMAGE
-    assert container["command"] == ["/usr/sbin/sshd", "-De"]
+    # sshd, after writing its pod's node name where the check's --node-names command reads it
+    assert container["command"][-1].endswith("&& exec /usr/sbin/sshd -De")
+    assert f'echo "$(hostname) $NODE_NAME" > {NODE_NAME_FILE}' in container["command"][-1]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     limits = container["resources"]["limits"]
     assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"], limits["hugepages-2Mi"]) == ("8", "32", "5Gi")
     # sshd's capabilities, all within PSA baseline; no IPC_LOCK, which baseline forbids
@@ -75,7 +79,8 @@ def test_launcher_runs_all_reduce_perf_across_all_ranks_through_the_check(prefli
     command = container["command"]
     check, run = command[:command.index("--")], command[command.index("--") + 1:]
     assert check == ["python3", "/preflight/nccl_check.py", "--instance-type", p5.name,
-                     "--min-busbw-gbs", f"{p5.min_allreduce_busbw_gbs:g}", "--nodes", "3"]
+                     "--min-busbw-gbs", f"{p5.min_allreduce_busbw_gbs:g}", "--nodes", "3",
+                     "--node-names", f"mpirun --allow-run-as-root -np 3 -N 1 cat {NODE_NAME_FILE}"]
     assert run[0] == "mpirun" and run[run.index("-np") + 1] == str(3 * p5.gpus) and run[run.index("-N") + 1] == "8"
     exported = {run[i + 1] for i, arg in enumerate(run) if arg == "-x"}
     assert {"NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,NET", "FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1"} <= exported

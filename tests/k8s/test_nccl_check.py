@@ -34,6 +34,21 @@ def test_tcp_socket_fallback_fails_naming_the_node():
     assert not [p for p in problems if "ip-10-0-64-11:" in p or p.startswith("node ip-10-0-64-11")]
 
 
+def test_failures_name_each_pods_kubernetes_node_where_known():
+    run = nccl_check.parse((SAMPLES / "tcp_fallback_two_p5.log").read_text().splitlines())
+    names = {"ip-10-0-71-205": "ip-10-0-71-205.ec2.internal"}
+    assert ("node ip-10-0-71-205.ec2.internal (pod ip-10-0-71-205): NCCL did not use EFA, no NET/OFI transport line "
+            "(NCCL used TCP sockets: NET/Socket)") in nccl_check.failures(
+        run, instance_type=P5.name, min_busbw_gbs=300, nodes=2, node_names=names)
+
+
+def test_node_names_come_from_the_workers_lines_tags_and_all():
+    lines = "[1,0]<stdout>:pod-w-0 ip-10-0-64-11.ec2.internal\n[1,1]<stdout>:pod-w-1 ip-10-0-71-205.ec2.internal\n"
+    assert nccl_check.node_names(["printf", lines]) == {"pod-w-0": "ip-10-0-64-11.ec2.internal",
+                                                         "pod-w-1": "ip-10-0-71-205.ec2.internal"}
+    assert nccl_check.node_names(["no-such-command"]) == {}  # the verdict then names pods only
+
+
 def test_low_bus_bandwidth_fails_with_the_figure_and_the_floor():
     [problem] = _verdict("slow_efa_two_p5.log")
     assert "bus bandwidth 224.3 GB/s at 17179869184 bytes" in problem
@@ -66,6 +81,16 @@ def test_the_script_runs_the_command_streams_its_output_and_exits_with_the_verdi
     assert proc.returncode == rc, proc.stdout + proc.stderr
     assert "# Avg bus bandwidth" in proc.stdout  # the run's own output comes through
     assert verdict in proc.stdout
+
+
+def test_the_script_names_the_node_from_its_node_names_command():
+    names = "ip-10-0-71-205 ip-10-0-71-205.ec2.internal"
+    proc = subprocess.run([sys.executable, "-I", nccl_check.__file__, "--instance-type", P5.name,
+                           "--min-busbw-gbs", "300", "--nodes", "2", "--node-names", f"echo {names}",
+                           "--", "cat", str(SAMPLES / "tcp_fallback_two_p5.log")], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1
+    assert "PREFLIGHT FAILED: node ip-10-0-71-205.ec2.internal (pod ip-10-0-71-205): NCCL did not use EFA" in proc.stdout
 
 
 def test_a_failing_command_fails_the_preflight():
