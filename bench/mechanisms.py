@@ -65,7 +65,6 @@ class Mechanism:
     needs_module: str | None = None
     overrides: tuple[str, ...] = ()  # training config overrides of this mechanism
     netns: bool = False  # each node on its own emulated machine (training.local --netns)
-    replacement_delay_s: float | None = None  # a lost node's replacement delay; None: REPLACEMENT_DELAY_S with spares
     # a restart_kind that may have handled a fault instead: whichever of two restarts comes first
     alternative_restart_kind: str | None = None
 
@@ -153,8 +152,7 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
         faults=fault_specs(m, profile), node_retries=retries, spares=m.spares, netns=m.netns,
-        replacement_delay_s=(m.replacement_delay_s if m.replacement_delay_s is not None
-                             else REPLACEMENT_DELAY_S if m.spares else 0.0))
+        replacement_delay_s=REPLACEMENT_DELAY_S if m.spares else 0.0)
 
 
 def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:
