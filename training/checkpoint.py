@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_map_only
 
 from training.events import EventLog
-from training.fault_tolerance import RESUME_STEP_FILE, resume_step_file
+from training.fault_tolerance import resume_step_file
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +106,7 @@ def current_generation(directory: str | os.PathLike) -> int:
 def _start_generation(directory: Path) -> int:
     """Rank 0 of a new worker group: the next generation, made durable before any rank writes."""
     generation = current_generation(directory) + 1
-    tmp = directory / f".{GENERATION_FILE}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{generation}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / GENERATION_FILE)
-    _fsync_dir(directory)
+    _replace_text(directory / GENERATION_FILE, f"{generation}\n", durable=True)
     return generation
 
 
@@ -122,9 +116,21 @@ class SaveFenced(RuntimeError):
 
 def _write_resume_step(directory: Path, step: int) -> None:
     """The step a restart resumes at, for NVRx's progress tracker (training.fault_tolerance)."""
-    tmp = directory / f".{RESUME_STEP_FILE}.tmp"
-    tmp.write_text(f"{step}\n")
-    os.replace(tmp, resume_step_file(directory))  # a reader sees the old value or the new one
+    _replace_text(resume_step_file(directory), f"{step}\n")
+
+
+def _replace_text(path: Path, text: str, durable: bool = False) -> None:
+    """A reader of `path` sees the old text or the new one, never a torn write. `durable`: on disk, name
+    included, when this returns (the resume step need not be: the commit it follows already is)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
