@@ -25,6 +25,7 @@ from typing import BinaryIO, Iterator, Sequence
 import numpy as np
 
 from training.data import DataError, sidecar_path
+from training.files import replace_file
 
 UINT16_VOCAB = 1 << 16
 BATCH_BYTES = 4 << 20  # documents are tokenized in batches of about this much text
@@ -159,7 +160,7 @@ def prepare(inputs: Sequence[Path], tokenizer_path: Path, out: Path, field: str 
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    _write_atomically(sidecar_path(out), json.dumps(info, indent=2) + "\n")
+    replace_file(sidecar_path(out), (json.dumps(info, indent=2) + "\n").encode())
     progress.add(0, 0, force=True)
     return info
 
@@ -190,12 +191,6 @@ def _write_source(f: BinaryIO, source: Source, tokenizer, field: str, eos_id: in
     if batch or read:
         written += flush()
     return written
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from training.report import Fault, GoodputReport, Timeline, replace_file
+from training.files import replace_file
+from training.report import Fault, GoodputReport, Timeline
 
 MAX_MARKED_STEPS = 300  # markers on every step only while they stay distinguishable
 MAX_LISTED_FAULTS = 12  # the caption lists these; report.json has all

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from collections import Counter
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from training.events import events_dir, read_events
+from training.files import replace_file
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
@@ -390,30 +390,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write `path` as a new regular file, never through a symlink planted there: the bytes go to a fresh
-    temporary file beside it (O_CREAT|O_EXCL|O_NOFOLLOW), which then replaces the name; a symlink at
-    `path` is replaced, its target untouched. The run directory is writable by the training pods."""
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    tmp = f".{path.name}.{os.getpid()}.tmp"
-    try:
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
-        try:
-            os.write(out, data)
-            os.fsync(out)
-        finally:
-            os.close(out)
-        os.replace(tmp, path.name, src_dir_fd=fd, dst_dir_fd=fd)
-    except BaseException:
-        try:
-            os.unlink(tmp, dir_fd=fd)
-        except FileNotFoundError:
-            pass
-        raise
-    finally:
-        os.close(fd)
 
 
 def write_report(run_dir: Path, plot: bool, png: Path | None = None) -> str:
