@@ -375,11 +375,8 @@ class Cluster:
         detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
                   "machine; the old pod's processes run on, cut off")
         self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
-        self._attempts += 1
-        self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
-        self.events.emit("restart", attempt=self._attempts, restart_kind="node")
         self.say(detail)
-        node.start_at = time.monotonic()
+        self._schedule_replacement(node, 0.0)  # it was unreachable for the replacement delay already
 
     def heal(self, partition: Partition) -> None:
         assert self.network is not None
@@ -413,15 +410,20 @@ class Cluster:
                          f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
                 return False
             node.retries += 1
-        self._attempts += 1
-        self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
         when = f" in {self.replacement_delay_s:g} s" if self.replacement_delay_s else ""
         self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
+        self._schedule_replacement(node, self.replacement_delay_s)
+        return True
+
+    def _schedule_replacement(self, node: Node, delay_s: float) -> None:
+        """The Job's part of replacing a node's pod: a new attempt and its events, the new pod's start,
+        and a new rendezvous when no training node is left to open the next round."""
+        self._attempts += 1
+        self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
         self.events.emit("restart", attempt=self._attempts, restart_kind="node")
-        node.start_at = time.monotonic() + self.replacement_delay_s
+        node.start_at = time.monotonic() + delay_s
         if not any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node):
             self.start_over()
-        return True
 
     def start_over(self) -> None:
         """No training node survived, and a survivor is what opens NVRx's next rendezvous round: standby
