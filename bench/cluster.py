@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.local import Cluster, build_config, parse_args
-from training.netns import VirtualNetwork
+from training.local.cluster import Cluster, build_config, parse_args
+from training.local.netns import VirtualNetwork
 
 
 @dataclass(frozen=True)
@@ -15,11 +15,11 @@ class ClusterSpec:
     nproc_per_node: int
     steps: int
     overrides: tuple[str, ...]  # section.key=value; fault_tolerance.max_restarts sets ft_launcher's budget
-    faults: tuple[str, ...] = ()  # training/faults.py specs
+    faults: tuple[str, ...] = ()  # training/train/faults.py specs
     node_retries: int = 0  # replacements per node after its launcher was killed
     spares: int = 0  # hot spare nodes
     replacement_delay_s: float = 0.0  # a lost node's replacement starts this much later
-    netns: bool = False  # each node on its own emulated machine (training/netns.py)
+    netns: bool = False  # each node on its own emulated machine (training/local/netns.py)
 
 
 def run_cluster(spec: ClusterSpec) -> int:

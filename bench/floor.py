@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.distributed import free_port
+from training.contract.launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ class FloorResult:
 
 
 def rank_env() -> dict[str, str]:
-    """The environment the local cluster gives its ranks (training/local.py)."""
+    """The environment the local cluster gives its ranks (training/local/cluster.py)."""
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
             "PYTHONWARNINGS": "ignore::FutureWarning"}  # torch's pynvml deprecation notice, once per process

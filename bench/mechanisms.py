@@ -5,10 +5,10 @@ goodput report (training.report) gives each fault's detection time, recovery tim
 completed step) and steps lost, and the run's training and infra goodput.
 
   inprocess         an exception in one rank; NVRx in-process restart (fault_tolerance.restart=
-                    inprocess), rollback in memory. Needs training/inprocess.py.
+                    inprocess), rollback in memory. Needs training/train/inprocess.py.
   injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
                     from the last checkpoint on disk. Workers are forked from each node's template
-                    process (training/prefork.py, the default).
+                    process (training/pod/prefork.py, the default).
   injob_fresh       the same with fault_tolerance.prefork_workers=false: every restarted worker is a
                     fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
   node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
@@ -19,13 +19,13 @@ completed step) and steps lost, and the run's training and infra goodput.
                     standby in the rendezvous, takes the lost node's place in the next round; the
                     replacement, held back REPLACEMENT_DELAY_S as Kubernetes would hold it back for
                     minutes, becomes the new spare.
-  peer_state        the hot spare's node-loss with peer state (training/peer_state.py): the lost node's
+  peer_state        the hot spare's node-loss with peer state (training/train/peer_state.py): the lost node's
                     ranks resume from copies in their partner node's memory, not from FSx.
   drain             drain of the last node: the controller (the kubelet here) writes the drain marker
                     and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
                     the controller starts a replacement, training resumes from that step.
   partition         the node that runs the last rank is cut off from the network for good (each node on
-                    its own emulated machine, training/netns.py; needs root), with one hot spare: NVRx's
+                    its own emulated machine, training/local/netns.py; needs root), with one hot spare: NVRx's
                     timeouts stop every rank, the spare takes its place in the next round. As with
                     hot_spare, the cut-off node's pod is replaced on another machine REPLACEMENT_DELAY_S
                     later and becomes the new spare; its old processes run on, cut off. (A partition
@@ -33,7 +33,7 @@ completed step) and steps lost, and the run's training and infra goodput.
   k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
                     every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
                     restart does; resume from the last checkpoint on disk.
-The faults are training/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
+The faults are training/train/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
 `drain@STEP:node=N`), on the last rank / node unless the mechanism needs node 0.
 """
 from __future__ import annotations
@@ -47,19 +47,19 @@ from typing import Any
 
 from bench.cluster import ClusterSpec, run_cluster
 from bench.profile import Profile
-from training.faults import KINDS
-from training.netns import unavailable_reason as netns_unavailable_reason
-from training.report import GoodputReport, ReportError, report_run
+from training.contract.faults import KINDS
+from training.local.netns import unavailable_reason as netns_unavailable_reason
+from training.report.goodput import GoodputReport, ReportError, report_run
 
 
 @dataclass(frozen=True)
 class Mechanism:
-    name: str  # the key in the results' "recovery" object (training/plan.py reads it)
+    name: str  # the key in the results' "recovery" object (training/plan/planner.py reads it)
     label: str
     restart: str  # fault_tolerance.restart
-    fault: str  # a training/faults.py kind; one that takes node=N (node-loss, drain) hits a node, others a rank
+    fault: str  # a training/train/faults.py kind; one that takes node=N (node-loss, drain) hits a node, others a rank
     in_job_restarts: bool  # ft_launcher may restart workers
-    expected_restart_kind: str  # the restart_kind (training/events.py) that must have handled every fault
+    expected_restart_kind: str  # the restart_kind (training/contract/events.py) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
     spares: int = 0  # hot spare nodes; their node faults name the last rank (whichever node runs it)
     needs_module: str | None = None
@@ -71,7 +71,7 @@ class Mechanism:
 
 MECHANISMS = (
     Mechanism("inprocess", "in-process restart", "inprocess", "exception", True, "inprocess",
-              needs_module="training.inprocess"),
+              needs_module="training.train.inprocess"),
     Mechanism("injob", "in-job restart (ft_launcher)", "injob", "exception", True, "injob"),
     Mechanism("injob_fresh", "in-job restart, fresh Python workers", "injob", "exception", True, "injob",
               overrides=("fault_tolerance.prefork_workers=false",)),
@@ -126,7 +126,7 @@ def unavailable_reason(m: Mechanism) -> str | None:
     if m.needs_module and importlib.util.find_spec(m.needs_module) is None:
         return f"{m.needs_module.replace('.', '/')}.py does not exist in this checkout yet"
     if m.fault not in KINDS:
-        return f"training/faults.py has no {m.fault!r} fault kind"
+        return f"training/train/faults.py has no {m.fault!r} fault kind"
     if m.netns:
         return netns_unavailable_reason()
     return None

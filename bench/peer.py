@@ -1,4 +1,4 @@
-"""Peer state (training/peer_state.py): what keeping every rank's state in node memory, on its own node
+"""Peer state (training/train/peer_state.py): what keeping every rank's state in node memory, on its own node
 and the next, costs, from the peer-state mechanism's fault run.
 
   cost per step   rank 0's `peer_s` (PeerState.save on the training thread: the copy into node memory;
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.rollback import cost_per_step
-from training.events import read_events
+from training.contract.events import read_events
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class Profile:
     tail_steps: int  # steps after the last fault: room for a drain, which lands steps after it is asked for
     checkpoint_interval: int
     floor_repeats: int
-    # In-memory rollback: a synthetic shard of this size saved by training/rollback.py, for the host copy
+    # In-memory rollback: a synthetic shard of this size saved by training/train/rollback.py, for the host copy
     # bandwidth (its cost per step comes from the in-process fault run). CPU: a rank's share of the stall's
     # state; GPU: enough for a steady device-to-host figure.
     rollback_copy_bytes: int

@@ -1,5 +1,5 @@
 """A lost p5 node on EKS, projected: each scenario's recovery as a sum of named parts, some measured
-here on the local cluster, the rest Kubernetes' and EKS's delays (training/k8s_delays.py). A
+here on the local cluster, the rest Kubernetes' and EKS's delays (training/contract/k8s_delays.py). A
 projection, not a measurement: the parameters are stated beside the result.
 
 What the local cluster measures and EKS adds to it: every scenario ends with the in-job restart of
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bench.mechanisms import MechanismResult
-from training.k8s_delays import KubernetesDelays
+from training.contract.k8s_delays import KubernetesDelays
 
 REFERENCE_PLAIN_RESTART_S = 270.0  # the AWS post, plain Kubernetes restart on 2-8 p5 nodes
 

@@ -1,6 +1,6 @@
 """The bench result: one JSON document per run, bench/results/<date>.json.
 
-training/plan.py --from-bench reads `checkpoint.async_blocking_s`, `checkpoint.sync_blocking_s` and
+training/plan/planner.py --from-bench reads `checkpoint.async_blocking_s`, `checkpoint.sync_blocking_s` and
 `recovery.<mechanism>.median_recovery_s`: only measured mechanisms appear under "recovery"; those
 that could not be measured are under "unavailable" with the reason.
 """
@@ -21,7 +21,7 @@ from bench.profile import Profile
 from bench.projection import Projection
 from bench.rollback import RollbackResult
 from bench.stall import StallResult
-from training.k8s_delays import EKS, KubernetesDelays
+from training.contract.k8s_delays import EKS, KubernetesDelays
 
 SCHEMA = "bench-result/1"
 SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer

@@ -1,4 +1,4 @@
-"""In-memory rollback (training/rollback.py): what keeping every completed step in host memory costs.
+"""In-memory rollback (training/train/rollback.py): what keeping every completed step in host memory costs.
 
   cost per step   from the in-process mechanism's fault run: rank 0's `rollback_s` (MemoryRollback.save
                   after each step) against its `step_time_s`, medians over the steps (the first save into
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from bench.stall import synthetic_state
-from training.events import read_events
-from training.rollback import KEEP, MemoryRollback
+from training.contract.events import read_events
+from training.train.rollback import KEEP, MemoryRollback
 
 COPY_SAVES = KEEP + 3  # the first KEEP allocate the buffers
 

@@ -8,7 +8,7 @@ again on one rank fewer, leaving a CPU to the background writer as a GPU host's 
 one fault run per recovery mechanism, and the in-memory rollback's cost per step (from the
 in-process run) and host copy bandwidth; then projects a lost p5 node on EKS from those runs and
 Kubernetes' delays (bench/projection.py, labelled a projection). Writes
-<results-dir>/<date>.json (training/plan.py --from-bench reads it), <date>.md (the printed tables)
+<results-dir>/<date>.json (training/plan/planner.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
 still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (about 3 minutes on 2 cores).
 --gpu: the one-GPU profile that bench/gpu.sh runs (needs CUDA).
@@ -34,7 +34,7 @@ from bench.results import PEER, ROLLBACK, SPARE_CPU, BenchResult, Machine, write
 from bench.rollback import RollbackResult, measure_rollback
 from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
-from training.k8s_delays import EKS
+from training.contract.k8s_delays import EKS
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -14,12 +14,11 @@ from pathlib import PurePosixPath
 from infra.config import CHECKPOINT_MOUNT_PATH, RENDEZVOUS_PORT, PlatformConfig
 from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
-from training.config import TrainConfig
-from training.fault_tolerance import LAUNCHER_EXIT_MARGIN_S
-from training.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
-from training.k8s_delays import EKS
-from training.model import parameter_count
-from training.peer_state import node_memory_bytes
+from training.contract.config import TrainConfig
+from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
+from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
+from training.contract.shapes import node_memory_bytes, parameter_count
+from training.contract.k8s_delays import EKS
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
 # the store "<job>-rendezvous" (at most 51).
@@ -61,7 +60,7 @@ class JobConfig:
     # replaced (Kubernetes' default: 300 s). The node controller taints a node only after 50 s
     # without status, so 30 s more replaces a lost node's pod after ~80 s; much less would evict
     # healthy pods whenever a kubelet misses a few updates (restart, API server hiccup). The EKS
-    # projection (training/k8s_delays.py) uses the same figure.
+    # projection (training/contract/k8s_delays.py) uses the same figure.
     node_failure_toleration_s: int = int(EKS.toleration_s)
     fault_injection: FaultInjectionConfig | None = None
     # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-loss, partition)
@@ -128,7 +127,7 @@ class JobConfig:
     @property
     def term_timeout_s(self) -> int:
         # SIGTERM (drain, eviction) -> ft_launcher forwards it and waits this long (its --term-timeout)
-        # for its ranks to commit the in-flight save and the step reached (training/drain.py).
+        # for its ranks to commit the in-flight save and the step reached (training/train/drain.py).
         return _ceil(self.train.fault_tolerance.drain_timeout_s)
 
     @property

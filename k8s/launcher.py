@@ -1,5 +1,5 @@
-"""The training container's command: `python -m training.launch --config <file> -- ft_launcher <flags>
--m training.train --config <file>`, by default with ft_launcher under training.prefork (the pod's
+"""The training container's command: `python -m training.pod.launch --config <file> -- ft_launcher <flags>
+-m training.train --config <file>`, by default with ft_launcher under training.pod.prefork (the pod's
 workers are forked from a template that imported torch, DCP and NVRx once).
 
 Flags of NVRx 0.7.0, the image's version and the one the tests run.
@@ -9,10 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from k8s.job_config import JobConfig
-from training.config import FaultToleranceConfig
-from training.fault_tolerance import (launcher_ft_args, launcher_wrapper, rendezvous_args, resume_step_file,
-                                      section_timeouts, worker_entrypoint)
-from training.launch import launch_command
+from training.contract.config import FaultToleranceConfig
+from training.contract.launcher import (launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
+                                        resume_step_file, section_timeouts, worker_entrypoint)
 
 TRAIN_CONFIG_PATH = "/etc/training/config.yaml"
 FT_CONFIG_PATH = "/etc/nvrx/ft.yaml"
@@ -39,7 +38,7 @@ def launcher_args(job: JobConfig) -> list[str]:
     """ft_launcher's arguments, the same on every pod: each joins the store (k8s/charts/training.py)
     as a client, `job.nodes` of them train and the other `job.spares` stand by."""
     # The fault-tolerance flags, restart budget included, are the local runner's too
-    # (training.fault_tolerance): with restart=inprocess the launcher restarts nothing.
+    # (training.contract.launcher): with restart=inprocess the launcher restarts nothing.
     ft = job.train.fault_tolerance
     return [
         *rendezvous_args(ft, job.rendezvous_endpoint, job.name, job.nodes, job.spares),
@@ -51,7 +50,7 @@ def launcher_args(job: JobConfig) -> list[str]:
 
 
 def container_command(ft: FaultToleranceConfig) -> list[str]:
-    """What comes before `launcher_args` (the container's args): training.launch, the pod's PID 1
+    """What comes before `launcher_args` (the container's args): training.pod.launch, the pod's PID 1
     (config pre-flight, signals, exit code the Job can act on), running ft_launcher, under
-    training.prefork's launcher with prefork_workers."""
+    training.pod.prefork's launcher with prefork_workers."""
     return [*launch_command(TRAIN_CONFIG_PATH, python="python"), *launcher_wrapper(ft, "python"), "ft_launcher"]

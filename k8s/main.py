@@ -31,7 +31,7 @@ from k8s.charts.service_account import ServiceAccountChart  # noqa: E402
 from k8s.charts.training import TrainingChart  # noqa: E402
 from k8s.job_config import FaultInjectionConfig, JobConfig, JobConfigError  # noqa: E402
 from k8s.outputs import OutputsError, load_infra_outputs  # noqa: E402
-from training.config import TrainConfigError, load_train_config  # noqa: E402
+from training.contract.config import TrainConfigError, load_train_config  # noqa: E402
 
 
 def load_platform(cdk_json: Path, overrides: list[str]) -> PlatformConfig:

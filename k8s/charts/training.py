@@ -18,9 +18,8 @@ from k8s.charts.network import among_themselves, network_policy, pods
 from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, TRAINING_POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
-from training.exit_codes import CONFIG_ERROR, NO_PROGRESS
-from training.distributed import FIRST_ATTEMPT_NCCL_DEBUG_ENV
-from training.fault_tolerance import DRAIN_MARKER_ENV, store_command
+from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.contract.launcher import DRAIN_MARKER_ENV, FIRST_ATTEMPT_NCCL_DEBUG_ENV, store_command
 
 CONTAINER = "trainer"
 STORE_COMPONENT = "rendezvous"  # the store's app.kubernetes.io/component label, container and port name
@@ -34,7 +33,7 @@ FSX_OWNER_CONTAINER = "fsx-owner"
 # The Prometheus server's pods (infra/metrics_collection.py, the prometheus chart's labels): the only scrapers.
 PROMETHEUS_SERVER = {"app.kubernetes.io/name": "prometheus"}
 # Written by the preStop hook, which the kubelet runs before it sends SIGTERM: the ranks then take
-# that SIGTERM for a drain and commit before they leave (training/drain.py). In the pod's own
+# that SIGTERM for a drain and commit before they leave (training/train/drain.py). In the pod's own
 # memory-backed /dev/shm, so a replacement pod starts without it.
 DRAIN_MARKER_PATH = "/dev/shm/training-drain"
 
@@ -125,7 +124,7 @@ def efa_env(job: JobConfig) -> dict[str, str]:
 def _training_env(job: JobConfig) -> list[dict[str, str]]:
     env: dict[str, str] = {
         "NCCL_DEBUG": "WARN",
-        # A pod's first worker attempt logs NCCL's transport at INFO (training/distributed.py): once per
+        # A pod's first worker attempt logs NCCL's transport at INFO (training/train/distributed.py): once per
         # node, NET/OFI on EFA, NET/Socket when NCCL fell back to TCP.
         FIRST_ATTEMPT_NCCL_DEBUG_ENV: "INFO",
         "NCCL_DEBUG_SUBSYS": "INIT,NET",
@@ -261,7 +260,7 @@ def _job_spec(job: JobConfig) -> dict:
         # next rendezvous round, and the lost node's replacement pod becomes the new standby.
         "completions": job.pods,
         "parallelism": job.pods,
-        # Every index must succeed, a standby's too (training.launch exits 0 once the run completed):
+        # Every index must succeed, a standby's too (training.pod.launch exits 0 once the run completed):
         # one out of retries fails the Job at once and stops its pods.
         "backoffLimitPerIndex": job.backoff_limit_per_index,
         "maxFailedIndexes": 0,
@@ -289,8 +288,8 @@ def _store_container(job: JobConfig, train_config: _ConfigFile) -> dict:
         "name": STORE_COMPONENT,
         "image": job.infra.image_uri,  # nvrx-control is the image's NVRx console script
         "imagePullPolicy": "IfNotPresent",
-        # training.store starts nvrx-control over when the run stalls with no node left to open a round
-        "command": ["python", "-m", "training.store", "--config", train_config.path, "--",
+        # training.pod.store starts nvrx-control over when the run stalls with no node left to open a round
+        "command": ["python", "-m", "training.pod.store", "--config", train_config.path, "--",
                     *store_command(job.train.fault_tolerance, RENDEZVOUS_PORT, job.name, job.nodes, job.spares)],
         "ports": [{"name": STORE_COMPONENT, "containerPort": RENDEZVOUS_PORT}],
         # A TCPStore of a few dozen nodes holds kilobytes: the Python process (torch imported) is the cost.
@@ -300,7 +299,7 @@ def _store_container(job: JobConfig, train_config: _ConfigFile) -> dict:
         "livenessProbe": {"tcpSocket": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
-                         # the run's event log, read to tell a stalled run (training.store)
+                         # the run's event log, read to tell a stalled run (training.pod.store)
                          *fsx_mounts(job, read_only=True)[:1],
                          {"name": train_config.volume, "mountPath": str(PurePosixPath(train_config.path).parent),
                           "readOnly": True}],

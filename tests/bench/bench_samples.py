@@ -14,7 +14,7 @@ from bench.projection import project
 from bench.results import BenchResult, Machine
 from bench.rollback import RollbackResult
 from bench.stall import StallResult
-from training.k8s_delays import EKS
+from training.contract.k8s_delays import EKS
 
 T0 = 1_767_000_000.0
 PEER = PeerResult(save_s=0.0015, step_s=0.05, cost_ratio=0.03, steps=120, interval=1, replicas=1,
@@ -22,7 +22,7 @@ PEER = PeerResult(save_s=0.0015, step_s=0.05, cost_ratio=0.03, steps=120, interv
 
 
 def write_events(run_dir: Path, records: list[dict]) -> Path:
-    """rank0.jsonl with `t` relative to T0, as training.events writes it."""
+    """rank0.jsonl with `t` relative to T0, as training.contract.events writes it."""
     directory = run_dir / "events"
     directory.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({**r, "t": T0 + r["t"], "source": "rank0"}) for r in records]
@@ -53,7 +53,7 @@ def mechanism(recovery_s: float, steps_lost: int = 4) -> MechanismResult:
 
 
 def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
-    unavailable = {"inprocess": "training/inprocess.py does not exist"} if unavailable is None else unavailable
+    unavailable = {"inprocess": "training/train/inprocess.py does not exist"} if unavailable is None else unavailable
     stall = StallResult(state_bytes=256 << 20, world_size=2, interval_steps=10, steps=30, sync_blocking_s=2.0,
                         async_blocking_s=0.1, sync_blocking_per_save_s=(2.0, 2.0), async_blocking_per_save_s=(0.1, 0.1),
                         blocking_ratio=0.05, step_wall_off_s=0.1, step_wall_sync_s=0.2, step_wall_async_s=0.101,

@@ -10,7 +10,7 @@ import pytest
 from bench.mechanisms import MECHANISMS, Mechanism, Unavailable, fault_specs, measure_mechanism
 from bench.profile import QUICK
 from bench.stall import StallSpec, measure_stall
-from training.events import read_events
+from training.contract.events import read_events
 
 TINY = replace(QUICK, faults=1, first_fault=6, tail_steps=2, checkpoint_interval=4)
 

@@ -18,7 +18,7 @@ from bench.results import SCHEMA, write_json
 from bench.rollback import cost_per_step, measure_rollback
 from bench.stall import CALIBRATED_SYNC_COST, StallSpec, analyse, calibrated_interval, spare_cpu_world, step_wall_s
 from bench.table import format_markdown
-from training import plan
+from training.plan import planner as plan
 
 
 def test_stall_figures_come_from_the_event_logs(tmp_path: Path) -> None:
@@ -145,7 +145,7 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
                                                               "node_replacement", "node_replacement", "k8s_restart"]
     assert data["peer"]["cost_ratio"] == 0.03 and data["peer"]["bytes_per_rank"] == 4 << 20
     assert data["delays"]["toleration_s"] == 30
-    assert data["unavailable"] == {"inprocess": "training/inprocess.py does not exist"}
+    assert data["unavailable"] == {"inprocess": "training/train/inprocess.py does not exist"}
     assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
     assert data["rollback"]["cost_ratio"] == 0.04 and data["rollback"]["copy_gbps"] == 5.37
     save, mechanisms = plan.from_bench(path, "async")
@@ -158,7 +158,7 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
 def test_markdown_and_png(tmp_path: Path) -> None:
     result = sample_result()
     text = format_markdown(result)
-    assert "| in-process restart | not available: training/inprocess.py does not exist |" in text
+    assert "| in-process restart | not available: training/train/inprocess.py does not exist |" in text
     assert "| plain Kubernetes restart (every pod replaced) | 2/2 |" in text
     assert "| node lost (SIGKILL), replaced | 2/2 | 1.00 s | 20.00 s | - | 4/4 |" in text
     assert "| node drained (SIGTERM), replaced | 2/2 | 1.00 s | 4.00 s | - | 0/0 |" in text
@@ -179,7 +179,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert ("| in-memory rollback per step / step time (in-process run) | 4.0% | <= 5% | target | PASS |"
             in text)
     no_rollback = format_markdown(replace(result, rollback=None, unavailable={"rollback": "disk full"}))
-    assert "In-memory rollback (training/rollback.py): not measured (disk full)" in no_rollback
+    assert "In-memory rollback (training/train/rollback.py): not measured (disk full)" in no_rollback
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
     assert "Projection, not a measurement: a lost p5 node on EKS" in text
     assert "| hot spare (spare node and standby pod): this repository's default | 50 s |" in text

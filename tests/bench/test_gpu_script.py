@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from bench import resume
-from training.events import EventLog
+from training.contract.events import EventLog
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "bench" / "gpu.sh"

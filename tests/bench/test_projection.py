@@ -5,7 +5,7 @@ import pytest
 
 from bench.projection import project
 from bench_samples import mechanism
-from training.k8s_delays import EKS, KubernetesDelays
+from training.contract.k8s_delays import EKS, KubernetesDelays
 
 
 def test_each_scenario_is_the_sum_of_its_named_parts() -> None:

@@ -19,10 +19,10 @@ from infra.config import RENDEZVOUS_PORT
 from infra.instances import INSTANCE_TYPES
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s_render import fitting
-from training.config import RESTART_MODES, load_train_config
-from training.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
-from training.fault_tolerance import RESUME_STEP_FILE
-from training.prefork import SERVER_ENV
+from training.contract.config import RESTART_MODES, load_train_config
+from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
+from training.contract.launcher import RESUME_STEP_FILE
+from training.pod.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 # Every option string the Job may use, each checked in NVIDIA/nvidia-resiliency-ext v0.7.0
@@ -35,7 +35,7 @@ NVRX_0_7_0_FLAGS = {
     "--ft-safety-factor", "--ft-max-no-progress-cycles", "--ft-checkpoint-iteration-file", "--ft-no-restart-exit-code",
     "-m",
 }
-WORKER_ENTRY = ["training.prefork", "worker", "training.train"]  # the module after -m, and its arguments
+WORKER_ENTRY = ["training.pod.prefork", "worker", "training.train"]  # the module after -m, and its arguments
 STORE_ENDPOINT = f"fsdp-train-rendezvous.training.svc.cluster.local:{RENDEZVOUS_PORT}"  # the store's Service
 
 
@@ -83,8 +83,8 @@ def test_installed_nvrx_control_parses_the_store_command_of_the_same_rendezvous(
     r = render()
     (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
     (container,) = store["spec"]["template"]["spec"]["containers"]
-    # training.store (which starts the store over when the run stalls) around nvrx-control
-    assert container["command"][:5] == ["python", "-m", "training.store", "--config", TRAIN_CONFIG_PATH]
+    # training.pod.store (which starts the store over when the run stalls) around nvrx-control
+    assert container["command"][:5] == ["python", "-m", "training.pod.store", "--config", TRAIN_CONFIG_PATH]
     program, *argv = container["command"][container["command"].index("--") + 1:]
     assert program == "nvrx-control" and "args" not in container
     store_args = nvrx_control.get_args_parser().parse_args(argv)  # SystemExit on an unknown flag
@@ -153,7 +153,7 @@ def test_nvrx_ft_file_has_only_keys_nvrx_knows(render, tmp_path):
 
 def _run_container(rendered, tmp_path: Path, config_text: str) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the container's command + args with a stand-in ft_launcher that records its argv and
-    the worker template's address and exits 0, the real python (training.launch loads the config,
+    the worker template's address and exits 0, the real python (training.pod.launch loads the config,
     the prefork launcher starts the template) and the config at a temporary path."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -174,11 +174,11 @@ def _run_container(rendered, tmp_path: Path, config_text: str) -> tuple[subproce
 
 def test_pod_runs_ft_launcher_under_training_launch_and_prefork(render, tmp_path):
     r = render()
-    assert r.container["command"][:6] == ["python", "-m", "training.launch", "--config", TRAIN_CONFIG_PATH, "--"]
+    assert r.container["command"][:6] == ["python", "-m", "training.pod.launch", "--config", TRAIN_CONFIG_PATH, "--"]
     proc, record = _run_container(r, tmp_path, r.config_map("fsdp-train-config")["config.yaml"])
     recorded = json.loads(record.read_text())
     assert recorded["argv"] == r.container["args"]
-    assert recorded["prefork_server"], "ft_launcher must run under training.prefork's launcher"
+    assert recorded["prefork_server"], "ft_launcher must run under training.pod.prefork's launcher"
     # ft_launcher exited 0 and the run has not completed (a standby left): the Job runs the index again.
     assert proc.returncode == INCOMPLETE, proc.stderr
 

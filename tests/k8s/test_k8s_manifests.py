@@ -13,8 +13,8 @@ from infra.instances import INSTANCE_TYPES
 from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s.outputs import PLACEHOLDER_IMAGE
-from training.config import RESTART_MODES
-from training.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
+from training.contract.config import RESTART_MODES
+from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
 
 from k8s_render import IMAGE, fitting, render_into
 
@@ -119,7 +119,7 @@ def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}  # never two stores
     assert spec["selector"]["matchLabels"] == spec["template"]["metadata"]["labels"]
     assert container["image"] == r.container["image"]
-    assert container["command"][:3] == ["python", "-m", "training.store"] and "nvrx-control" in container["command"]
+    assert container["command"][:3] == ["python", "-m", "training.pod.store"] and "nvrx-control" in container["command"]
     # it reads the run's event log (read-only, the run's directory alone) and the config the trainers run with
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     run_dir = f"{CHECKPOINT_MOUNT_PATH}/runs/fsdp-train"

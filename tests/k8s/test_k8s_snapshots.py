@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from k8s_render import fitting
 
-from training.config import RESTART_MODES
+from training.contract.config import RESTART_MODES
 
 
 def test_default_manifests(render, snapshot):

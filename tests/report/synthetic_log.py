@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from training import events
-from training.events import EventLog
+from training.contract import events
+from training.contract.events import EventLog
 
 T0 = 1_767_000_000.0
 STEP_S = 1.0

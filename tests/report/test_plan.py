@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.plan import (
-    LLAMA3_NODE_FAILURE_RATE, Mechanism, daly_interval, expected_goodput, format_scale, main, make_plan,
-    optimum_interval, young_interval)
+from training.plan.planner import (LLAMA3_NODE_FAILURE_RATE, Mechanism, daly_interval, expected_goodput, format_scale,
+                                   main, make_plan, optimum_interval, young_interval)
 
 DISK = Mechanism("injob", 17.0)
 IN_MEMORY = Mechanism("inprocess", 10.0)

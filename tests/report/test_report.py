@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.events import read_events
-from training.report import Fault, ReportError, build_report, build_timeline, format_report
+from training.contract.events import read_events
+from training.report.goodput import Fault, ReportError, build_report, build_timeline, format_report
 
 from synthetic_log import STEP_S, FakeRun
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from training.checkpoint import CheckpointManager, committed_checkpoints
+from training.train.checkpoint import CheckpointManager, committed_checkpoints
 from training_helpers import REPO_ROOT
 
 # Saves step 1, then kills itself (SIGKILL) at the given point of the save of step 2.
@@ -17,7 +17,7 @@ _SCRIPT = r"""
 import os, signal, sys
 import torch
 import torch.distributed.checkpoint as dcp
-from training.checkpoint import CheckpointManager
+from training.train.checkpoint import CheckpointManager
 
 directory, mode, point = sys.argv[1:]
 m = CheckpointManager(directory, mode=mode, keep=3)

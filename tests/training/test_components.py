@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training import checkpoint
-from training.checkpoint import CheckpointManager, _NvrxAsyncWriter, committed_checkpoints
-from training.config import MODEL_PRESETS, load_train_config
-from training.data import TokenStream, write_token_file
-from training.distributed import free_port
-from training.events import EventLog, read_events
-from training.faults import FaultInjected
-from training.model import PRESETS, build_model
-from training.train import run
+from training.train import checkpoint
+from training.contract.config import MODEL_PRESETS, load_train_config
+from training.contract.events import EventLog, read_events
+from training.contract.launcher import free_port
+from training.contract.shapes import PRESETS
+from training.data.stream import TokenStream, write_token_file
+from training.models.llama import build_model
+from training.train.checkpoint import CheckpointManager, _NvrxAsyncWriter, committed_checkpoints
+from training.train.faults import FaultInjected
+from training.train.trainer import run
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

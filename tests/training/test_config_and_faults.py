@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from training import local, train
-from training.config import TrainConfigError, load_train_config
-from training.exit_codes import CONFIG_ERROR
-from training.faults import KINDS, FaultSpecError, parse_fault, parse_faults
+from training.local import cluster as local
+from training.train import trainer as train
+from training.contract.config import TrainConfigError, load_train_config
+from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.faults import KINDS, FaultSpecError, parse_fault, parse_faults
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from training.data import DataError, TokenStream, check_token_file, sidecar_path
-from training.data_prepare import PrepareError, prepare, sha256_of
-from training.exit_codes import CONFIG_ERROR
-from training.model import PRESETS
+from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.shapes import PRESETS
+from training.data.prepare import PrepareError, prepare, sha256_of
+from training.data.stream import TokenStream
+from training.data.token_file import DataError, check_token_file, sidecar_path
 from training_helpers import REPO_ROOT, completed, events_named, run_local
 
 CORPUS = Path(__file__).parent / "corpus"

@@ -1,4 +1,4 @@
-"""The fault matrix (training/faults.py) in the local cluster: one run per fault kind, each checked
+"""The fault matrix (training/train/faults.py) in the local cluster: one run per fault kind, each checked
 for recovery (run completed, the fault fired once, resumed where promised, the goodput report gives
 a finite recovery time) and for exact resume (final model and optimizer bitwise equal to an
 uninterrupted run); a persistent fault ends the job after its restart budget. First, the spec
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from training.checkpoint import committed_checkpoints
-from training.config import load_train_config
-from training.events import EventLog, read_events
-from training.exit_codes import NO_PROGRESS
-from training.faults import ENV_VAR, FaultInjected, FaultInjector, FaultSpecError, parse_fault, parse_faults, \
-    with_env_faults
-from training.report import build_report
+from training.contract.config import load_train_config
+from training.contract.events import EventLog, read_events
+from training.contract.exit_codes import NO_PROGRESS
+from training.contract.faults import ENV_VAR, FaultSpecError, parse_fault, parse_faults, with_env_faults
+from training.report.goodput import build_report
+from training.train.checkpoint import committed_checkpoints
+from training.train.faults import FaultInjected, FaultInjector
 from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed,
                               events_named, load_final_state, run_local)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import CheckpointManager, committed_checkpoints, current_generation
+from training.train.checkpoint import CheckpointManager, committed_checkpoints, current_generation
 from training_helpers import REPO_ROOT
 
 # Generation 1: saves step 1, then saves step 2 (w = 2.0) late, pausing at POINT until told to go on:
@@ -22,7 +22,7 @@ _OLD_GENERATION = r"""
 import sys, time
 from pathlib import Path
 import torch
-from training.checkpoint import CheckpointManager
+from training.train.checkpoint import CheckpointManager
 
 directory, point, signals = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 

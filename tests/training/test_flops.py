@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from training.flops import flops_per_token, mfu
-from training.progress import Progress
+from training.contract.flops import flops_per_token, mfu
+from training.train.progress import Progress
 
 
 def test_flops_per_token_of_the_tiny_preset_by_hand():
@@ -33,7 +33,7 @@ def test_mfu_is_model_flops_over_the_gpus_peak():
 def test_progress_line_shows_mfu_only_against_a_gpu_peak(caplog, gpu_peak, shown):
     progress = Progress(total_steps=10, interval=1, enabled=True, flops_per_token=flops_per_token("tiny", 64),
                         gpus=2, gpu_peak_tflops=gpu_peak)
-    with caplog.at_level(logging.INFO, logger="training.progress"):
+    with caplog.at_level(logging.INFO, logger="training.train.progress"):
         progress.update(1, loss=2.0, step_time_s=0.1, tokens=512)
     (line,) = caplog.messages
     assert "tok/s" in line

@@ -1,4 +1,4 @@
-"""In-process restart (training/inprocess.py): unit checks of the Wrapper adapter, the config rules and
+"""In-process restart (training/train/inprocess.py): unit checks of the Wrapper adapter, the config rules and
 the in-memory rollback; then runs in the local cluster (under ft_launcher, as the pods): an exception
 and a hang restart every rank in-process from the last step in memory, bitwise equal to an
 uninterrupted run; with restart=both a killed process falls back to an in-job restart from disk; a
@@ -19,17 +19,18 @@ import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
 from torch.distributed.checkpoint.stateful import Stateful
 
-from training.config import FaultToleranceConfig, TrainConfigError, load_train_config
-from training.data import TokenStream
-from training.distributed import DistInfo
-from training.events import read_events
-from training.fault_tolerance import HANG_FLOOR_MARGIN_S, RankMonitor, launcher_ft_args, section_timeout_floor
-from training.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
-from training.model import PRESETS
-from training.report import build_report
-from training import rollback as rollback_module
-from training.rollback import KEEP, MemoryRollback, copy_into
-from training.train import ModelState, OptimizerState, RngState, TrainState, build, train_step
+from training.contract.config import FaultToleranceConfig, TrainConfigError, load_train_config
+from training.contract.events import read_events
+from training.contract.launcher import HANG_FLOOR_MARGIN_S, launcher_ft_args, section_timeout_floor
+from training.contract.shapes import PRESETS
+from training.data.stream import TokenStream
+from training.report.goodput import build_report
+from training.train.distributed import DistInfo
+from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
+from training.train.monitor import RankMonitor
+from training.train import rollback as rollback_module
+from training.train.rollback import KEEP, MemoryRollback, copy_into
+from training.train.trainer import ModelState, OptimizerState, RngState, TrainState, build, train_step
 from training_helpers import assert_bitwise_equal, completed, events_named, load_final_state, run_local
 
 # ---- the Wrapper adapter and the config ---------------------------------------------------------
@@ -331,7 +332,7 @@ def test_a_changed_structure_gets_new_buffers():
 
 
 class InPlaceTensors(Tensors):
-    """Tensors as a training.rollback.InPlaceState that lists the values not named in `unlisted`."""
+    """Tensors as a training.train.rollback.InPlaceState that lists the values not named in `unlisted`."""
 
     unlisted: tuple[str, ...] = ()
 

@@ -1,4 +1,4 @@
-"""The node entry point (training.launch): 0 means the run completed, whatever ft_launcher exits with;
+"""The node entry point (training.pod.launch): 0 means the run completed, whatever ft_launcher exits with;
 signals reach the launcher; older pods rank before newer ones in NVRx's rendezvous."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from training.events import EventLog
-from training.exit_codes import CONFIG_ERROR, INCOMPLETE
-from training.launch import MAX_PODS, launcher_env
+from training.contract.events import EventLog
+from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
+from training.pod.launch import MAX_PODS, launcher_env
 from training_helpers import REPO_ROOT
 
 STEPS = 10
@@ -26,7 +26,7 @@ def config(tmp_path):
 
 
 def _launch(config, *command, env=None, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "training.launch", "--config", str(config), "--", *command],
+    return subprocess.Popen([sys.executable, "-m", "training.pod.launch", "--config", str(config), "--", *command],
                             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 

@@ -7,14 +7,14 @@ import subprocess
 import psutil
 import pytest
 
-from training.events import read_events
+from training.contract.events import read_events
 from training_helpers import start_local as _start, wait_for_step as _wait_for_step
 
 pytestmark = pytest.mark.slow
 
 
 def _node(controller: subprocess.Popen, node: int) -> psutil.Process:
-    """The node's top process (a pod's PID 1: training.launch)."""
+    """The node's top process (a pod's PID 1: training.pod.launch)."""
     return next(p for p in psutil.Process(controller.pid).children()
                 if p.environ().get("JOB_COMPLETION_INDEX") == str(node))
 
@@ -55,7 +55,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
                   "fault_tolerance.timeout_safety_factor=50")
     _wait_for_step(run_dir, 3, proc)
     tree = psutil.Process(proc.pid).children(recursive=True)
-    assert len(tree) >= 9  # the store; 2 nodes, each training.launch, ft_launcher, a rank and a rank monitor at least
+    assert len(tree) >= 9  # the store; 2 nodes, each training.pod.launch, ft_launcher, a rank and a rank monitor at least
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out[-3000:]

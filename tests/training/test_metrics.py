@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from training.distributed import free_port
-from training.events import read_events
-from training.report import build_report
+from training.contract.events import read_events
+from training.contract.launcher import free_port
+from training.report.goodput import build_report
 from training_helpers import start_local, wait_for_step
 
 pytestmark = pytest.mark.slow

@@ -1,11 +1,12 @@
-"""The training's first worker attempt in a pod asks NCCL for its transport line (training/distributed.py)."""
+"""The training's first worker attempt in a pod asks NCCL for its transport line (training/train/distributed.py)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from training.distributed import FIRST_ATTEMPT_NCCL_DEBUG_ENV, first_attempt_nccl_debug
+from training.contract.launcher import FIRST_ATTEMPT_NCCL_DEBUG_ENV
+from training.train.distributed import first_attempt_nccl_debug
 
 
 @pytest.mark.parametrize(("restart_count", "expected"), [(None, "INFO"), ("0", "INFO"), ("1", "WARN")])

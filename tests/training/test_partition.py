@@ -1,5 +1,5 @@
 """A node cut off from the network, not dead: each emulated node on its own machine (a network namespace,
-training/netns.py), a `partition` fault takes its link down. The survivors detect it through NVRx's
+training/local/netns.py), a `partition` fault takes its link down. The survivors detect it through NVRx's
 timeouts, the job recovers and resumes exactly; when the link comes back, the old node's ranks do not
 carry on as if nothing happened."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from training.events import read_events
-from training.netns import VirtualNetwork, unavailable_reason
-from training.report import build_report
+from training.contract.events import read_events
+from training.local.netns import VirtualNetwork, unavailable_reason
+from training.report.goodput import build_report
 from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named,
                               load_final_state, run_local)
 

@@ -1,4 +1,4 @@
-"""Peer state (training/peer_state.py) on two gloo ranks, one per "node" directory: what a node keeps,
+"""Peer state (training/train/peer_state.py) on two gloo ranks, one per "node" directory: what a node keeps,
 what its partner gets, what a new world restores; a torn copy is never used."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from training.distributed import free_port
-from training.peer_state import OWN, REPLICA, Copy, NodeMemory, flatten, layout, unflatten, views
+from training.contract.launcher import free_port
+from training.train.peer_state import OWN, REPLICA, Copy, NodeMemory, flatten, layout, unflatten, views
 
 WORLD = 2
 FINGERPRINT = "test"
@@ -40,7 +40,7 @@ def _worker(rank: int, port: int, roots: list[str], phase: str, results: dict, r
 
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
-    from training.peer_state import PeerState
+    from training.train.peer_state import PeerState
 
     peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=1, replicas=replicas, timeout_s=30)
     weights = Weights(torch.zeros(1000))

@@ -1,4 +1,4 @@
-"""training.prefork: workers forked from a template that already imported torch behave, for
+"""training.pod.prefork: workers forked from a template that already imported torch behave, for
 ft_launcher, like the `python -m` they replace: argv, environment, cwd, stdio, exit status,
 signals; and none outlives the stub that ft_launcher started."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from training.prefork import SERVER_ENV
+from training.pod.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = '''
@@ -41,7 +41,7 @@ def template(tmp_path_factory):
     """A launched template (what `prefork launch ft_launcher …` starts) and the value of SERVER_ENV;
     the launched command reports it and sleeps, standing in for ft_launcher."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "training.prefork", "launch", "sh", "-c", f'echo "${SERVER_ENV}"; exec sleep 600'],
+        [sys.executable, "-m", "training.pod.prefork", "launch", "sh", "-c", f'echo "${SERVER_ENV}"; exec sleep 600'],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
     server = launcher.stdout.readline().strip()
     template = psutil.Process(int(server.split(":")[0]))
@@ -64,7 +64,7 @@ def _stub(probe_dir: Path, server: str | None, *args: str, umask: int = -1, cpus
     environ.update(PYTHONPATH=f"{probe_dir}{os.pathsep}{REPO}", **env)
     if server is not None:
         environ[SERVER_ENV] = server
-    return subprocess.Popen([sys.executable, "-m", "training.prefork", "worker", "prefork_probe", *args],
+    return subprocess.Popen([sys.executable, "-m", "training.pod.prefork", "worker", "prefork_probe", *args],
                             cwd=probe_dir, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             umask=umask, preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
 
@@ -100,7 +100,7 @@ def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit
 
 def test_the_preloaded_training_module_runs_as_main_like_python_m(template, tmp_path):
     environ = {**os.environ, SERVER_ENV: template, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "training.prefork", "worker", "training.train", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "training.pod.prefork", "worker", "training.train", "--help"],
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage: python -m training.train" in proc.stdout
@@ -165,7 +165,7 @@ def test_a_stub_refuses_a_socket_that_is_not_its_templates(probe_dir):
 
 
 def test_usage_error_names_the_commands():
-    proc = subprocess.run([sys.executable, "-m", "training.prefork", "start"], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "training.pod.prefork", "start"], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1
     assert "launch CMD" in proc.stderr and "worker MODULE" in proc.stderr

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint import (CheckpointLoadError, CheckpointManager, Damaged, FreshStartRefused, Held,
-                                 committed_checkpoints, inspect_checkpoint)
-from training.events import EventLog
-from training.fault_tolerance import RESUME_STEP_FILE
+from training.contract.events import EventLog
+from training.contract.launcher import RESUME_STEP_FILE
+from training.train.checkpoint import (CheckpointLoadError, CheckpointManager, Damaged, FreshStartRefused, Held,
+                                       committed_checkpoints, inspect_checkpoint)
 from training_helpers import completed, events_named, run_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

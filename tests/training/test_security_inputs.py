@@ -6,11 +6,12 @@ import time
 
 import pytest
 
-from training import train
-from training.events import EventLog
-from training.exit_codes import CONFIG_ERROR
-from training.faults import DESTRUCTIVE_KINDS, ENV_VAR, POD_ENV, FaultSpecError, check_chaos_switch, parse_faults
-from training.report import write_report
+from training.train import trainer as train
+from training.contract.events import EventLog
+from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.faults import (DESTRUCTIVE_KINDS, ENV_VAR, POD_ENV, FaultSpecError, check_chaos_switch,
+                                      parse_faults)
+from training.report.goodput import write_report
 
 DESTRUCTIVE = ["corrupt-ckpt@5", "disk-full@5", "node-loss@5:node=0", "partition@5:node=0"]
 

@@ -1,4 +1,4 @@
-"""The store's process (training.store): started over when the run stalls, never after it completed."""
+"""The store's process (training.pod.store): started over when the run stalls, never after it completed."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from training.events import EventLog, events_dir
-from training.store import stalled
+from training.contract.events import EventLog, events_dir
+from training.pod.store import stalled
 from training_helpers import REPO_ROOT
 
 STEPS = 10
@@ -38,7 +38,7 @@ def test_a_run_stalls_only_without_events_for_the_timeout_and_before_its_end(tmp
 def test_a_stalled_run_gets_a_new_store_and_signals_reach_it(tmp_path):
     starts = tmp_path / "starts"
     store = (f"import pathlib, time\nwith open({str(starts)!r}, 'a') as f: f.write('start\\n')\ntime.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "training.store", "--config", str(_config(tmp_path)),
+    proc = subprocess.Popen([sys.executable, "-m", "training.pod.store", "--config", str(_config(tmp_path)),
                              "--stall-timeout", "0.5", "--", sys.executable, "-c", store],
                             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from training.events import read_events
+from training.contract.events import read_events
 from training_helpers import REPO_ROOT, assert_bitwise_equal, completed, load_final_state, run_local
 
 pytestmark = pytest.mark.slow

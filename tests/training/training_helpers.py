@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from training.events import read_events
-from training.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
+from training.contract.events import read_events
+from training.train.final_state import bitwise_mismatch, load_final_state
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,5 +75,5 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 def events_named(run_dir: Path, name: str) -> list[dict]:
-    """The run's events of one kind (training.events), in time order."""
+    """The run's events of one kind (training.contract.events), in time order."""
     return [e for e in read_events(run_dir) if e["event"] == name]

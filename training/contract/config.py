@@ -1,0 +1,399 @@
+"""`TrainConfig`: the typed training config, from a YAML/JSON file plus `--section.key value` overrides.
+
+Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging,
+plus metrics (rank 0's Prometheus endpoint, MFU) and peer_state.
+Unknown sections or keys and out-of-range values fail with a message naming the key, the value
+and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.shapes import PRESETS
+
+MODEL_PRESETS = tuple(PRESETS)
+CHECKPOINT_MODES = ("sync", "async", "off")
+RESTART_MODES = ("injob", "inprocess", "both")
+DEVICES = ("auto", "cpu", "cuda")
+DATA_DTYPES = ("uint16", "uint32")
+WHEN_BUSY = ("wait", "skip")
+
+
+class TrainConfigError(ValueError):
+    """A training config value is not allowed; the message names the key, the value and what is allowed."""
+
+
+class ConfigArgumentParser(argparse.ArgumentParser):
+    """argparse for the training CLIs: a bad flag is a config error (exit CONFIG_ERROR, not 2), so
+    the Job fails at once instead of retrying a command line that cannot work."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"  # one of MODEL_PRESETS; their shapes: training/contract/shapes.py
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 200
+    batch_size: int = 4  # sequences per data-parallel rank per step
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 1234
+    device: str = "auto"  # auto: cuda when available (NCCL), else cpu (gloo)
+    # Off the GPU, a gloo collective cannot be aborted: a short timeout bounds how long peers of a
+    # failed rank wait. On CUDA the NCCL timeout is the watchdog's.
+    collective_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # pre-tokenized uint16/uint32 .bin file (`python -m training.data prepare`); None: synthetic tokens
+    path: str | None = None
+    dtype: str | None = None  # token width of the file at `path`; None: its sidecar's, else uint16
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None  # None: <run_dir>/checkpoints
+    interval: int = 20  # steps between saves
+    mode: str = "async"  # sync | async | off
+    keep: int = 3  # complete checkpoints kept on disk
+    # An async save still in flight when the next is due: wait for it (the wait is recorded as
+    # ckpt_blocked) or skip the new one. Never two in flight.
+    when_busy: str = "wait"
+    # Write the full training state to <run_dir>/final (DCP, sync) after the last step: the
+    # artefact that exact-resume comparisons read.
+    save_final: bool = False
+    # When checkpoints exist but none can be loaded, training refuses to start at step 0 (that
+    # would discard them); true trains from scratch instead.
+    allow_fresh_start: bool = False
+
+
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    restart: str = "injob"  # injob (ft_launcher) | inprocess (Wrapper) | both
+    # ft_launcher's in-job restarts in a row without progress (NVRx 0.7.0's no-progress cycles): a
+    # restart after which a newer checkpoint was committed starts the count again, so a long run with
+    # many faults keeps its budget and a persistent fault still ends the job. 0: no in-job restart.
+    max_restarts: int = 3
+    # Every in-job restart of the launcher's life, with progress or not: only a backstop (ten times the
+    # Llama 3 failure rate gives about 140 faults in two weeks on 256 p5 nodes).
+    max_restarts_total: int = 1000
+    # ft_launcher's workers are forked from a per-node process that imported torch, DCP and NVRx
+    # once (training/pod/prefork.py), so an in-job restart skips Python start-up and imports.
+    prefork_workers: bool = True
+    # NVRx rank monitor timeouts (seconds). Until observed timings exist these generous values
+    # apply; after `calculate_timeouts_after` steps they are recomputed and saved in checkpoints.
+    initial_rank_heartbeat_timeout: float = 600.0
+    rank_heartbeat_timeout: float = 300.0
+    setup_section_timeout: float = 600.0
+    step_section_timeout: float = 180.0
+    checkpoint_section_timeout: float = 600.0
+    out_of_section_timeout: float = 600.0
+    calculate_timeouts_after: int = 5
+    timeout_safety_factor: float = 5.0
+    # In-process restart (restart=inprocess|both; training/train/inprocess.py). A rank making no progress
+    # for inprocess_soft_timeout seconds makes every rank restart in-process; one that cannot be
+    # interrupted is killed by the Wrapper's monitor process at inprocess_hard_timeout. Both must
+    # cover the longest blocking operation (a sync checkpoint save) and stay below the launcher's
+    # rank monitor timeouts, which remain the backstop.
+    # SIGTERM (a drain, an eviction, a capacity block's end): the ranks have this long to commit the
+    # in-flight save, and the step reached if a save fits, before ft_launcher (--term-timeout) and
+    # then Kubernetes (the pod's grace period, this plus a margin) kill them (training/train/drain.py).
+    drain_timeout_s: float = 120.0
+    # How long a rendezvous round may gather its nodes (NVRx's join timeout, launchers and store alike).
+    # Without a hot spare the survivors of a lost node wait here for its replacement, which on EKS is a
+    # new p5 that boots, joins and pulls the image (bench/projection.py: about 11 min); a first start
+    # pulls the image on every node. Past it a launcher gives up and its pod is retried.
+    rendezvous_join_timeout_s: float = 1800.0
+    inprocess_max_restarts: int = 3  # per process: the Wrapper's restarts in a row without progress
+    inprocess_soft_timeout: float = 60.0
+    inprocess_hard_timeout: float = 90.0
+
+    @property
+    def launcher_max_restarts(self) -> int:
+        """ft_launcher's --max-restarts: none with restart=inprocess (the Wrapper restarts; what it
+        cannot handle ends the job) or max_restarts=0, else the lifetime backstop max_restarts_total
+        (the budget that matters, restarts without progress, is counted by NVRx's progress tracker)."""
+        return 0 if self.restart == "inprocess" or self.max_restarts == 0 else self.max_restarts_total
+
+
+@dataclass(frozen=True)
+class PeerStateConfig:
+    """Each rank's state in its node's memory and on the next `replicas` nodes (training/train/peer_state.py):
+    after a lost node, its ranks' shards come from their partners, not from the FSx checkpoint."""
+    enabled: bool = False
+    # Steps between copies. None: every step if a copy costs at most 5% of one (measured over the first
+    # steps), else the fewest steps between copies that keep it there.
+    interval: int | None = None
+    replicas: int = 1  # other nodes holding a copy of each rank's state
+    memory_dir: str | None = None  # None: $TRAINING_NODE_MEMORY, else /dev/shm/training-peer-state
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 10  # steps between progress lines (rank 0)
+    # Each rank appends the global sample indices of every step to <run_dir>/samples/rank<R>.jsonl
+    # (tests check that a resumed run consumes every sample exactly once).
+    sample_log: bool = False
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Rank 0's Prometheus endpoint (training/train/metrics.py) and MFU (training/contract/flops.py)."""
+    # http://<rank 0>:port/metrics; 0: off. The EKS Job's pods carry the scrape annotations for it.
+    port: int = 0
+    # Dense bf16 peak TFLOPs of one GPU, the denominator of MFU; None: no MFU (a CPU run, or a GPU whose
+    # peak is not known). The k8s chart fills it from infra/instances.py for the node group's GPUs.
+    gpu_peak_tflops: float | None = None
+    # The goodput, restart and checkpoint figures re-read the event log (training/report/goodput.py) at most this
+    # often: a weeks-long log takes a while to read, and a scrape every 30-60 s needs no fresher figures.
+    event_log_refresh_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    peer_state: PeerStateConfig = field(default_factory=PeerStateConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    faults: tuple[str, ...] = ()  # fault specs; format in training/train/faults.py
+    # The chaos switch: in a Kubernetes pod the destructive fault kinds (training/train/faults.py DESTRUCTIVE_KINDS)
+    # fire only when this is true. The k8s Job sets it from `k8s/main.py --allow-destructive-faults`.
+    allow_destructive_faults: bool = False
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["faults"] = list(self.faults)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def load_train_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Load a config file (YAML or JSON; None: defaults) and apply `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            loaded = json.loads(text) if str(path).endswith(".json") else _load_yaml(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise TrainConfigError(f"{path}: not valid YAML/JSON: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise TrainConfigError(f"{path}: expected a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. checkpoint.mode=sync")
+        *sections, leaf = key.split(".")
+        target = data
+        for section in sections:
+            target = target.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise TrainConfigError(f"override {item!r}: {section} is not a section")
+        target[leaf] = _load_yaml(value) if value else None
+    return _build(TrainConfig, data, "")
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.1 reads on/off/yes/no as booleans, so `checkpoint.mode=off` would arrive as False;
+    here, as in YAML 1.2, only true/false are booleans."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise TrainConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise TrainConfigError(f"unknown key(s) {[prefix + k for k in unknown]} in {where}; allowed: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if value is None and type(None) in args:
+        return None
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise TrainConfigError(f"{key}={value!r}: expected a list of strings")
+        return tuple(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TrainConfigError(f"{key}={value!r}: expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TrainConfigError(f"{key}={value!r}: expected a whole number")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TrainConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise TrainConfigError(f"{key}={value!r}: expected a string")
+        return str(value)
+    raise TrainConfigError(f"{key}: unsupported type {hint}")
+
+
+def _validate(c: TrainConfig) -> None:
+    def fail(key: str, value: Any, allowed: str) -> None:
+        raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+    if c.model.preset not in MODEL_PRESETS:
+        fail("model.preset", c.model.preset, f"one of {list(MODEL_PRESETS)}")
+    t = c.training
+    for key in ("steps", "batch_size", "seq_len"):
+        if getattr(t, key) < 1:
+            fail(f"training.{key}", getattr(t, key), "at least 1")
+    if not t.lr > 0:
+        fail("training.lr", t.lr, "greater than 0")
+    if t.warmup_steps < 0:
+        fail("training.warmup_steps", t.warmup_steps, "0 or more")
+    if t.weight_decay < 0:
+        fail("training.weight_decay", t.weight_decay, "0 or more")
+    if t.grad_clip < 0:
+        fail("training.grad_clip", t.grad_clip, "0 (off) or more")
+    if t.device not in DEVICES:
+        fail("training.device", t.device, f"one of {list(DEVICES)}")
+    if not t.collective_timeout_s > 0:
+        fail("training.collective_timeout_s", t.collective_timeout_s, "greater than 0")
+    if c.data.dtype is not None and c.data.dtype not in DATA_DTYPES:
+        fail("data.dtype", c.data.dtype, f"one of {list(DATA_DTYPES)}")
+    ck = c.checkpoint
+    if ck.when_busy not in WHEN_BUSY:
+        fail("checkpoint.when_busy", ck.when_busy, f"one of {list(WHEN_BUSY)}")
+    if ck.mode not in CHECKPOINT_MODES:
+        fail("checkpoint.mode", ck.mode, f"one of {list(CHECKPOINT_MODES)}")
+    if ck.interval < 1:
+        fail("checkpoint.interval", ck.interval, "at least 1 step")
+    if ck.keep < 1:
+        fail("checkpoint.keep", ck.keep, "at least 1 (the newest complete checkpoint is never deleted)")
+    ft = c.fault_tolerance
+    if ft.restart not in RESTART_MODES:
+        fail("fault_tolerance.restart", ft.restart, f"one of {list(RESTART_MODES)}")
+    if ft.max_restarts < 0:
+        fail("fault_tolerance.max_restarts", ft.max_restarts, "0 or more")
+    if ft.max_restarts_total < ft.max_restarts:
+        fail("fault_tolerance.max_restarts_total", ft.max_restarts_total,
+             f"at least max_restarts ({ft.max_restarts}): it caps every restart, with progress or not")
+    for key in ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "setup_section_timeout",
+                "step_section_timeout", "checkpoint_section_timeout", "out_of_section_timeout"):
+        if not getattr(ft, key) > 0:
+            fail(f"fault_tolerance.{key}", getattr(ft, key), "greater than 0 seconds")
+    if ft.initial_rank_heartbeat_timeout < ft.rank_heartbeat_timeout:
+        raise TrainConfigError(
+            "fault_tolerance.initial_rank_heartbeat_timeout "
+            f"({ft.initial_rank_heartbeat_timeout}) must be at least rank_heartbeat_timeout "
+            f"({ft.rank_heartbeat_timeout}): the first heartbeat comes after setup, which is slower than a step"
+        )
+    if ft.checkpoint_section_timeout < ft.step_section_timeout:
+        raise TrainConfigError(
+            f"fault_tolerance.checkpoint_section_timeout ({ft.checkpoint_section_timeout}) must be at least "
+            f"step_section_timeout ({ft.step_section_timeout}): a save never takes less than a step"
+        )
+    if not ft.drain_timeout_s > 0:
+        fail("fault_tolerance.drain_timeout_s", ft.drain_timeout_s, "greater than 0 seconds")
+    ps = c.peer_state
+    if ps.interval is not None and ps.interval < 1:
+        fail("peer_state.interval", ps.interval, "at least 1 step, or null (chosen from the measured cost)")
+    if ps.replicas < 1:
+        fail("peer_state.replicas", ps.replicas, "at least 1 (other nodes holding each rank's copy)")
+    if not ft.rendezvous_join_timeout_s >= 60:
+        fail("fault_tolerance.rendezvous_join_timeout_s", ft.rendezvous_join_timeout_s,
+             "at least 60 seconds (a round must outlast a node's restart)")
+    if ft.inprocess_max_restarts < 0:
+        fail("fault_tolerance.inprocess_max_restarts", ft.inprocess_max_restarts, "0 or more")
+    if not 0 < ft.inprocess_soft_timeout < ft.inprocess_hard_timeout:
+        raise TrainConfigError(
+            f"fault_tolerance.inprocess_soft_timeout ({ft.inprocess_soft_timeout}) must be greater than 0 and "
+            f"less than inprocess_hard_timeout ({ft.inprocess_hard_timeout}): the Wrapper first tries to "
+            "interrupt a hung rank, then kills it")
+    if ft.restart != "injob":
+        for key in ("step_section_timeout", "out_of_section_timeout", "rank_heartbeat_timeout"):
+            if not ft.inprocess_hard_timeout < getattr(ft, key):
+                raise TrainConfigError(
+                    f"fault_tolerance.inprocess_hard_timeout ({ft.inprocess_hard_timeout}) must be less than "
+                    f"{key} ({getattr(ft, key)}) with restart={ft.restart}: otherwise the launcher's rank "
+                    "monitor kills a hung rank before the Wrapper can restart it in-process")
+    if ft.calculate_timeouts_after < 1:
+        fail("fault_tolerance.calculate_timeouts_after", ft.calculate_timeouts_after, "at least 1 step")
+    if ft.timeout_safety_factor < 1:
+        fail("fault_tolerance.timeout_safety_factor", ft.timeout_safety_factor, "1 or more")
+    m = c.metrics
+    if not (m.port == 0 or 1024 <= m.port <= 65535):
+        fail("metrics.port", m.port, "0 (off) or a TCP port from 1024 to 65535")
+    if m.gpu_peak_tflops is not None and not m.gpu_peak_tflops > 0:
+        fail("metrics.gpu_peak_tflops", m.gpu_peak_tflops, "greater than 0, or null (no MFU)")
+    if m.event_log_refresh_s < 0:
+        fail("metrics.event_log_refresh_s", m.event_log_refresh_s, "0 (every scrape) or more seconds")
+    if c.logging.log_interval < 1:
+        fail("logging.log_interval", c.logging.log_interval, "at least 1 step")
+    if not c.run_dir:
+        fail("run_dir", c.run_dir, "a directory path")

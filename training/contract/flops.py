@@ -1,0 +1,27 @@
+"""Model FLOPs utilization (MFU): the FLOPs a step must do, over what the GPUs could do at peak.
+
+FLOPs per token of a training step (forward and backward), as in PaLM (Chowdhery et al. 2022,
+appendix B) and torchtitan's get_nparams_and_flops:
+
+    6·N + 12·L·H·Q·T
+
+N: the parameters less the embedding table (a lookup, no matmul; the output projection is a matmul and
+counts), L layers, H query heads, Q = dim / H the head dimension, T the sequence length. 6·N: one
+multiply-add per parameter forward, two backward. 12·L·H·Q·T: the two attention matmuls (QKᵀ, and the
+scores times V), forward and backward; by convention neither causal masking (half of it is skipped) nor
+activation recomputation is counted, so figures compare across codebases.
+"""
+from __future__ import annotations
+
+from training.contract.shapes import PRESETS, parameter_count
+
+
+def flops_per_token(preset: str, seq_len: int) -> int:
+    a = PRESETS[preset]
+    non_embedding = parameter_count(preset) - a.vocab_size * a.dim
+    return 6 * non_embedding + 12 * a.n_layers * a.n_heads * (a.dim // a.n_heads) * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_token: int, gpus: int, gpu_peak_tflops: float) -> float:
+    """The share of the GPUs' dense bf16 peak that the model's FLOPs at this throughput use."""
+    return tokens_per_s * flops_per_token / (gpus * gpu_peak_tflops * 1e12)

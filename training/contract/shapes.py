@@ -1,0 +1,52 @@
+"""Model shapes and the sizes that follow from them, torch-free: the chart, the planner and the data checks
+read them without building a model. training/models/ builds the modules these shapes describe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_hidden: int
+    max_seq_len: int = 8192
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+
+# tiny: seconds per step on a CPU core; 1b and 8b: the Llama-3.2-1B and Llama-3.1-8B shapes.
+PRESETS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=192,
+                      max_seq_len=1024, rope_theta=10000.0),
+    "small": ModelArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32000, ffn_hidden=1536),
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=8192),
+    "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336),
+}
+
+
+def parameter_count(preset: str) -> int:
+    """The preset's parameters, counted from its shape (the same as summing the built model's: a test
+    checks every preset): embedding, per block the attention projections, the SwiGLU feed-forward and two
+    norms, then the final norm and the output projection."""
+    a = PRESETS[preset]
+    head_dim = a.dim // a.n_heads
+    attention = 2 * a.dim * a.n_heads * head_dim + 2 * a.dim * a.n_kv_heads * head_dim
+    block = attention + 3 * a.dim * a.ffn_hidden + 2 * a.dim
+    return a.vocab_size * a.dim + a.n_layers * block + a.dim + a.dim * a.vocab_size
+
+
+# Peer state (training/train/peer_state.py): a rank's copy holds per parameter of its shard fp32 weights and
+# AdamW's two fp32 moments; each node keeps SLOTS copies (the newest complete step and the one in flight).
+PEER_STATE_SLOTS = 2
+STATE_BYTES_PER_PARAMETER = 12
+
+
+def node_memory_bytes(parameters: int, nodes: int, replicas: int) -> int:
+    """A node's memory for peer state: its share of the model, PEER_STATE_SLOTS copies of it and of each
+    source's."""
+    return PEER_STATE_SLOTS * (1 + min(replicas, nodes - 1)) * STATE_BYTES_PER_PARAMETER * parameters // nodes

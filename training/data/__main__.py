@@ -1,0 +1,6 @@
+"""`python -m training.data prepare …`: text and JSONL to a token file (prepare.py)."""
+import sys
+
+from training.data.prepare import main
+
+sys.exit(main())

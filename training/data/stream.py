@@ -1,0 +1,85 @@
+"""A deterministic, resumable token stream.
+
+Sample `i` is a pure function of (source, seed, i): from a pre-tokenized file (sample i is the
+window of `seq_len + 1` tokens at i * seq_len, wrapping around the file) or synthetic (a noisy
+affine recurrence over the vocabulary, learnable so the loss drops). At step `s` (1-based) the
+global batch holds samples [(s-1)·B·W, s·B·W); data-parallel rank `r` reads the contiguous slice
+[(s-1)·B·W + r·B, … + B). The position (`consumed_samples`) is part of the checkpoint, so a
+resumed run neither skips nor repeats a sample.
+
+A token file (token_file.py) is read through its sidecar: the loader takes the width from it, and
+refuses a model whose vocabulary is smaller than the tokenizer's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.data.token_file import token_dtype
+
+# Synthetic structure: next = (MULT * prev + ADD) mod vocab, replaced by a random token with
+# probability NOISE. A model that learns the recurrence gets well under the uniform loss.
+_MULT, _ADD, _NOISE = 5, 3, 0.1
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # (B, seq_len) int64
+    targets: torch.Tensor  # (B, seq_len) int64
+    indices: list[int]  # global sample indices of the rows
+
+
+class TokenStream:
+    def __init__(self, *, seq_len: int, batch_size: int, rank: int, world_size: int, vocab_size: int,
+                 seed: int, path: str | None = None, dtype: str | None = None) -> None:
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.vocab_size, self.seed = vocab_size, seed
+        self.consumed_samples = 0  # global: samples of all ranks in all completed steps
+        self._tokens: np.ndarray | None = None
+        if path is not None:
+            self._tokens = np.memmap(path, dtype=np.dtype(token_dtype(path, dtype, vocab_size)), mode="r")
+            if len(self._tokens) < seq_len + 1:
+                raise ValueError(f"{path}: {len(self._tokens)} tokens, need at least seq_len+1 = {seq_len + 1}")
+
+    def sample(self, index: int) -> np.ndarray:
+        n = self.seq_len + 1
+        if self._tokens is not None:
+            start = (index * self.seq_len) % (len(self._tokens) - n + 1)
+            window = np.asarray(self._tokens[start:start + n], dtype=np.int64)
+            if window.max(initial=0) >= self.vocab_size:
+                raise ValueError(f"token {int(window.max())} in sample {index} is outside the vocabulary ({self.vocab_size})")
+            return window
+        rng = np.random.default_rng([self.seed, index])
+        noise = rng.random(n) < _NOISE
+        random_tokens = rng.integers(0, self.vocab_size, n)
+        out = np.empty(n, dtype=np.int64)
+        out[0] = random_tokens[0]
+        for t in range(1, n):
+            out[t] = random_tokens[t] if noise[t] else (_MULT * out[t - 1] + _ADD) % self.vocab_size
+        return out
+
+    def next_batch(self) -> Batch:
+        first = self.consumed_samples + self.rank * self.batch_size
+        indices = list(range(first, first + self.batch_size))
+        rows = torch.from_numpy(np.stack([self.sample(i) for i in indices]))
+        self.consumed_samples += self.batch_size * self.world_size
+        return Batch(inputs=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous(), indices=indices)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def write_token_file(path: str | Path, n_tokens: int, vocab_size: int, seed: int = 0, dtype: str = "uint16") -> Path:
+    """A small pre-tokenized corpus with the synthetic structure (tests, local runs)."""
+    stream = TokenStream(seq_len=n_tokens - 1, batch_size=1, rank=0, world_size=1, vocab_size=vocab_size, seed=seed)
+    path = Path(path)
+    stream.sample(0).astype(dtype).tofile(path)
+    return path
+

@@ -1,0 +1,6 @@
+"""`python -m training.local [--demo] …`: the emulated cluster (cluster.py)."""
+import sys
+
+from training.local.cluster import main
+
+sys.exit(main())

@@ -1,0 +1,616 @@
+"""The local emulated cluster: one ft_launcher per emulated node on 127.0.0.1, and a controller that
+plays the Kubernetes Indexed Job.
+
+    python -m training.local --nodes 2 --nproc-per-node 2 --steps 200 --run-dir runs/x \\
+        [--config FILE] [--faults exception@30:rank=1,sigkill@60:rank=3] [section.key=value …]
+    python -m training.local --demo        # what `make demo` runs
+
+Each node runs the pods' command, `python -m training.pod.launch … ft_launcher … -m training.train --config
+FILE` (by default through training.pod.prefork: the launcher starts a worker template, its workers are
+forked from it), and gets its index in JOB_COMPLETION_INDEX, as the pods do. The rendezvous store is
+its own process, as on the cluster: NVRx's `nvrx-control` under training.pod.store on a free port, which
+every launcher joins as a client, so losing node 0 costs what losing any node costs. With --spares S, S more nodes start
+and wait as hot spares (NVRx's standby participants): a failed node's place goes to a spare in the
+next rendezvous round, and its replacement becomes the new spare. Spares start once every training node has joined the
+first round, so that `node=N` faults with N < --nodes hit a training node (NVRx makes whoever is
+there first active). Launchers run in their own
+sessions; their output goes to <run_dir>/logs/node<i>.log (the store's to store.log) and rank 0's
+lines are echoed here.
+
+What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
+as the Job and its podFailurePolicy would:
+- killed by a signal (a lost node) or exited with an error (a failed pod, e.g. with restart=inprocess,
+  where the launcher restarts nothing, or INCOMPLETE): its orphaned ranks are killed and the node is
+  started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule
+  and start the new pod; bench/projection.py names its parts on EKS), at most --node-retries times per
+  node (backoffLimitPerIndex; node_replaced, restart with restart_kind=node).
+- exited with CONFIG_ERROR or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
+  no progress): the job fails at once, with a message naming the ranks and faults that the event log
+  recorded (e.g. a persistent fault).
+- drained (a `drain` fault: the controller plays the kubelet, with the drain marker, SIGTERM and the
+  grace period): the node is started again, not counted against --node-retries.
+It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
+"worker failed") and records them as fault_detected, so the report measures detection time.
+With --netns every node runs on its own emulated machine (training/local/netns.py: a network namespace
+with its own address and hostname, on a bridge; the store listens on the host's end), so their traffic
+crosses a network that a `partition` fault can cut. The controller then also plays the network and
+Kubernetes' node lifecycle: it takes the node's link down (and up again after the fault's duration); a
+node unreachable for --replacement-delay seconds has its pod replaced on a new machine, while the old
+pod's processes run on where they are, cut off, until the link is back and its kubelet kills them.
+Ctrl-C (or SIGTERM) stops every launcher and every process they started.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from training.contract.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.contract.events import EventLog, read_events
+from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.contract.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
+                                      with_env_faults)
+from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain_grace_period_s, free_port,
+                                        launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
+                                        resume_step_file, store_command, worker_entrypoint)
+from training.data.token_file import DataError, check_token_file
+from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
+from training.pod.prefork import die_with_parent
+from training.report.goodput import ReportError, write_report
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_FAULTS = ("exception@60:rank=1", "sigkill@140:rank=3")
+# The demo: tiny model, async checkpoints every 20 steps, short gloo timeouts (a CPU collective
+# cannot be aborted; a short timeout bounds how long survivors of a fault can hang).
+# Hang timeouts are calculated as max observed x 10: room for a busy laptop.
+DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.interval=20",
+                  "training.collective_timeout_s=30", "logging.log_interval=20",
+                  "fault_tolerance.timeout_safety_factor=10")
+STOP_GRACE_S = 10.0
+FAIL_JOB_EXIT_CODES = (CONFIG_ERROR, NO_PROGRESS)  # the Job's podFailurePolicy: FailJob, no retry
+# NVRx 0.7.0 log lines that report a detected fault: (pattern, kind, detecting party). Its logger tags
+# lines with the rank a rank monitor watches, [workload:<rank>(<local rank>) infra:…], and the
+# monitor's messages start with the restart cycle, [Cycle N].
+_DETECTIONS = (
+    (re.compile(r"\[workload:[^(\]]*\((?P<local_rank>\d+)\)[^\]]*\] rank_monitor_server\.py:\d+ (\[Cycle \d+\] )?"
+                r"(?P<what>(Section '\w+' has been open|Was out of section|Did not get (initial|subsequent) heartbeat).*)"),
+     "hang", "nvrx rank monitor"),
+    (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
+)
+# NVRx 0.7.0's rendezvous log lines: a launcher that will train, one left out of a round (standby, late).
+# A launcher that trained stays active while it waits for the next round: it is the one that opens it.
+_ACTIVE_RANK = "Assigned active rank"
+_LEFT_OUT = ("Standby (rank=", "Late joiner detected")
+_GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
+
+
+@dataclass
+class Partition:
+    """A machine cut off from the network (monotonic times)."""
+    machine: Machine
+    node: int
+    since: float
+    until: float  # inf: for good
+    evicted: Node | None = None  # the pod that was replaced on another machine: its processes, left running
+
+
+@dataclass
+class Node:
+    index: int
+    log_path: Path
+    proc: psutil.Popen | None = None
+    retries: int = 0
+    done: bool = False
+    drain_deadline: float | None = None  # drained: SIGKILL at this time (monotonic) if still running
+    start_at: float | None = None  # replaced: the new launcher starts at this time (monotonic)
+    joined: bool = False  # its launcher was given an active rank at least once
+    machine: Machine | None = None  # with --netns: the emulated machine its pod runs on
+    active: bool = False  # its launcher's last rendezvous round made it train
+    # every process this node's launcher started, as last seen: killed when the launcher dies
+    descendants: list[psutil.Process] = field(default_factory=list)
+    _log_offset: int = 0
+    _partial: str = ""
+
+    def refresh_descendants(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            current = self.proc.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        known = {p.pid for p in self.descendants}
+        self.descendants += [p for p in current if p.pid not in known]
+        self.descendants = [p for p in self.descendants if p.is_running()]
+
+    def new_output_lines(self) -> list[str]:
+        if not self.log_path.exists():
+            return []
+        with self.log_path.open("rb") as f:
+            f.seek(self._log_offset)
+            chunk = f.read().decode(errors="replace")
+            self._log_offset = f.tell()
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()
+        return lines
+
+
+class Cluster:
+    def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
+                 node_retries: int, spares: int = 0, replacement_delay_s: float = 0.0,
+                 network: VirtualNetwork | None = None) -> None:
+        self.cfg, self.config_path = cfg, config_path
+        self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
+        self.training_nodes, self.spares, self.replacement_delay_s = nodes, spares, replacement_delay_s
+        self.run_dir = Path(cfg.run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
+        self.events = EventLog(self.run_dir, "controller")
+        self.network = network
+        self.store_host = network.host_address if network else "127.0.0.1"
+        self.partitions: list[Partition] = []
+        self.new_rendezvous()
+        self.store: psutil.Popen | None = None
+        # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
+        shm = Path("/dev/shm")
+        self.memory_root = (shm if shm.is_dir() else Path(tempfile.gettempdir())) / f"training-{self.run_id}"
+        self._stop_requested = False
+        self._attempts = 0
+
+    def new_rendezvous(self) -> None:
+        """A port for a new store, and the rendezvous id its nodes join with."""
+        self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
+
+    def start_store(self) -> None:
+        """The rendezvous store, as the cluster's store Deployment runs it: before any node, and again
+        whenever it exits."""
+        with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
+            command = [sys.executable, "-m", "training.pod.store", "--config", str(self.config_path), "--",
+                       *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
+                                      self.spares, bin_dir=str(Path(sys.executable).parent))]
+            self.store = psutil.Popen(command,
+                                      cwd=REPO_ROOT, env=self.env(), stdout=log_file, stderr=log_file,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+
+    def launcher_command(self, node: Node) -> list[str]:
+        ft = self.cfg.fault_tolerance
+        return [
+            *launch_command(str(self.config_path)),
+            *launcher_wrapper(ft, sys.executable),
+            str(Path(sys.executable).parent / "ft_launcher"),
+            *rendezvous_args(self.cfg.fault_tolerance, f"{self.store_host}:{self.store_port}", self.run_id,
+                             self.training_nodes, self.spares),
+            *([f"--local-addr={node.machine.address}"] if node.machine else []),  # what its peers dial
+            f"--nproc-per-node={self.nproc_per_node}",
+            "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
+            *launcher_ft_args(ft, str(resume_step_file(self.cfg.checkpoint_dir))),
+            *worker_entrypoint(ft), "--config", str(self.config_path),
+        ]
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               "PYTHONUNBUFFERED": "1"}
+        if self.network is None:
+            # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
+            # simulation; every node here is on localhost
+            env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
+        return env
+
+    def start(self, node: Node) -> None:
+        memory = self.memory_root / f"node{node.index}"
+        shutil.rmtree(memory, ignore_errors=True)  # a new pod's memory is empty
+        env = {**self.env(), "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
+               DRAIN_MARKER_ENV: str(self.drain_marker(node)), NODE_MEMORY_ENV: str(memory)}
+        self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained, nor cut off
+        partitioned_marker(self.run_dir, node.index).unlink(missing_ok=True)
+        node.start_at = None
+        if self.network is not None and (node.machine is None or self.partition_of(node.machine) is not None):
+            # a new pod lands on a new machine: the scheduler avoids one that is unreachable
+            node.machine = self.network.add_machine(f"node{node.index}-m{len(self.network.machines)}")
+        command = self.launcher_command(node)
+        if self.network is not None and node.machine is not None:
+            command = self.network.command(node.machine, command)
+        if self.cfg.fault_tolerance.restart != "injob":
+            # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
+            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        with node.log_path.open("ab") as log_file:
+            node.proc = psutil.Popen(command, cwd=REPO_ROOT, env=env, stdout=log_file,
+                                     stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     # a killed controller leaves no cluster behind: the launcher
+                                     # gets SIGTERM and stops its own workers
+                                     preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        node.descendants = []
+        node.active = False
+
+    def request_stop(self, signum: int, _frame: object) -> None:
+        self._stop_requested = True
+
+    def run(self) -> int:
+        """Run to completion; returns 0 when every node finished, 1 on failure, 130 when stopped."""
+        self.events.emit("job_start", nodes=self.training_nodes, nproc_per_node=self.nproc_per_node,
+                         spares=self.spares)
+        self.start_store()
+        for node in self.nodes[:self.training_nodes]:
+            self.start(node)
+        try:
+            status = self._supervise()
+        finally:
+            self.stop_all()
+            self.stop_store()
+            for partition in self.partitions:
+                if partition.evicted is not None:
+                    self.kill_node(partition.evicted)
+            if self.network is not None:
+                self.network.close()
+            shutil.rmtree(self.memory_root, ignore_errors=True)
+            for node in self.nodes:
+                self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
+        if status != 0:
+            self.events.emit("run_end", step=last_step(self.run_dir), status="failed" if status == 1 else "stopped")
+        self.events.close()
+        return status
+
+    def _supervise(self) -> int:
+        while not self._stop_requested:
+            for node in self.nodes:
+                node.refresh_descendants()
+                self.read_output(node, detect=True)
+            self.serve_drains()
+            self.serve_partitions()
+            for node in self.nodes:
+                if node.start_at is not None and time.monotonic() >= node.start_at:
+                    self.start(node)
+            if self.nodes[-1].proc is None and all(n.joined for n in self.nodes[:self.training_nodes]):
+                for spare in self.nodes[self.training_nodes:]:
+                    self.start(spare)
+            status = self._handle_exits()
+            if status is not None:
+                return status
+            time.sleep(0.2)
+        self.say("stop requested: shutting down every node")
+        return 130
+
+    def _handle_exits(self) -> int | None:
+        """Act on launchers that exited; returns the job's status once it is decided, else None."""
+        if self.store is not None and self.store.poll() is not None:
+            # It ends when the rendezvous shuts down: the run's end, or a launcher that stopped for good
+            # (no in-job restarts); then every node's pod is replaced and joins a new rendezvous.
+            self.say(f"the rendezvous store exited with code {self.store.returncode}; starting it again, "
+                     "as its Deployment does")
+            self.start_store()
+        for node in self.nodes:
+            rc = node.proc.poll() if not node.done and node.start_at is None and node.proc is not None else None
+            if rc is None:
+                continue
+            if rc == 0:  # training.pod.launch exits 0 only once the run completed
+                node.done, node.drain_deadline = True, None
+            elif rc in FAIL_JOB_EXIT_CODES and node.drain_deadline is None:
+                self.give_up(node, rc)
+                return 1
+            elif not self.replace(node, rc):
+                return 1
+        # A node cut off from the network cannot hear that the run completed: it is stopped with the rest
+        # (on EKS its pod goes when the Job is deleted, or with a successPolicy as the Job succeeds).
+        if any(n.done for n in self.nodes) and all(n.done or self.cut_off(n) for n in self.nodes):
+            return 0
+        return None
+
+    def cut_off(self, node: Node) -> bool:
+        return node.machine is not None and self.partition_of(node.machine) is not None
+
+    def serve_drains(self) -> None:
+        """Play the kubelet for the drains that `drain` faults ask for: SIGTERM to the node's launcher
+        (a pod's PID 1), SIGKILL of all it started once the grace period is over."""
+        for request in sorted(controller_requests_dir(self.run_dir, "drain").glob("node*")):
+            node = self.nodes[int(request.name.removeprefix("node"))]
+            request.unlink()
+            if node.proc is None or node.proc.poll() is not None or node.drain_deadline is not None:
+                continue
+            grace = drain_grace_period_s(self.cfg.fault_tolerance)
+            self.events.emit("fault_detected", kind="drain", rank=None, by="controller",
+                             detail=f"drain of node {node.index}: SIGTERM to its launcher, SIGKILL after {grace:.0f} s")
+            self.say(f"draining node {node.index}: SIGTERM to its launcher (grace period {grace:.0f} s)")
+            node.drain_deadline = time.monotonic() + grace
+            self.drain_marker(node).parent.mkdir(parents=True, exist_ok=True)
+            self.drain_marker(node).touch()  # the pod's preStop hook: SIGTERM now means drain
+            with contextlib.suppress(*_GONE):
+                node.proc.send_signal(signal.SIGTERM)
+        for node in self.nodes:
+            if node.drain_deadline is not None and time.monotonic() > node.drain_deadline:
+                self.say(f"node {node.index} outlived its grace period: SIGKILL")
+                self.kill_node(node)
+
+    def serve_partitions(self) -> None:
+        """Play the network and Kubernetes' node lifecycle for `partition` faults: take a node's link down
+        when asked; replace the pod of a node unreachable for --replacement-delay seconds on a new machine
+        (the Job replaces a pod that the taint manager evicts; the old one runs on, cut off); when the
+        link is back, the old pod's kubelet learns it was deleted and kills its processes."""
+        now = time.monotonic()
+        for request in sorted(controller_requests_dir(self.run_dir, "partition").glob("node*")):
+            node = self.nodes[int(request.name.removeprefix("node"))]
+            duration = request.read_text().strip()
+            request.unlink()
+            if self.network is None or node.machine is None or self.partition_of(node.machine) is not None:
+                continue
+            self.network.set_link(node.machine, up=False)
+            until = now + float(duration) if duration else float("inf")
+            self.partitions.append(Partition(node.machine, node.index, now, until))
+            marker = partitioned_marker(self.run_dir, node.index)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            self.say(f"node {node.index} ({node.machine.hostname}, {node.machine.address}) is cut off from the "
+                     f"network {f'for {duration} s' if duration else 'for good'}")
+        for partition in self.partitions:
+            node = self.nodes[partition.node]
+            if (partition.evicted is None and node.machine is partition.machine and node.start_at is None
+                    and now - partition.since >= self.replacement_delay_s and partition.until > now):
+                self.evict(node, partition, unreachable_s=now - partition.since)
+            if partition.until <= now:
+                self.heal(partition)
+        self.partitions = [p for p in self.partitions if p.until > now]
+
+    def partition_of(self, machine: Machine) -> Partition | None:
+        return next((p for p in self.partitions if p.machine is machine), None)
+
+    def evict(self, node: Node, partition: Partition, unreachable_s: float) -> None:
+        """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
+        node.refresh_descendants()
+        partition.evicted = Node(node.index, node.log_path, proc=node.proc, descendants=node.descendants)
+        node.proc, node.descendants, node.active = None, [], False
+        detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
+                  "machine; the old pod's processes run on, cut off")
+        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        self.say(detail)
+        self._schedule_replacement(node, 0.0)  # it was unreachable for the replacement delay already
+
+    def heal(self, partition: Partition) -> None:
+        assert self.network is not None
+        self.network.set_link(partition.machine, up=True)
+        partitioned_marker(self.run_dir, partition.node).unlink(missing_ok=True)
+        self.say(f"node {partition.node}'s old machine {partition.machine.hostname} is back on the network"
+                 + ("; its kubelet kills the evicted pod's processes" if partition.evicted else ""))
+        if partition.evicted is not None:
+            self.kill_node(partition.evicted)
+
+    def drain_marker(self, node: Node) -> Path:
+        return self.run_dir / "drain" / f"node{node.index}"
+
+    def replace(self, node: Node, rc: int) -> bool:
+        """Start a node again, as the Job replaces a pod: one that was lost (its launcher killed by a
+        signal) or failed (exited non-zero: e.g. restart=inprocess, where the launcher restarts
+        nothing) at most node_retries times (backoffLimitPerIndex); a drained one always (a
+        disruption, which the Job's podFailurePolicy ignores)."""
+        drained = node.drain_deadline is not None
+        node.drain_deadline = None
+        if drained:
+            detail = f"launcher of drained node {node.index} exited with code {rc}"
+        else:
+            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+            detail = f"launcher of node {node.index} {how}"
+            self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        kill_processes(node.descendants)  # in a pod these would die with the container
+        if not drained:
+            if node.retries >= self.node_retries:
+                self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
+                         f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
+                return False
+            node.retries += 1
+        when = f" in {self.replacement_delay_s:g} s" if self.replacement_delay_s else ""
+        self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
+        self._schedule_replacement(node, self.replacement_delay_s)
+        return True
+
+    def _schedule_replacement(self, node: Node, delay_s: float) -> None:
+        """The Job's part of replacing a node's pod: a new attempt and its events, the new pod's start,
+        and a new rendezvous when no training node is left to open the next round."""
+        self._attempts += 1
+        self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
+        self.events.emit("restart", attempt=self._attempts, restart_kind="node")
+        node.start_at = time.monotonic() + delay_s
+        if not any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node):
+            self.start_over()
+
+    def start_over(self) -> None:
+        """No training node survived, and a survivor is what opens NVRx's next rendezvous round: standby
+        and new launchers would wait for it forever. The rendezvous starts over instead: a new store, and
+        the nodes still up restarted into it (not counted against their retries)."""
+        self.say("no training node survived to open the next rendezvous round: starting the rendezvous over")
+        self.stop_store()
+        self.new_rendezvous()
+        self.start_store()
+        for n in self.nodes:
+            if n.proc is not None and n.start_at is None and n.proc.poll() is None:
+                self.kill_node(n)
+                n.start_at = time.monotonic()
+
+    def give_up(self, node: Node, rc: int) -> None:
+        """An exit code the Job's podFailurePolicy fails the whole Job on."""
+        detail = f"launcher of node {node.index} exited with code {rc}"
+        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        why = (f"{self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress (no newer "
+               "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the fault "
+               "named below, then run again to resume from the last checkpoint" if rc == NO_PROGRESS
+               else "the training config or its checkpoints cannot work: see the error above")
+        self.say(f"{detail}: {why}; the job fails. {fault_summary(self.run_dir)}")
+
+    def stop_all(self) -> None:
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        for node in live:
+            node.refresh_descendants()
+            with contextlib.suppress(*_GONE):
+                os.killpg(node.proc.pid, signal.SIGTERM)  # the launcher stops its workers on SIGTERM
+        deadline = time.monotonic() + STOP_GRACE_S
+        for node in live:
+            with contextlib.suppress(*_GONE):
+                node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for node in self.nodes:
+            self.kill_node(node)
+
+    def stop_store(self) -> None:
+        """Its rendezvous state goes with it: only when no node needs it (the end), or all start over."""
+        if self.store is not None:
+            with contextlib.suppress(*_GONE):
+                os.killpg(self.store.pid, signal.SIGKILL)
+                self.store.wait(timeout=5)
+
+    def kill_node(self, node: Node) -> None:
+        node.refresh_descendants()
+        if node.proc is not None:
+            with contextlib.suppress(*_GONE):
+                os.killpg(node.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(*_GONE):
+                node.proc.wait(timeout=5)
+        kill_processes(node.descendants)
+
+    def read_output(self, node: Node, detect: bool) -> None:
+        """Echo rank 0's lines; with `detect`, record the faults that NVRx's log lines report."""
+        for line in node.new_output_lines():
+            if "[rank0]" in line:
+                print(line, flush=True)
+            if _ACTIVE_RANK in line:
+                node.joined = node.active = True
+            elif any(w in line for w in _LEFT_OUT):
+                node.active = False
+            for pattern, kind, party in _DETECTIONS if detect else ():
+                m = pattern.search(line)
+                if m:
+                    self.events.emit("fault_detected", kind=kind, rank=None, by=f"{party} (node {node.index})",
+                                     detail=f"local rank {m.group('local_rank')}: {m.group('what')}")
+
+    def say(self, message: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
+
+
+def kill_processes(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        with contextlib.suppress(*_GONE):
+            if p.is_running():
+                p.kill()
+    psutil.wait_procs([p for p in processes if _alive(p)], timeout=5)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def last_step(run_dir: Path) -> int:
+    steps = [e["step"] for e in read_events(run_dir) if e["event"] == "step"]
+    return max(steps, default=0)
+
+
+def fault_summary(run_dir: Path) -> str:
+    """The injected faults of the run, by rank and spec, from its event log: what a failed job names."""
+    fired: dict[tuple[int | None, str], list[int]] = {}
+    for e in read_events(run_dir):
+        if e["event"] == "fault_injected":
+            fired.setdefault((e.get("rank"), e.get("spec", e["kind"])), []).append(e["step"])
+    if not fired:
+        return "No injected fault was recorded: see the node logs."
+    return "Injected faults: " + "; ".join(
+        f"rank {rank}: {spec} fired {len(steps)} time(s) (at step {', '.join(map(str, steps))})"
+        for (rank, spec), steps in sorted(fired.items(), key=lambda item: str(item[0])))
+
+
+def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
+    overrides = list(DEMO_OVERRIDES if args.demo else ()) + list(args.overrides)
+    overrides.append(f"run_dir={args.run_dir}")
+    if args.steps is not None:
+        overrides.append(f"training.steps={args.steps}")
+    if args.max_restarts is not None:
+        overrides.append(f"fault_tolerance.max_restarts={args.max_restarts}")
+    if args.faults is not None:
+        specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
+        overrides.append("faults=[" + ",".join(specs) + "]")
+    cfg = with_env_faults(load_train_config(args.config, overrides))
+    specs = parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
+    if not args.netns and any(spec.kind == "partition" for spec in specs):
+        raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
+    check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    return cfg, path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ConfigArgumentParser(prog="python -m training.local", description=__doc__.split("\n\n")[0])
+    p.add_argument("--demo", action="store_true", help="2 nodes x 2 ranks, tiny model, async checkpoints, "
+                   f"two injected faults ({', '.join(DEMO_FAULTS)})")
+    p.add_argument("--nodes", type=int, default=2, help="training nodes (the world size is nodes x nproc-per-node)")
+    p.add_argument("--spares", type=int, default=0, help="hot spare nodes: they wait as standby and take a "
+                   "failed node's place in the next rendezvous round")
+    p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="from a node's loss to its replacement's start: Kubernetes' part of a node replacement "
+                   "(default 0; bench/projection.py has EKS's)")
+    p.add_argument("--netns", action="store_true", help="each node on its own emulated machine: a network "
+                   "namespace with its own address and hostname (needs root and iproute2); partition faults need it")
+    p.add_argument("--nproc-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="training.steps (default: the config's; demo: 200)")
+    p.add_argument("--run-dir", default=None, help="default: runs/local-<time>")
+    p.add_argument("--config", default=None, help="training config file (YAML/JSON)")
+    p.add_argument("--faults", action="append", default=None, metavar="SPEC[,SPEC…]",
+                   help="fault specs, comma-separated or repeated (format: training/train/faults.py); "
+                   "--faults '' runs the demo without faults")
+    p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
+                   "sets fault_tolerance.max_restarts (none with restart=inprocess)")
+    p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher was killed "
+                   "or failed (the Job's backoffLimitPerIndex); drains do not count")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.nproc_per_node < 1:
+        p.error("--nodes and --nproc-per-node must be at least 1")
+    if args.spares < 0 or args.replacement_delay < 0:
+        p.error("--spares and --replacement-delay must be 0 or more")
+    if args.demo:
+        args.steps = args.steps or 200
+        if args.faults is None:
+            args.faults = list(DEMO_FAULTS)
+    args.run_dir = args.run_dir or f"runs/{'demo' if args.demo else 'local'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg, config_path = build_config(args)
+    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
+        print(f"training.local: invalid config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    try:
+        network = VirtualNetwork() if args.netns else None
+    except NetworkUnavailable as err:
+        print(f"training.local: --netns: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
+                      args.replacement_delay, network)
+    signal.signal(signal.SIGINT, cluster.request_stop)
+    signal.signal(signal.SIGTERM, cluster.request_stop)
+    spares = f" + {args.spares} spare(s)" if args.spares else ""
+    cluster.say(f"{args.nodes} node(s){spares} x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, "
+                f"checkpoints {cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; "
+                f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/")
+    started = time.monotonic()
+    status = cluster.run()
+    cluster.say(f"finished in {time.monotonic() - started:.1f} s; goodput report:")
+    try:
+        print(write_report(Path(cfg.run_dir), plot=True), flush=True)
+    except ReportError as err:  # e.g. stopped before the first step: nothing to report
+        print(f"no goodput report: {err}", file=sys.stderr)
+    return status

@@ -1,0 +1,106 @@
+"""A node's entry point: the training pod's PID 1, and each emulated node's process in training.local.
+
+    python -m training.pod.launch --config FILE -- ft_launcher ARG …
+
+1. Pre-flight: the training config must load, or the node exits CONFIG_ERROR (ft_launcher would
+   exit 1 whatever its ranks exit with, and the Job would retry a config that cannot work).
+2. Runs the command (ft_launcher, or `python -m training.pod.prefork launch ft_launcher …`) as its
+   child, with the pod's start time and index as NVRx's infrastructure rank (launcher_env), passes on the
+   termination signals the kubelet (or the local controller) sends, and reaps every process that
+   ends up orphaned under it, as a container's PID 1 must.
+3. Exits 0 exactly when the run completed (a completed run_end in the event log,
+   training.contract.events.run_completed), whatever ft_launcher exited with: a node that starts or fails
+   after the run's end has nothing left to do, and the Indexed Job needs every index to succeed.
+   Otherwise it exits as ft_launcher did, but never 0: ft_launcher 0.7.0 also exits 0 when a hot
+   spare leaves and when every rank left cleanly after SIGTERM, which the Job would count as a
+   completed index and never run again; that becomes INCOMPLETE, which the Job retries.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
+from training.contract.events import run_completed
+from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
+
+JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # what an Indexed Job gives each pod (training.local too)
+MAX_PODS = 100_000  # indexes below it keep the infrastructure rank (ms x MAX_PODS + index) within int64
+PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = ConfigArgumentParser(prog="python -m training.pod.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the training config the command trains with")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG …]: ft_launcher's command line")
+    args = p.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("no command after --: expected ft_launcher's command line")
+    return args
+
+
+def launcher_env(environ: dict[str, str], started_s: float) -> dict[str, str]:
+    """ft_launcher's environment. NVRx's rendezvous makes the nodes present when it closes a round
+    active in the order of their infrastructure rank (outside SLURM read from GROUP_RANK), the rest
+    standby. That rank is the pod's start time (ms) and then its index (JOB_COMPLETION_INDEX), unique
+    in the Job: the older pods train, a new pod (a replacement, a late spare) stands by. Ranked by index
+    alone, a lost node's replacement would take the place of a spare that already trains and holds
+    the peer state copies of its partners (training/train/peer_state.py)."""
+    index = environ.get(JOB_INDEX_ENV)
+    if index is None:
+        return dict(environ)
+    return {**environ, "GROUP_RANK": str(int(started_s * 1000) * MAX_PODS + int(index))}
+
+
+def pass_on_signals(child: Callable[[], subprocess.Popen]) -> None:
+    """Send the PASSED_ON signals this process gets to `child()` (the child process of the moment)."""
+    for sig in PASSED_ON:
+        signal.signal(sig, lambda signum, _frame: child().send_signal(signum))
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: 128 + N when killed by signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def run(command: list[str]) -> int:
+    """Run `command`, passing on PASSED_ON signals; its exit code."""
+    child = subprocess.Popen(command, env=launcher_env(dict(os.environ), time.time()))
+    pass_on_signals(lambda: child)
+    while True:
+        pid, status = os.waitpid(-1, 0)  # any child: orphans re-parented to PID 1 are reaped too
+        if pid == child.pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return exit_code(child.returncode)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_train_config(args.config)
+    except (TrainConfigError, OSError) as err:
+        print(f"training.pod.launch: invalid training config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    if run_completed(cfg.run_dir, cfg.training.steps):  # e.g. a lost node's replacement, started late
+        print(f"training.pod.launch: the run in {cfg.run_dir} has completed: nothing to do", flush=True)
+        return 0
+    code = run(args.command)
+    if run_completed(cfg.run_dir, cfg.training.steps):  # whatever became of this node, the run is done
+        return 0
+    if code == 0:
+        print(f"training.pod.launch: {args.command[0]} exited 0 but the run in {cfg.run_dir} has not completed "
+              f"{cfg.training.steps} steps (a standby left, or the ranks stopped on SIGTERM): exit {INCOMPLETE}, "
+              "to be run again", file=sys.stderr, flush=True)
+        return INCOMPLETE
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

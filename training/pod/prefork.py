@@ -1,0 +1,344 @@
+"""Pre-forked workers: an in-job restart without Python start-up and imports.
+
+ft_launcher starts each worker as a fresh `python -m training.train`, so every in-job restart pays
+for the interpreter and the imports of torch, DCP/DTensor, torch._dynamo (FSDP2's first call) and
+NVRx, with all ranks of a node importing at once. Here one template process per node imports all
+that once, before any restart, and forks a worker for each start ft_launcher asks for. A fork is
+pristine: modules are loaded, nothing has run (no tensor, no CUDA context, no process group).
+
+    python -m training.pod.prefork launch CMD [ARG ...]
+        Start the template, then exec CMD (ft_launcher) with TRAINING_PREFORK_SERVER set. The
+        template is CMD's child and gets SIGTERM when CMD dies.
+    python -m training.pod.prefork worker MODULE [ARG ...]
+        The entrypoint ft_launcher starts (`-m training.pod.prefork worker training.train …`): a
+        stdlib-only stub that has the template fork `python -m MODULE ARG …` with the stub's argv,
+        environment, working directory and stdio. It forwards signals to that worker's process
+        group and exits as the worker exits (a kill by signal N is passed on as signal N).
+        Without a template (none was launched, or it died) the stub execs `python -m MODULE ARG …`
+        itself: slower, same job.
+
+Each worker has a supervisor process, forked from the template, that reports its exit status to
+the stub. The worker leads its own session and process group, as ft_launcher's own workers do.
+When the worker exits, the supervisor kills what is left in that group (helper processes the
+worker started), as NVRx 0.7.0's launcher kills its workers' groups. If the stub is killed
+(ft_launcher's SIGKILL after its stop timeout), the supervisor kills the group; if the supervisor
+dies, the kernel kills the worker. NVRx's rank monitor sees the worker's own PID and kills it
+directly.
+
+Differences from a plain worker, by design or unavoidable:
+- After a SIGKILL of the stub, the worker dies a moment later, not before ft_launcher reaps the
+  stub. A SIGTERM (ft_launcher's normal stop) is waited for: the stub exits when the worker has.
+- What is read once at import time comes from the template: environment variables read by torch's
+  and NVRx's imports (TORCH_LOGS, dynamo/inductor settings), rlimits, a NUMA memory policy. The
+  worker does take the stub's environment, working directory, umask and CPU affinity.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import NoReturn
+
+SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<abstract socket name>", set by `launch`
+# What a training worker imports before its first step. torch._dynamo is imported lazily by
+# FSDP2's first fully_shard call; NVRx's client by training.contract.launcher.RankMonitor.
+PRELOAD = ("training.train.trainer", "torch._dynamo", "nvidia_resiliency_ext.fault_tolerance")
+READY_TIMEOUT_S = 300.0  # a stub waits this long for a template that is still importing
+REQUEST_TIMEOUT_S = 30.0  # for a request to arrive, and for the worker's PID to come back
+MAX_REQUEST_BYTES = 1 << 20  # argv, environment and working directory, as JSON
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2)
+
+
+def die_with_parent(sig: signal.Signals) -> None:
+    """Have the kernel send `sig` to this process when its parent dies, even by SIGKILL (Linux)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def launch(command: list[str]) -> NoReturn:
+    """Start the template as a child of this process, then become `command`."""
+    import secrets
+    import subprocess
+
+    # unguessable and unique per launch: pods that share a network namespace (hostNetwork) all run
+    # ft_launcher as PID 1
+    name = f"training-prefork-{secrets.token_hex(16)}"
+    template = subprocess.Popen([sys.executable, "-m", "training.pod.prefork", "serve", name, str(os.getpid())],
+                                stdin=subprocess.DEVNULL)
+    os.environ[SERVER_ENV] = f"{template.pid}:{name}"
+    os.execvp(command[0], command)
+
+
+def serve(name: str, launcher: int) -> None:
+    """The template: import PRELOAD, then fork a supervised worker per stub that connects."""
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != launcher:  # the launcher died before the line above
+        return
+    # nothing to flush; the interpreter's exit would run the imports' atexit hooks
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # An abstract socket: no file to leave behind when the template is killed. Bound at once, so
+    # that nobody else can take the name; stubs connect only once it listens, after the imports.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(_address(name))
+    started = time.monotonic()
+    _preload()
+    listener.listen(64)
+    print(f"training.pod.prefork: worker template ready ({time.monotonic() - started:.1f} s of imports)",
+          file=sys.stderr, flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    while True:
+        conn, _ = listener.accept()
+        try:
+            _check_peer(conn, pid=None)
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a silent client must not hold up every other start
+            request, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+            conn.settimeout(None)
+        except OSError:  # a stub that went away mid-request, a silent one, or another user's process
+            conn.close()
+            continue
+        if os.fork() == 0:
+            try:
+                listener.close()
+                _supervise(conn, json.loads(request), fds)
+            finally:
+                os._exit(1)  # only reached on an error: never return into the accept loop
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _address(name: str) -> str:
+    return "\0" + name  # Linux abstract namespace
+
+
+def _check_peer(conn: socket.socket, pid: int | None) -> None:
+    """Anyone in the network namespace can reach an abstract socket: deal only with our own user
+    and, in the stub, only with the template named in SERVER_ENV."""
+    peer_pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+    if uid != os.getuid() or (pid is not None and peer_pid != pid):
+        raise PermissionError(f"peer pid {peer_pid}, uid {uid}")
+
+
+def _preload() -> None:
+    import importlib
+
+    # A CUDA context cannot survive a fork: should an import ask whether CUDA is available, let
+    # it ask NVML rather than initialise the driver.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised while importing; workers forked from here could not use it")
+
+
+def _supervise(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
+    """Fork the worker, tell the stub its PID, and report its exit status; kill it if the stub dies."""
+    import select
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # waitpid needs it
+    for sig in (signal.SIGTERM, signal.SIGINT):  # only the stub's end of `conn` ends a supervisor
+        signal.signal(sig, signal.SIG_IGN)
+    supervisor = os.getpid()
+    ready_r, ready_w = os.pipe()
+    worker = os.fork()
+    if worker == 0:
+        try:
+            conn.close()
+            os.close(ready_r)
+            _become_worker(request, fds, supervisor, ready_w)
+        finally:
+            os._exit(1)
+    for fd in (*fds, ready_w):
+        os.close(fd)
+    # The PID goes out once the worker leads its process group with default signal handlers:
+    # a stop signalled to it earlier would be lost.
+    os.read(ready_r, 1)  # b"" if it died first: waitpid below reports that
+    os.close(ready_r)
+    conn.sendall(json.dumps({"pid": worker}).encode())
+    pidfd = os.pidfd_open(worker)
+    ready, _, _ = select.select([conn, pidfd], [], [])
+    if pidfd not in ready:  # the stub is gone (killed): so goes its worker
+        _kill_group(worker, signal.SIGKILL)
+    _, status = os.waitpid(worker, 0)
+    # What the worker started and left behind (multiprocessing helpers, an async checkpoint
+    # process), as NVRx 0.7.0's launcher kills its workers' process groups.
+    _kill_group(worker, signal.SIGKILL)
+    with contextlib.suppress(OSError):  # the stub may be gone
+        conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+    os._exit(0)
+
+
+def _become_worker(request: dict, fds: list[int], supervisor: int, ready: int) -> NoReturn:
+    """In the forked worker: take the stub's session role, stdio, cwd, environment, umask, CPU
+    affinity and argv, then run the module as `python -m` would, and exit with its status."""
+    import atexit
+    import runpy
+    import traceback
+
+    os.setsid()
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != supervisor:
+        os._exit(1)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    os.write(ready, b"1")
+    os.close(ready)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    os.sched_setaffinity(0, request["cpus"])  # e.g. a NUMA binding the launcher gave the stub
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # the import path a fresh `python -m` would have: the working directory, then PYTHONPATH
+    extra = [request["cwd"], *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    sys.path[:0] = [entry for entry in extra if entry not in sys.path]
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+    _apply_thread_count()
+    sys.argv = [request["module"], *request["args"]]
+    sys.modules.pop(request["module"], None)  # as in `python -m`: it runs as __main__ only
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exit_request:
+        code = _exit_code(exit_request.code)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _apply_thread_count() -> None:
+    """OpenMP read the template's environment when torch was loaded; apply the worker's."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def worker(module: str, args: list[str]) -> NoReturn:
+    """The stub: run `module` in a worker forked from the template, or exec it without one."""
+    server = os.environ.get(SERVER_ENV)
+    conn = _connect(server) if server else None
+    pid = _request_fork(conn, module, args) if conn is not None else None
+    if pid is None:
+        if server:
+            print(f"training.pod.prefork: no worker template ({SERVER_ENV}={server}); starting a fresh Python",
+                  file=sys.stderr, flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+    def forward(sig: int, _frame: object) -> None:
+        _kill_group(pid, sig)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    reply = conn.recv(4096)
+    if not reply:  # the supervisor died without a word: make sure the worker is gone too
+        forward(signal.SIGKILL, None)
+        sys.exit(1)
+    code = json.loads(reply)["exit"]
+    if code < 0:  # killed by a signal: die by it too, so ft_launcher reports the same
+        with contextlib.suppress(OSError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)  # Python ignores SIGPIPE, and forwards others here
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def _kill_group(worker: int, sig: int) -> None:
+    """Signal the worker's process group (it leads one, in its own session), its children included."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker, sig)
+
+
+def _connect(server: str) -> socket.socket | None:
+    """Connect to the template, waiting while it imports; None once it is gone."""
+    pid, _, name = server.partition(":")
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(_address(name))
+            _check_peer(conn, int(pid) if pid.isdigit() else -1)
+            return conn
+        except ConnectionRefusedError:  # not listening yet
+            conn.close()
+        except PermissionError as err:  # not our template
+            print(f"training.pod.prefork: refusing the worker template's address: {err}", file=sys.stderr, flush=True)
+            conn.close()
+            return None
+        if not pid.isdigit() or not _running(int(pid)) or time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _request_fork(conn: socket.socket, module: str, args: list[str]) -> int | None:
+    """The worker's PID, or None when the template refused (it closed the connection)."""
+    request = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
+               "cpus": sorted(os.sched_getaffinity(0))}
+    try:
+        conn.settimeout(REQUEST_TIMEOUT_S)
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        reply = conn.recv(4096)
+        conn.settimeout(None)  # the worker may run for days
+    except OSError:  # includes the timeout; closing the connection makes its supervisor kill a late worker
+        return None
+    return json.loads(reply)["pid"] if reply else None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead template stays a zombie: ft_launcher does not reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def main(argv: list[str]) -> None:
+    usage = "usage: python -m training.pod.prefork {launch CMD [ARG ...] | worker MODULE [ARG ...]}"
+    if len(argv) < 2 or argv[0] not in ("launch", "worker", "serve") or (argv[0] == "serve" and len(argv) != 3):
+        sys.exit(usage)
+    if argv[0] == "launch":
+        launch(argv[1:])
+    elif argv[0] == "worker":
+        worker(argv[1], argv[2:])
+    else:
+        serve(argv[1], int(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,93 @@
+"""The rendezvous store's process: NVRx's nvrx-control, started over when the run has stalled.
+
+    python -m training.pod.store --config FILE [--stall-timeout SECONDS] -- nvrx-control ARG …
+
+NVRx 0.7.0 opens a new rendezvous round only from a surviving launcher whose workers failed. When every
+node that was training is lost at once (the one node of a one-node job; both nodes of a pair) nobody
+is left to open it: the replacements and the spares wait for it for ever. This process runs the store
+as its child and watches the run's event log (on FSx): when no rank has written an event for the stall
+timeout (fault_tolerance.rendezvous_join_timeout_s + STALL_MARGIN_S: longer than any round may
+gather) and the run has not completed, it starts the store over, empty. The launchers still connected
+to the old one fail and their pods are retried; each then joins the new store's first round, and
+training resumes from peer state or the checkpoint. (The local cluster's controller, which sees every
+launcher, starts over at once instead.)
+
+Signals it receives go to the store; it exits as the store does (the Deployment starts it again).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
+from training.contract.events import events_dir, run_completed
+from training.contract.exit_codes import CONFIG_ERROR
+from training.pod.launch import exit_code, pass_on_signals
+
+log = logging.getLogger("training.pod.store")
+
+STALL_MARGIN_S = 300.0
+POLL_S = 5.0
+
+
+def last_activity(run_dir: str | Path) -> float:
+    """When a rank last wrote an event (unix time; 0 without any)."""
+    directory = events_dir(run_dir)
+    times = [p.stat().st_mtime for p in directory.glob("*.jsonl")] if directory.is_dir() else []
+    return max(times, default=0.0)
+
+
+def stalled(run_dir: str | Path, steps: int, since: float, timeout_s: float, now: float) -> bool:
+    """No event for `timeout_s` since the later of the last event and `since` (the store's start), and
+    the run not completed."""
+    return now - max(last_activity(run_dir), since) > timeout_s and not run_completed(run_dir, steps)
+
+
+def supervise(command: list[str], run_dir: str, steps: int, timeout_s: float) -> int:
+    """Run `command`, starting it over whenever the run stalls; its exit code once it exits itself."""
+    child = subprocess.Popen(command)
+    pass_on_signals(lambda: child)
+    started = time.time()
+    while True:
+        try:
+            return exit_code(child.wait(timeout=min(POLL_S, timeout_s / 2)))
+        except subprocess.TimeoutExpired:
+            pass
+        if stalled(run_dir, steps, started, timeout_s, time.time()):
+            log.warning("no training event in %s for %.0f s and the run has not completed: no node is left to open "
+                        "the next rendezvous round; starting the store over", run_dir, timeout_s)
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            child, started = subprocess.Popen(command), time.time()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ConfigArgumentParser(prog="python -m training.pod.store", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the training config (its run_dir, steps and join timeout)")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="default: fault_tolerance.rendezvous_join_timeout_s + %g" % STALL_MARGIN_S)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARG …]: the store's command line")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("no command after --: expected nvrx-control's command line")
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [store] %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = load_train_config(args.config)
+    except (TrainConfigError, OSError) as err:
+        print(f"training.pod.store: invalid training config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    timeout_s = args.stall_timeout or cfg.fault_tolerance.rendezvous_join_timeout_s + STALL_MARGIN_S
+    return supervise(command, cfg.run_dir, cfg.training.steps, timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

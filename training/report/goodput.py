@@ -1,0 +1,405 @@
+"""Goodput report of a run, from its event log (the contract in training/contract/events.py).
+
+    python -m training.report RUN_DIR [--plot [PNG]]
+
+Prints the report, writes it as JSON to RUN_DIR/report.json and, with --plot, draws the timeline
+(RUN_DIR/timeline.png unless a path is given). Only the event log is read, and only its own
+timestamps are used, so a laptop run and an EKS run whose run directory is on FSx report alike.
+
+Definitions (seconds; "since start" counts from the first event, or the first step's start if earlier):
+  wall time         first event, or first step start if earlier, to the last event.
+  step execution    one `step` event; it ran over [t - step_time_s, t].
+  lost execution    an execution whose result was thrown away: a later `resume` restored an earlier
+                    step (resume.step < step), or the same step was executed again later.
+  productive time   step_time_s summed over executions that were not lost: each step counts once.
+  training goodput  productive time / wall time.
+  infra goodput     step_time_s summed over all executions, lost ones included / wall time: the share
+                    of the run the job was up and computing, whatever became of the result.
+  Neither numerator holds checkpoint blocking (ckpt_blocked.seconds), start-up, detection, restart,
+  checkpoint loading or time between steps.
+Faults: a fault starts at a `fault_injected`, or at a `fault_detected` while no fault is open (a real
+fault nobody injected); it is open until the first step completed after its restart.
+  detection time    fault_injected -> first fault_detected; without one -> the next restart or
+                    attempt_start. None for a fault known only from its detection.
+  recovery time     fault -> first step completed after the restart (the first restart,
+                    attempt_start or resume after the fault); without a restart, the first step
+                    that started after the fault completes, for a fault training outlives (an
+                    injected disk-full: a failed save; or a fault nobody injected).
+                    None when training never went on.
+  steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
+                    the step every rank left at, `drained`) minus the step
+                    training resumed from: resume.step, i.e. the last step held in the restored state
+                    (without a resume event, the first step completed afterwards minus one).
+  time lost         fault -> the next step after the one reached at the fault is completed, less one
+                    typical (median) step time: how much later training got there than without the
+                    fault, recovery and recomputed steps together. None when it never got there.
+Checkpoints: saves started, committed and failed (ckpt_start, ckpt_committed, ckpt_failed); the
+blocking time of each save (ckpt_blocked.seconds): mean, max, total.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from training.contract.events import events_dir, read_events
+from training.contract.files import replace_file
+
+Event = dict[str, Any]
+RESTARTS = ("restart", "attempt_start")
+OUTLIVED = ("disk-full",)  # injected fault kinds that training outlives without a restart
+
+
+class ReportError(Exception):
+    """The run directory or its event log cannot give a report; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """One execution of an optimizer step (seconds since start)."""
+    step: int
+    start_s: float
+    end_s: float
+    attempt: int
+    useful: bool
+
+
+@dataclass(frozen=True)
+class Span:
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    restart_kind: str
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None
+    step: int | None  # the step field of fault_injected
+    at_s: float  # since start
+    detection_s: float | None
+    detected_by: str | None  # the event that marked detection
+    restart_kind: str | None
+    recovery_s: float | None
+    resumed_from: int | None
+    steps_lost: int | None
+    time_lost_s: float | None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What happened, in seconds since start: the parsed event log, before any figures."""
+    wall_s: float
+    status: str
+    runs: tuple[StepRun, ...]
+    saves: tuple[Span, ...]  # blocking span of each save
+    attempts: tuple[Attempt, ...]
+    faults: tuple[Fault, ...]
+    counts: dict[str, int]  # events by name
+    first_loss: float
+    final_loss: float
+
+
+@dataclass(frozen=True)
+class CheckpointStats:
+    started: int
+    committed: int
+    failed: int
+    blocking_saves: int
+    blocking_total_s: float
+    blocking_mean_s: float | None
+    blocking_max_s: float | None
+
+
+@dataclass(frozen=True)
+class GoodputReport:
+    status: str
+    wall_s: float
+    attempts: int
+    final_step: int
+    useful_steps: int
+    step_executions: int
+    lost_executions: int
+    productive_step_s: float
+    executed_step_s: float
+    lost_step_s: float
+    training_goodput: float
+    infra_goodput: float
+    faults: tuple[Fault, ...]
+    checkpoints: CheckpointStats
+    first_loss: float
+    final_loss: float  # loss of the last step in the trajectory that produced the final model
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def build_report(events: Sequence[Event]) -> GoodputReport:
+    return summarize(build_timeline(events))
+
+
+def build_timeline(events: Sequence[Event]) -> Timeline:
+    if not events:
+        raise ReportError("no events (expected JSON lines written through training.contract.events.EventLog)")
+    events = sorted(events, key=lambda r: r["t"])
+    steps = [r for r in events if r["event"] == "step"]
+    if not steps:
+        raise ReportError(
+            f"{len(events)} events but no 'step' event (expected rank 0 to log "
+            "{step, loss, step_time_s, tokens} after each optimizer step)")
+    step_times = [_number(r, "step_time_s") for r in steps]
+    t0 = min(events[0]["t"], min(r["t"] - s for r, s in zip(steps, step_times)))
+    ends = [r for r in events if r["event"] == "run_end"]
+    return Timeline(
+        wall_s=events[-1]["t"] - t0,
+        status=str(ends[-1].get("status", "unknown")) if ends else "incomplete (no run_end event)",
+        runs=_step_runs(events, t0),
+        saves=tuple(Span(r["t"] - t0 - _number(r, "seconds"), r["t"] - t0)
+                    for r in events if r["event"] == "ckpt_blocked"),
+        attempts=tuple(Attempt(int(_number(r, "attempt")), str(r.get("restart_kind", "?")))
+                       for r in events if r["event"] == "attempt_start"),
+        faults=_faults(events, t0, typical_step_s=statistics.median(step_times)),
+        counts=dict(Counter(r["event"] for r in events)),
+        first_loss=_number(steps[0], "loss"),
+        final_loss=_number(steps[-1], "loss"),
+    )
+
+
+def summarize(tl: Timeline) -> GoodputReport:
+    useful = [r for r in tl.runs if r.useful]
+    productive = sum(r.end_s - r.start_s for r in useful)
+    executed = sum(r.end_s - r.start_s for r in tl.runs)
+    blocking = [s.end_s - s.start_s for s in tl.saves]
+    return GoodputReport(
+        status=tl.status,
+        wall_s=tl.wall_s,
+        attempts=max(len(tl.attempts), 1),
+        final_step=max((r.step for r in useful), default=0),
+        useful_steps=len(useful),
+        step_executions=len(tl.runs),
+        lost_executions=len(tl.runs) - len(useful),
+        productive_step_s=productive,
+        executed_step_s=executed,
+        lost_step_s=executed - productive,
+        training_goodput=_ratio(productive, tl.wall_s),
+        infra_goodput=_ratio(executed, tl.wall_s),
+        faults=tl.faults,
+        first_loss=tl.first_loss,
+        final_loss=tl.final_loss,
+        checkpoints=CheckpointStats(
+            started=tl.counts.get("ckpt_start", 0),
+            committed=tl.counts.get("ckpt_committed", 0),
+            failed=tl.counts.get("ckpt_failed", 0),
+            blocking_saves=len(blocking),
+            blocking_total_s=sum(blocking),
+            blocking_mean_s=sum(blocking) / len(blocking) if blocking else None,
+            blocking_max_s=max(blocking, default=None),
+        ),
+    )
+
+
+def _step_runs(events: list[Event], t0: float) -> tuple[StepRun, ...]:
+    attempt, attempts = 0, []
+    for r in events:
+        if r["event"] == "attempt_start":
+            attempt = int(_number(r, "attempt"))
+        elif r["event"] == "step":
+            attempts.append(attempt)
+    # Walk backwards (in log order: timestamps may tie): an execution is lost when a later resume
+    # went back before it, or a later execution of the same step replaced it.
+    floor, seen, out = math.inf, set(), []
+    attempt_of = reversed(attempts)
+    for r in reversed(events):
+        if r["event"] == "resume":
+            floor = min(floor, _number(r, "step"))
+        elif r["event"] == "step":
+            step = int(_number(r, "step"))
+            out.append(StepRun(step, r["t"] - t0 - _number(r, "step_time_s"), r["t"] - t0, next(attempt_of),
+                               useful=step <= floor and step not in seen))
+            seen.add(step)
+    return tuple(reversed(out))
+
+
+@dataclass
+class _OpenFault:
+    """A fault being followed through the log; the first event of each kind after it is kept."""
+    onset: Event  # fault_injected, or fault_detected of a fault nobody injected
+    position: int  # step reached when it fired
+    detected: Event | None = None
+    restarted: Event | None = None  # first restart, attempt_start or resume
+    resumed: Event | None = None
+    recovered: Event | None = None  # first step after the restart, or started after the fault
+    regained: Event | None = None  # first step past the one reached at the fault
+
+    @property
+    def outlived(self) -> bool:
+        """Whether training may go on past this fault without a restart: a failed save injected, or
+        any fault nobody injected (the log is all there is to go by)."""
+        return self.onset["event"] != "fault_injected" or self.onset.get("kind") in OUTLIVED
+
+    def close(self, t0: float, typical_step_s: float) -> Fault:
+        injected = self.onset["event"] == "fault_injected"
+        kinds = [r.get("restart_kind") for r in (self.detected, self.restarted) if r and r["event"] in RESTARTS]
+        if self.resumed is not None:
+            resumed_from = int(_number(self.resumed, "step"))
+        elif self.recovered is not None:
+            resumed_from = int(_number(self.recovered, "step")) - 1
+        else:
+            resumed_from = None
+        return Fault(
+            kind=str(self.onset.get("kind", "unknown")),
+            rank=self.onset.get("rank"),
+            step=self.onset.get("step"),
+            at_s=self.onset["t"] - t0,
+            detection_s=self.detected["t"] - self.onset["t"] if injected and self.detected else None,
+            detected_by=self.detected["event"] if self.detected else None,
+            restart_kind=next((str(k) for k in kinds if k), None),
+            recovery_s=self.recovered["t"] - self.onset["t"] if self.recovered else None,
+            resumed_from=resumed_from,
+            steps_lost=max(self.position - resumed_from, 0) if resumed_from is not None else None,
+            time_lost_s=(max(self.regained["t"] - self.onset["t"] - typical_step_s, 0.0)
+                         if self.regained else None),
+        )
+
+
+def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Fault, ...]:
+    closed: list[_OpenFault] = []
+    fault: _OpenFault | None = None
+    position = 0
+    for r in events:
+        name = r["event"]
+        if name == "fault_injected" or (name == "fault_detected" and fault is None):
+            if fault is not None:
+                closed.append(fault)
+            # An injected fault fires before its step: the faulty rank had finished step - 1, even
+            # when rank 0's event for that step reaches the log after the fault's.
+            reached = max(position, int(r["step"]) - 1) if isinstance(r.get("step"), int) else position
+            fault = _OpenFault(r, reached, detected=r if name == "fault_detected" else None)
+        elif fault is not None:
+            if name == "fault_detected" or name in RESTARTS:
+                fault.detected = fault.detected or r
+            if name in RESTARTS or name == "resume":
+                fault.restarted = fault.restarted or r
+            if name == "resume":
+                fault.resumed = fault.resumed or r
+            if name == "drained" and fault.restarted is None:  # the step the drain committed and left at
+                fault.position = int(_number(r, "step"))
+            # A step completed after the restart recovers the fault, and so does one that started
+            # after the fault without a restart (training went on: a step needs every rank) if the
+            # fault is one training can outlive. An injected crash, drain or hang may let a few more
+            # steps through before it bites (a dying background save, a signal on its way): those
+            # prove nothing, nor does a step that was in flight when the fault fired.
+            if name == "step" and (fault.restarted or (fault.outlived and
+                                                       r["t"] - _number(r, "step_time_s") >= fault.onset["t"])):
+                fault.recovered = r
+                closed.append(fault)
+                fault = None
+        if name == "step":  # only recovered faults wait for this: a step in flight at the fault is no regain
+            for waiting in closed:
+                if waiting.regained is None and _number(r, "step") > waiting.position:
+                    waiting.regained = r
+        if name in ("step", "resume"):
+            position = int(_number(r, "step"))
+    if fault is not None:
+        closed.append(fault)
+    return tuple(f.close(t0, typical_step_s) for f in closed)
+
+
+def _number(record: Event, key: str) -> float:
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReportError(f"{record['event']} event from {record.get('source', '?')} at t={record['t']} "
+                          f"has {key}={value!r}; expected a number")
+    return value
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
+def report_run(run_dir: Path) -> tuple[Timeline, GoodputReport]:
+    directory = events_dir(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such run directory (expected one holding events/*.jsonl)")
+    if not directory.is_dir():
+        raise ReportError(f"{directory}: missing (expected the run's event log, events/*.jsonl)")
+    try:
+        timeline = build_timeline(read_events(run_dir))
+    except ReportError as err:
+        raise ReportError(f"{directory}: {err}") from None
+    return timeline, summarize(timeline)
+
+
+def format_report(report: GoodputReport) -> str:
+    ck = report.checkpoints
+    lines = [
+        f"Run: {report.status}, final step {report.final_step}, {report.attempts} attempt(s), "
+        f"wall {report.wall_s:.1f} s, loss {report.first_loss:.4f} -> {report.final_loss:.4f}",
+        f"Training goodput {report.training_goodput:6.1%}  productive step time "
+        f"{report.productive_step_s:.1f} s ({report.useful_steps} steps, each once) / wall",
+        f"Infra goodput    {report.infra_goodput:6.1%}  time inside steps {report.executed_step_s:.1f} s "
+        f"({report.step_executions} executions; {report.lost_executions} lost to rollback, "
+        f"{report.lost_step_s:.1f} s) / wall",
+        f"Checkpoints: {ck.started} started, {ck.committed} committed, {ck.failed} failed; blocking "
+        + (f"per save mean {ck.blocking_mean_s:.2f} s, max {ck.blocking_max_s:.2f} s, "
+           f"total {ck.blocking_total_s:.1f} s ({ck.blocking_saves} saves)"
+           if ck.blocking_saves else "not logged"),
+        f"Faults: {len(report.faults)}",
+    ]
+    if report.faults:
+        lines.append(f"  {'#':>2}  {'kind':<16}{'rank':>5}{'at s':>9}  {'detected after':<26}"
+                     f"{'restart':<11}{'recovery s':>11}{'time lost s':>12}  steps lost")
+    for i, f in enumerate(report.faults, 1):
+        detected = f"{_s(f.detection_s)} s ({f.detected_by})" if f.detection_s is not None else "-"
+        lost = f"{f.steps_lost} (back to {f.resumed_from})" if f.steps_lost is not None else "-"
+        lines.append(f"  {i:>2}  {f.kind:<16}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
+                     f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>11}{_s(f.time_lost_s):>12}  {lost}")
+    return "\n".join(lines)
+
+
+def _s(seconds: float | None) -> str:
+    return "not recovered" if seconds is None else f"{seconds:.1f}"
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="run directory holding events/*.jsonl")
+    parser.add_argument("--plot", nargs="?", const="", metavar="PNG",
+                        help="draw the timeline (default RUN_DIR/timeline.png)")
+    args = parser.parse_args(argv)
+    try:
+        print(write_report(args.run_dir, plot=args.plot is not None,
+                           png=Path(args.plot) if args.plot else None))
+    except (ReportError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def write_report(run_dir: Path, plot: bool, png: Path | None = None) -> str:
+    """Report a run: RUN_DIR/report.json, and the timeline picture when asked; returns the text."""
+    timeline, report = report_run(run_dir)
+    json_path = run_dir / "report.json"
+    replace_file(json_path, (report.to_json() + "\n").encode())
+    lines = [format_report(report), f"wrote {json_path}"]
+    if plot:
+        from training.report.plot import plot_timeline  # matplotlib only when a picture is asked for
+
+        lines.append(f"wrote {plot_timeline(timeline, report, png or run_dir / 'timeline.png')}")
+    return "\n".join(lines)

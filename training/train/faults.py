@@ -1,0 +1,224 @@
+"""Fault injection, the rank side: what each kind of fault (training/contract/faults.py: the spec format,
+the kinds and their options) does when it fires, and the injector that fires a rank's faults once per run.
+
+Once-per-run: before firing, the faulty rank records the fault durably (an fsynced file under
+`<run_dir>/faults/fired/`); after the restart that the fault causes, the recorded fault is not
+fired again, even though the resumed run passes the same step again. A persistent fault ignores
+the record. disk-full's `count` failures belong to one firing: a restart in between ends them.
+
+The checkpoint faults wrap the torch DCP FileSystemWriter (sync saves, and async saves on CPU);
+NVRx's CUDA async writer runs in a worker process that the hook cannot reach.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NoReturn, TypeVar
+
+import psutil
+
+from training.contract.events import EventLog
+from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, node_index,
+                                      partitioned_marker)
+from training.contract.launcher import DRAIN_MARKER_ENV
+from training.train.checkpoint import committed_checkpoints
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CONTROLLER_WAIT_S = 30.0  # a drain or partition fault waits this long for the controller to act
+
+
+class FaultInjected(RuntimeError):
+    """Raised by the `exception` fault."""
+
+
+# ---- what each kind does -----------------------------------------------------------------------
+def _kill_self() -> NoReturn:
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL is delivered before os.kill returns to Python")
+
+
+def _raise(spec: FaultSpec, ctx: FireContext) -> None:
+    raise FaultInjected(f"injected fault {spec.text}")
+
+
+def _sigkill(spec: FaultSpec, ctx: FireContext) -> None:
+    _kill_self()
+
+
+def _hang(spec: FaultSpec, ctx: FireContext) -> None:
+    """No heartbeat, no collective: the peers block in the next one. A signal ends it (the rank
+    monitor's, or the launcher's when it stops the worker group), or an exception raised into this
+    thread by an in-process restart, which is why it sleeps in short naps."""
+    log.warning("fault %s: rank hangs from now on", spec.text)
+    while True:
+        time.sleep(1)
+
+
+def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
+    """Halfway through the step (half the previous one's duration from now: a failing node is mostly
+    lost mid-step, not at a step's edge), SIGKILL this node's top process first (the pod's PID 1,
+    training.pod.launch, or else ft_launcher; so that nothing can restart anything), then every process
+    under it, this one last: what a lost machine or a deleted pod leaves behind."""
+    me = psutil.Process()
+    node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
+                                            for part in p.cmdline())]
+    if not node:
+        raise FaultInjected(f"injected fault {spec.text}: neither training.pod.launch nor ft_launcher among this rank's "
+                            "parent processes")
+
+    def lose() -> None:
+        time.sleep(ctx.step_s / 2)
+        top = node[-1]  # the outermost
+        others = [p for p in top.children(recursive=True) if p.pid != me.pid]
+        # Inside a container PID 1 ignores SIGKILL sent from inside its own PID namespace; SIGTERM stops
+        # it instead (training.pod.launch passes it on to ft_launcher), and the pod fails all the same.
+        top.send_signal(signal.SIGTERM if top.pid == 1 else signal.SIGKILL)
+        for p in others:
+            try:
+                p.kill()
+            except psutil.Error:  # already gone
+                pass
+        _kill_self()
+
+    threading.Thread(target=lose, name=f"fault {spec.text}", daemon=True).start()
+
+
+def _ask_controller(spec: FaultSpec, ctx: FireContext, done_marker: str | None, what: str, who: str) -> None:
+    """Ask whoever plays Kubernetes or the network (training.local's controller) to act on this node,
+    and wait until it says it did (`done_marker` exists), so the fault lands at this step or the next,
+    as a fault should, not some polls later."""
+    node = _target_node(spec)
+    requests = controller_requests_dir(ctx.run_dir, spec.kind)
+    requests.mkdir(parents=True, exist_ok=True)
+    (requests / f"node{node}").write_text(str(spec.duration or ""))
+    log.warning("fault %s: asked for node %s to be %s", spec.text, node, what)
+    deadline = time.monotonic() + CONTROLLER_WAIT_S
+    while done_marker is not None and not os.path.exists(done_marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done_marker is None or not os.path.exists(done_marker):
+        log.warning("fault %s: node %s was not %s within %.0f s (only %s does that)",
+                    spec.text, node, what, CONTROLLER_WAIT_S, who)
+
+
+def _target_node(spec: FaultSpec) -> int:
+    """The node a node fault acts on: the one it names, or this one (it named a rank running here)."""
+    return spec.node if spec.node is not None else node_index()
+
+
+def _request_drain(spec: FaultSpec, ctx: FireContext) -> None:
+    """Drain marker, SIGTERM to the node's launcher, SIGKILL after the grace period; the marker is the
+    pod's preStop hook's."""
+    _ask_controller(spec, ctx, os.environ.get(DRAIN_MARKER_ENV), "drained", "training.local plays the kubelet")
+
+
+def _request_partition(spec: FaultSpec, ctx: FireContext) -> None:
+    """The node's link goes down; this rank trains on into the next collective, which cannot finish."""
+    _ask_controller(spec, ctx, str(partitioned_marker(ctx.run_dir, _target_node(spec))), "cut off from the network",
+                    "training.local --netns plays the network")
+
+
+def _corrupt_newest_checkpoint(spec: FaultSpec, ctx: FireContext) -> None:
+    """Truncate every shard of the newest committed checkpoint to half (a torn write / bad disk),
+    then die, so that the restart has to load it."""
+    checkpoint_dir = ctx.checkpoint_dir
+    newest = committed_checkpoints(checkpoint_dir)
+    if newest:
+        step, path = newest[0]
+        shards = sorted(path.glob("*.distcp"))
+        for shard in shards:
+            os.truncate(shard, shard.stat().st_size // 2)
+        log.warning("fault %s: truncated %d shard file(s) of %s", spec.text, len(shards), path)
+    else:
+        log.warning("fault %s: no committed checkpoint in %s to corrupt", spec.text, checkpoint_dir)
+    _kill_self()
+
+
+def _crash_mid_save(spec: FaultSpec, write: Callable[[], T]) -> T:
+    write()  # this rank's shards are on disk; the save has not committed (no metadata, no marker)
+    _kill_self()
+
+
+def _disk_full(spec: FaultSpec, write: Callable[[], T]) -> T:
+    raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text})")
+
+
+@dataclass(frozen=True)
+class FireContext:
+    """What a fault may need to know when it fires."""
+    run_dir: Path
+    checkpoint_dir: Path
+    step_s: float  # how long the previous step took (0 before the second)
+
+
+# What each kind does: before the step (KINDS' when="step"), or in place of this rank's write of a save.
+AT_STEP: dict[str, Callable[[FaultSpec, FireContext], None]] = {
+    "exception": _raise, "sigkill": _sigkill, "hang": _hang, "node-loss": _lose_node, "drain": _request_drain,
+    "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
+}
+IN_WRITE: dict[str, Callable[[FaultSpec, Callable[[], T]], T]] = {"ckpt-crash": _crash_mid_save,
+                                                                 "disk-full": _disk_full}
+assert {k for k, v in KINDS.items() if v.when == "step"} == set(AT_STEP), "every step fault kind needs an action"
+assert {k for k, v in KINDS.items() if v.when == "write"} == set(IN_WRITE), "every write fault kind needs an action"
+
+
+class FaultInjector:
+    """The faults of one rank. `maybe_fire(step)` is called before each step; `around_write` wraps
+    this rank's write of every checkpoint save (CheckpointManager's write_hook)."""
+
+    def __init__(self, specs: list[FaultSpec], run_dir: str | os.PathLike, rank: int, events: EventLog,
+                 checkpoint_dir: str | os.PathLike | None = None) -> None:
+        first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
+        self._dir = fired_dir(run_dir)
+        self._run_dir = Path(run_dir)
+        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
+        self._last_call: float | None = None
+        self._rank = rank
+        self._events = events
+        self._failures_left: dict[str, int] = {}  # disk-full: saves still to fail in this firing
+
+    def maybe_fire(self, step: int) -> None:
+        now = time.monotonic()
+        step_s, self._last_call = (now - self._last_call if self._last_call is not None else 0.0), now
+        for spec in self._mine:
+            at_step = AT_STEP.get(spec.kind)
+            if at_step is not None and spec.step == step and self._due(spec):
+                self._fire(spec, step)
+                at_step(spec, FireContext(self._run_dir, self._checkpoint_dir, step_s))
+
+    def around_write(self, step: int, write: Callable[[], T]) -> T:
+        """Run `write` (this rank's part of the save of `step`), or the fault that replaces it."""
+        for spec in self._mine:
+            in_write = IN_WRITE.get(spec.kind)
+            if in_write is None or step < spec.step:
+                continue
+            if self._due(spec):
+                self._fire(spec, step)
+                self._failures_left[spec.key] = spec.count
+            if self._failures_left.get(spec.key, 0) > 0:
+                self._failures_left[spec.key] -= 1
+                return in_write(spec, write)
+        return write()
+
+    def _due(self, spec: FaultSpec) -> bool:
+        return spec.persistent or not (self._dir / spec.key).exists()
+
+    def _fire(self, spec: FaultSpec, step: int) -> None:
+        self._record(spec)
+        self._events.emit("fault_injected", kind=spec.kind, rank=self._rank, step=step, spec=spec.text)
+
+    def _record(self, spec: FaultSpec) -> None:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._dir / spec.key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, spec.text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,293 @@
+"""In-process restart (fault_tolerance.restart = inprocess | both): training.train.run under
+nvidia_resiliency_ext.inprocess.Wrapper.
+
+A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes every rank abort its
+process groups (training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume
+from the in-memory copy of the last completed step (training/train/rollback.py), without a new process.
+What the Wrapper cannot handle ends it and falls back to ft_launcher: a lost process or node (the
+world would shrink, and FSDP shards no longer fit), or a spent restart budget (restarts in a row without progress: a persistent fault).
+
+Stores, all on MASTER_ADDR and hosted by global rank 0's process only (so emulated nodes on one
+host never collide): MASTER_PORT is the launcher's (c10d rendezvous), MASTER_PORT+1 the Wrapper's,
+MASTER_PORT+2 the application's (process groups under `iteration<N>/`, the fault log).
+
+On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: with it, NVRx 0.7.0 adds NVML
+GPU/NIC health checks to every restart, which fail without a GPU.
+
+The launcher's rank monitor: `run` connects a new RankMonitorClient per iteration and disconnects
+on the way out; while disconnected the rank is not watched, so a restart in progress is never a
+timeout. Config validation keeps inprocess_hard_timeout below the rank monitor's configured timeouts;
+timeouts calculated from observed steps, or loaded from a checkpoint, are raised above it
+(training.contract.launcher.section_timeout_floor), so the Wrapper, not the launcher, handles a hang.
+
+No `from __future__ import annotations` here: the Wrapper finds the parameter to inject its
+CallWrapper into by the annotation *object*.
+"""
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.inprocess.attribution import Interruption, InterruptionRecord
+from nvidia_resiliency_ext.inprocess.monitor_thread import RankShouldRestart
+from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperIterationStore
+from torch.distributed.checkpoint.stateful import Stateful
+
+from training.contract.config import TrainConfig
+from training.contract.events import EventLog
+from training.train.distributed import choose_device, default_launcher_env
+from training.train.drain import Drained
+from training.train.gloo_abort import ProcessGroupAbort
+from training.train.rollback import MemoryRollback
+
+log = logging.getLogger(__name__)
+
+WRAPPER_PORT_OFFSET, APP_PORT_OFFSET = 1, 2
+# Fixed intervals (s). The monitor process must poll faster than the progress watchdog reports:
+# its loop skips the timeout checks while timestamps keep arriving (NVRx 0.7.0).
+MONITOR_PROCESS_INTERVAL = 0.5
+PROGRESS_WATCHDOG_INTERVAL = 1.0
+# Both below add directly to every in-process recovery (0.5 s each made it 1.7 s instead of 0.9 s
+# in `make bench`). Polling every 0.1 s is 10 small requests per rank per second to rank 0's store.
+MONITOR_THREAD_INTERVAL = 0.1  # how often a rank polls the store for a peer's fault
+LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before attributing it
+# A rank whose collective broke because a peer's abort shut its sockets waits this long for its own
+# monitor thread's interrupt (it arrives within an interval plus the last-call wait).
+PEER_ABORT_WAIT = 3 * (MONITOR_THREAD_INTERVAL + LAST_CALL_WAIT)
+TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeout
+# Wrapper barriers wait for a rank killed at the hard timeout, with room for slow ranks.
+BARRIER_MARGIN = 30.0
+_KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
+# A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
+# then ncclRemoteError's text. Not "NCCL communicator was aborted": this rank's own watchdog says
+# that too, after a fault of its own.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer",
+              "remote process exited or there was a network error")
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One restart iteration, as `training.train.run` sees it."""
+    number: int  # 0: first run of this process
+    store: dist.Store  # rendezvous of this iteration's process group
+    rollback: MemoryRollback
+    call_wrapper: inprocess.CallWrapper
+    budget: "RestartBudget"
+
+    def restore(self, state: dict[str, Stateful]) -> int | None:
+        """Load the in-memory copy of the last step every rank completed (None: there is none), and
+        end the Wrapper if too many restarts in a row made no progress. Collective."""
+        step = self.rollback.restore(state)
+        self.budget.resumed(self.number, step)
+        return step
+
+    def step_done(self, step: int, state: dict[str, Stateful]) -> float:
+        """Reports progress and keeps the step in memory; returns the seconds the save took."""
+        self.call_wrapper.ping()  # manual progress: a rank hung in Python is detected too
+        started = time.perf_counter()
+        self.rollback.save(step, state)
+        return time.perf_counter() - started
+
+
+class FaultLog:
+    """What each iteration died of, in the application store, for the message that ends the job."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    def add(self, iteration: int, text: str) -> None:
+        self._store.append(f"faults/{iteration}", text.replace("\n", " ") + "\n")
+
+    def describe(self, iteration: int) -> str:
+        key = f"faults/{iteration}"
+        self._store.append(key, "")  # get() would wait for a missing key
+        return "; ".join(self._store.get(key).decode().splitlines()) or "no fault recorded"
+
+
+class RestartBudget(inprocess.initialize.Initialize):
+    """The Wrapper's restart budget: restarts in a row without progress, so a long run survives any
+    number of faults and a persistent one still ends it. Ends the Wrapper (RestartAbort, a
+    BaseException: every rank leaves it) naming what the last iteration died of.
+
+    Progress is decided on the step each iteration resumes at, which `MemoryRollback.restore` agrees
+    on across ranks, so every rank takes the same decision. A rank lost (world shrunk) ends it at once
+    in `__call__`, before the iteration starts."""
+
+    def __init__(self, max_restarts: int, world_size: int, faults: FaultLog) -> None:
+        self.max_restarts, self.world_size, self.faults = max_restarts, world_size, faults
+        self._resumed_at: int | None = None  # the newest step an iteration resumed at
+        self.without_progress = 0
+
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if state.iteration > 0 and state.world_size < self.world_size:
+            raise inprocess.exception.RestartAbort(
+                f"{self.world_size - state.world_size} rank(s) lost ({self.faults.describe(state.iteration - 1)}): "
+                "FSDP shards cannot shrink in-process; leaving the restart to the launcher")
+        return state
+
+    def resumed(self, iteration: int, step: int | None) -> None:
+        """Iteration `iteration` resumed at the in-memory `step` (None: none); iteration 0 loads from disk."""
+        if iteration == 0:
+            return
+        progressed = step is not None and (self._resumed_at is None or step > self._resumed_at)
+        if progressed:
+            self._resumed_at = step
+        self.without_progress = 0 if progressed else self.without_progress + 1
+        if self.without_progress > self.max_restarts:
+            raise inprocess.exception.RestartAbort(
+                f"{self.without_progress} in-process restarts in a row made no progress (budget {self.max_restarts}, "
+                f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(iteration - 1)}")
+
+
+def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool,
+                   initialize: inprocess.initialize.Initialize) -> dict[str, Any]:
+    """The Wrapper's kwargs for this config."""
+    ft = cfg.fault_tolerance
+    hard = timedelta(seconds=ft.inprocess_hard_timeout)
+    barrier = hard + timedelta(seconds=BARRIER_MARGIN)
+    logs = Path(cfg.run_dir).resolve() / "logs"
+    return dict(
+        store_kwargs={"port": master_port + WRAPPER_PORT_OFFSET},
+        initialize=initialize,
+        abort=ProcessGroupAbort({master_port, master_port + WRAPPER_PORT_OFFSET, master_port + APP_PORT_OFFSET},
+                                on_cuda),
+        health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,  # no NVML/CUDA on CPU
+        soft_timeout=timedelta(seconds=ft.inprocess_soft_timeout),
+        hard_timeout=hard,
+        heartbeat_timeout=hard,  # a rank whose monitor process is silent this long is gone
+        barrier_timeout=barrier,
+        completion_timeout=barrier,
+        monitor_thread_interval=timedelta(seconds=MONITOR_THREAD_INTERVAL),
+        monitor_process_interval=timedelta(seconds=MONITOR_PROCESS_INTERVAL),
+        progress_watchdog_interval=timedelta(seconds=PROGRESS_WATCHDOG_INTERVAL),
+        last_call_wait=timedelta(seconds=LAST_CALL_WAIT),
+        termination_grace_time=timedelta(seconds=TERMINATION_GRACE),
+        monitor_process_logfile=str(logs / "inprocess_monitor_rank{rank}.log"),
+        monitor_process_pidfile=str(logs / "inprocess_monitor_rank{rank}.pid"),
+    )
+
+
+@contextlib.contextmanager
+def _hidden_env(name: str, hide: bool) -> Iterator[None]:
+    saved = os.environ.pop(name, None) if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def make_wrapper(cfg: TrainConfig, initialize: inprocess.initialize.Initialize,
+                 wrapper_cls: type = inprocess.Wrapper) -> Any:
+    on_cuda = choose_device(cfg.training.device).type == "cuda"
+    kwargs = wrapper_kwargs(cfg, master_port=int(os.environ["MASTER_PORT"]), on_cuda=on_cuda, initialize=initialize)
+    Path(cfg.run_dir, "logs").mkdir(parents=True, exist_ok=True)
+    with _hidden_env("LOCAL_RANK", hide=not on_cuda):
+        return wrapper_cls(**kwargs)
+
+
+def _interruption_records(call_wrapper: inprocess.CallWrapper) -> list[InterruptionRecord]:
+    """The Wrapper's records of this iteration (who was interrupted first, and how); [] if the
+    store cannot say (NVRx internals: best effort)."""
+    try:
+        return WrapperIterationStore(call_wrapper.iteration, call_wrapper.base_store).get_interruption_records()
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _describe(records: list[InterruptionRecord]) -> str:
+    return ", ".join(f"rank {r.rank}: {r.interruption.name}" for r in records)
+
+
+def _peer_lost(err: BaseException) -> bool:
+    return any(text in str(err) for text in _PEER_LOST)
+
+
+class _FaultReporter:
+    """Called on each rank as an iteration dies: records what it saw (fault_detected, fault log).
+    A rank's own exception counts only if no rank was interrupted before it: otherwise it is a
+    consequence (a collective failing because the abort shut its sockets)."""
+
+    def __init__(self, cfg: TrainConfig, faults: FaultLog) -> None:
+        self.rank = int(os.environ["RANK"])
+        self.events = EventLog(cfg.run_dir, f"rank{self.rank}")
+        self.faults = faults
+
+    def __call__(self, call_wrapper: inprocess.CallWrapper, err: BaseException) -> None:
+        records = _interruption_records(call_wrapper)
+        by = f"inprocess wrapper (rank {self.rank})"
+        if not isinstance(err, RankShouldRestart) and not records:
+            detail = f"{type(err).__name__}: {err}"[:300]
+            peer_lost = _peer_lost(err)
+            self.faults.add(call_wrapper.iteration, f"rank {self.rank}{' lost a peer' if peer_lost else ''}: {detail}")
+            self.events.emit("fault_detected", kind="rank" if peer_lost else "exception",
+                             rank=None if peer_lost else self.rank, by=by, detail=detail)
+        elif self.rank == 0:  # one report of the Wrapper's view per fault, not one per rank
+            seen = _describe(records) or str(err) or type(err).__name__  # the message holds the records too
+            self.faults.add(call_wrapper.iteration, f"Wrapper records: {seen}")
+            first = records[0] if records else None
+            self.events.emit("fault_detected", kind=_KIND.get(first.interruption, "rank") if first else "unknown",
+                             rank=first.rank if first else None, by=by, detail=f"Wrapper interruption records: {seen}")
+
+
+def _handle_failure(report: _FaultReporter, call_wrapper: inprocess.CallWrapper, err: BaseException) -> None:
+    """Report the failure; returns (the caller re-raises `err`) or raises the Wrapper's interrupt.
+
+    The Wrapper's monitor thread aborts the collectives, then raises RankShouldRestart into this
+    thread asynchronously, once. It must land here, where it is expected: landing in the report
+    would cut the report short, and landing inside the Wrapper's own handling of `err` (a peer's
+    abort broke our collective before our monitor noticed) makes the Wrapper fail with
+    InternalError instead of restarting. So a rank whose peer's abort broke its collective waits
+    here for its own interrupt, a few monitor intervals at most."""
+    reported = False
+    try:
+        report(call_wrapper, err)
+        reported = True
+        if _peer_lost(err):
+            deadline = time.monotonic() + PEER_ABORT_WAIT
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # an asynchronous exception lands between two calls, not inside one
+    except RankShouldRestart as interrupt:
+        if not reported:
+            report(call_wrapper, interrupt)
+        raise
+
+
+def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], None]) -> None:
+    """`train(cfg, iteration)` under the Wrapper until it returns; raises RestartAbort when the
+    Wrapper gives up. Called with torch.distributed uninitialised (the Wrapper requires it)."""
+    default_launcher_env()
+    master_port, world_size = int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    # Created once, outside the Wrapper: it outlives every iteration's process group.
+    app_store = dist.TCPStore(os.environ["MASTER_ADDR"], master_port + APP_PORT_OFFSET, world_size,
+                              is_master=int(os.environ["RANK"]) == 0, timeout=timedelta(minutes=5),
+                              wait_for_workers=False)
+    faults = FaultLog(app_store)
+    report = _FaultReporter(cfg, faults)
+    rollback = MemoryRollback()
+    budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults)
+    wrapper = make_wrapper(cfg, budget)
+
+    @wrapper
+    def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
+        n = call_wrapper.iteration
+        try:
+            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget))
+        except Drained:  # not a fault: every rank leaves together, the launcher restarts the job
+            raise
+        except BaseException as err:
+            _handle_failure(report, call_wrapper, err)
+            raise
+
+    try:
+        wrapped()
+    except inprocess.exception.RestartAbort as err:
+        log.error("in-process restart gave up: %s", err)
+        raise

@@ -1,0 +1,109 @@
+"""NVRx fault tolerance, the rank side: RankMonitorClient sections and heartbeats. The launcher side (the
+ft_launcher flags derived from the training config) is training/contract/launcher.py.
+
+Sections: `setup` (process start to the first step), `step` (one training step), `checkpoint`
+(the blocking part of a save). After `calculate_timeouts_after` steps of an attempt, the step and
+checkpoint section timeouts are recomputed from observed timings (max × safety factor) and sent to
+the rank monitor; they are saved in checkpoints, so a restarted job gets tight hang detection
+from its first step. A heartbeat is sent after every step, so the launcher's heartbeat timeouts
+(from the config, generous) hold as a backstop.
+
+Without ft_launcher (no rank monitor socket in the environment) every call is a no-op, announced
+once with a log line.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+from training.contract.config import FaultToleranceConfig
+from training.contract.launcher import section_timeout_floor
+
+log = logging.getLogger(__name__)
+
+_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # where NVRx puts the rank monitor's socket path
+
+
+class RankMonitor:
+    """Adapter over nvidia_resiliency_ext.fault_tolerance.RankMonitorClient."""
+
+    def __init__(self, cfg: FaultToleranceConfig) -> None:
+        self._cfg = cfg
+        self._floor = section_timeout_floor(cfg)
+        self._client: Any = None
+        self._steps_seen = 0
+        self._calculated = False
+        self._observed: set[str] = set()
+        if _MONITOR_SOCKET_ENV not in os.environ:
+            log.info("not started by ft_launcher (%s unset): NVRx hang detection is off", _MONITOR_SOCKET_ENV)
+            return
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+        self._client = RankMonitorClient()
+        self._client.init_workload_monitoring()
+        self._client.start_section("setup")
+        self._observed.add("setup")
+
+    @property
+    def active(self) -> bool:
+        return self._client is not None
+
+    def end_setup(self) -> None:
+        if self._client is not None:
+            self._client.end_section("setup")
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        if self._client is None:
+            yield
+            return
+        self._client.start_section(name)
+        yield
+        self._client.end_section(name)
+        self._observed.add(name)
+
+    def step_done(self) -> None:
+        """Heartbeat; after the warm-up, one collective timeout calculation (all ranks call this
+        at the same steps)."""
+        if self._client is None:
+            return
+        self._client.send_heartbeat()
+        self._steps_seen += 1
+        if not self._calculated and self._steps_seen >= self._cfg.calculate_timeouts_after:
+            selected = [s for s in ("step", "checkpoint") if s in self._observed]
+            self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
+            self._calculated = True
+            self._clamp()
+            log.info("NVRx section timeouts calculated: %s", self._client.section_timeouts.section)
+
+    def _clamp(self) -> None:
+        """Raise section timeouts below the floor (`section_timeout_floor`) to it, and say so."""
+        state = self._client.state_dict()
+        sections = state[self._client.CURRENT_TIMEOUTS_STATE_KEY].get("section", {}).get("section", {})
+        low = {name: t for name, t in sections.items() if t is not None and t < self._floor}
+        if not low:
+            return
+        sections.update({name: self._floor for name in low})
+        self._client.load_state_dict(state)  # the public way to set timeouts: they apply at once
+        log.warning("NVRx section timeouts %s raised to %.0f s: with restart=%s the in-process Wrapper's hard "
+                    "timeout (%.0f s, fault_tolerance.inprocess_hard_timeout) must catch a hang first",
+                    {n: round(t, 2) for n, t in low.items()}, self._floor, self._cfg.restart,
+                    self._cfg.inprocess_hard_timeout)
+
+    def state_dict(self) -> str:
+        """JSON text: identical on every rank, stored in the checkpoint as one value."""
+        return json.dumps(self._client.state_dict() if self._client is not None else {})
+
+    def load_state_dict(self, text: str) -> None:
+        state = json.loads(text)
+        if self._client is not None and state:
+            self._client.load_state_dict(state)
+            self._clamp()  # the checkpoint may come from a run with restart=injob
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.shutdown_workload_monitoring()
+            self._client = None

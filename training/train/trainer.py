@@ -1,0 +1,439 @@
+"""Entry point of every rank: `python -m training.train --config FILE [section.key=value …]`,
+started by ft_launcher in the pods and by training.local here.
+
+`run(cfg)` is re-entrant (everything it builds it also tears down), so it can be wrapped by
+nvidia_resiliency_ext.inprocess.Wrapper for in-process restarts.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from training.contract.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.contract.events import EventLog, read_events
+from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
+from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
+from training.contract.flops import flops_per_token
+from training.contract.shapes import PRESETS
+from training.data.stream import Batch, TokenStream
+from training.data.token_file import DataError, check_token_file
+from training.models.llama import Transformer, build_model
+from training.train.checkpoint import CheckpointManager, FreshStartRefused, committed_checkpoints
+from training.train.distributed import DistInfo, init_distributed, teardown
+from training.train.drain import DrainSignal, Drained, agree_on_save
+from training.train.faults import FaultInjector
+from training.train.metrics import TrainingMetrics
+from training.train.monitor import RankMonitor
+from training.train.parallelize import parallelize
+from training.train.peer_state import PeerState, memory_root
+from training.train.progress import Progress
+
+if TYPE_CHECKING:
+    from training.train.inprocess import Iteration
+
+log = logging.getLogger("training.train")
+
+
+class ModelState(Stateful):
+    """Also a training.train.rollback.InPlaceState: its state dict is the parameters' shards (and persistent
+    buffers), which the optimizer updates in place."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def refresh(self, saved: dict[str, Any]) -> None:
+        """Nothing to do: every leaf of a model's state dict is a tensor."""
+
+
+class OptimizerState(Stateful):
+    """Also a training.train.rollback.InPlaceState: AdamW's per-parameter state is tensors updated in place
+    (moments and step counts, foreach); its other leaves are the param groups' plain hyperparameters,
+    of which train_step changes the learning rate."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        # .get: optimizer.state is a defaultdict, and an entry made here would hide from torch's helper
+        # that the state is not created yet
+        return [t for group in self.optimizer.param_groups for p in group["params"]
+                for t in self.optimizer.state.get(p, {}).values()]
+
+    def refresh(self, saved: dict[str, Any]) -> None:
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            saved_group.update((k, v) for k, v in group.items() if k != "params")  # params: FQNs there
+
+
+class TrainState(Stateful):
+    """Step, data position and NVRx timeouts: the same on every rank."""
+
+    def __init__(self, stream: TokenStream, monitor: RankMonitor) -> None:
+        self.step = 0
+        self.stream, self.monitor = stream, monitor
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "data": self.stream.state_dict(), "ft": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.stream.load_state_dict(state["data"])
+        self.monitor.load_state_dict(state["ft"])
+
+
+def rng_key(rank: int) -> str:
+    """The checkpoint key of a rank's RNG streams: per rank, so a checkpoint written at another world
+    size may lack it."""
+    return f"rng_rank{rank}"
+
+
+class RngState(Stateful):
+    """This rank's RNG streams (a per-rank checkpoint key: ranks differ)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def derive(self, seed: int, step: int, rank: int) -> None:
+        """Streams for a rank the checkpoint has none for (it was written at a smaller world size):
+        a pure function of (seed, step, rank), so every resume derives the same."""
+        derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+        torch.manual_seed(derived)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(derived)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at the last step."""
+    t = cfg.training
+    if step <= t.warmup_steps:
+        return t.lr * step / max(t.warmup_steps, 1)
+    progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+    return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def build(cfg: TrainConfig, info: DistInfo) -> tuple[Transformer, torch.optim.Optimizer]:
+    on_cuda = info.device.type == "cuda"
+    # CPU: materialise whole, init, then shard. CUDA: shard on meta, materialise only the shards.
+    model = build_model(cfg.model.preset, "meta" if on_cuda else "cpu")
+    if not on_cuda:
+        model.init_weights(cfg.training.seed)
+    model = parallelize(model, info)
+    if on_cuda:
+        model.to_empty(device=info.device)
+        model.init_weights(cfg.training.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
+                                  foreach=True)
+    return model, optimizer
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, lr: float,
+               grad_clip: float, info: DistInfo, drain_flag: float = 0.0) -> tuple[float, bool]:
+    """One optimizer step; returns the loss averaged over all ranks and whether any rank was told
+    to drain (`drain_flag` > 0 on it): both from the step's one all-reduce."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    logits = model(batch.inputs.to(info.device))
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten())
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    reduced = torch.cat([loss.detach().reshape(1), loss.new_tensor([drain_flag])])
+    dist.all_reduce(reduced)
+    total_loss, drain = reduced.tolist()
+    return total_loss / info.world_size, drain > 0
+
+
+def _attempt_number(run_dir: str) -> int:
+    return sum(1 for e in read_events(run_dir) if e["event"] == "attempt_start")
+
+
+def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
+    """One training run; under the in-process Wrapper, one iteration of it (`restart`)."""
+    monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
+    drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
+    drain_signal.start()
+    info = init_distributed(cfg.training.device, cfg.training.collective_timeout_s,
+                            store=restart.store if restart is not None else None)
+    events = EventLog(cfg.run_dir, f"rank{info.rank}")
+    lead = info.rank == 0
+    try:
+        _train(cfg, info, monitor, drain_signal, events, lead, restart)
+    finally:
+        drain_signal.stop()
+        monitor.shutdown()
+        teardown()
+        events.close()
+
+
+def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal: DrainSignal, events: EventLog,
+           lead: bool, restart: Iteration | None) -> None:
+    t = cfg.training
+    if lead:
+        _announce_attempt(cfg, info, events, restart)
+    torch.manual_seed(t.seed)
+    model, optimizer = build(cfg, info)
+    stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=info.rank, world_size=info.world_size,
+                         vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
+                         path=cfg.data.path, dtype=cfg.data.dtype)
+    train_state = TrainState(stream, monitor)
+    rng = RngState(info.device)
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train_state,
+             rng_key(info.rank): rng}
+    injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, info.rank, events, cfg.checkpoint_dir)
+    ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
+                             when_busy=cfg.checkpoint.when_busy, events=events, device=info.device,
+                             write_hook=injector.around_write)
+    peer = _peer_state(cfg, info)
+    _resume(cfg, info, state, ckpt, rng, events, restart, peer)
+    after_step = _AfterStep(cfg, info, monitor, state, events if lead else None, restart, peer)
+    monitor.end_setup()
+
+    try:
+        while train_state.step < t.steps:
+            step = train_state.step + 1
+            injector.maybe_fire(step)
+            with monitor.section("step"):
+                t0 = time.perf_counter()
+                batch = stream.next_batch()
+                mean_loss, drain = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info,
+                                              drain_signal.flag)
+                step_time = time.perf_counter() - t0
+            train_state.step = step
+            after_step(step, batch, mean_loss, step_time)
+            if drain:
+                with monitor.section("checkpoint"):
+                    _drain(step, state, ckpt, drain_signal, events, lead)
+            ckpt.poll()
+            if step % cfg.checkpoint.interval == 0:
+                with monitor.section("checkpoint"):
+                    ckpt.save(step, state)
+
+        with monitor.section("checkpoint"):
+            ckpt.close()
+            if cfg.checkpoint.save_final:
+                dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
+                         checkpoint_id=Path(cfg.run_dir) / "final")
+    except BaseException:
+        ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
+        raise
+    finally:
+        after_step.close()
+    if peer is not None:
+        peer.close()  # not after a failure: its thread may be stuck with a dead peer, and dies with the process
+    if lead:
+        events.emit("run_end", step=train_state.step, status="completed")
+        log.info("done: %d steps", train_state.step)
+
+
+def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
+    p = cfg.peer_state
+    if not p.enabled:
+        return None
+    t = cfg.training
+    # copies made for another world size, model or data layout cannot be loaded here
+    fingerprint = f"{cfg.model.preset}:{info.world_size}:{t.batch_size}:{t.seq_len}:{t.seed}"
+    return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
+                     t.collective_timeout_s)
+
+
+def _announce_attempt(cfg: TrainConfig, info: DistInfo, events: EventLog, restart: Iteration | None) -> None:
+    """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
+    attempt = _attempt_number(cfg.run_dir)
+    nodes = info.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    events.emit("run_start", world_size=info.world_size, nodes=nodes, config=cfg.to_dict())
+    kind = "fresh" if attempt == 0 else "inprocess" if restart is not None and restart.number else "injob"
+    events.emit("attempt_start", attempt=attempt, restart_kind=kind)
+    if attempt:
+        events.emit("restart", attempt=attempt, restart_kind=kind)
+
+
+class _AfterStep:
+    """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
+    in-process restarts, the copy in node memory for the partner nodes, rank 0's step event (`events`:
+    None on other ranks), metrics and progress line, the sample log."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, state: dict[str, Stateful],
+                 events: EventLog | None, restart: Iteration | None, peer: PeerState | None) -> None:
+        self.monitor, self.state, self.events, self.restart, self.peer = monitor, state, events, restart, peer
+        self.tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * info.world_size
+        per_token = flops_per_token(cfg.model.preset, cfg.training.seq_len)
+        gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
+        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=events is not None,
+                                 flops_per_token=per_token, gpus=info.world_size, gpu_peak_tflops=gpu_peak)
+        self.metrics = (TrainingMetrics(cfg.metrics.port, cfg.run_dir, cfg.metrics.event_log_refresh_s,
+                                        info.world_size, per_token, gpu_peak)
+                        if events is not None and cfg.metrics.port else None)
+        self.samples = _sample_log(cfg, info.rank)
+
+    def __call__(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
+        self.monitor.step_done()
+        costs = {} if self.restart is None else {"rollback_s": round(self.restart.step_done(step, self.state), 5)}
+        peer_s = self.peer.save(step, self.state, step_time) if self.peer is not None else None
+        if peer_s is not None:
+            costs["peer_s"] = round(peer_s, 5)
+        if self.events is not None:
+            self.events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
+                             tokens=self.tokens_per_step, **costs)
+            if self.peer is not None and self.peer.chosen_at == step:
+                self.events.emit("peer_state", interval=self.peer.interval, replicas=self.peer.replicas,
+                                 bytes_per_rank=self.peer.bytes_per_rank)
+        if self.samples is not None:
+            self.samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
+            self.samples.flush()
+        if self.metrics is not None:
+            self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
+        self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
+
+    def close(self) -> None:
+        if self.samples is not None:
+            self.samples.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _resume(cfg: TrainConfig, info: DistInfo, state: dict[str, Stateful], ckpt: CheckpointManager, rng: RngState,
+            events: EventLog, restart: Iteration | None, peer: PeerState | None) -> None:
+    """An in-process restart resumes from the host copy of the last step; any restart from the node
+    memory of this and the partner nodes (peer state) if it holds every shard of a step no older than
+    the newest checkpoint; anything else from the newest loadable checkpoint, resharded to this world
+    size; per-rank state the checkpoint lacks (it was written by fewer ranks) is derived, and said so."""
+    train_state = state["train"]
+    assert isinstance(train_state, TrainState)
+    in_memory = restart.restore(state) if restart is not None else None
+    from_peers = None
+    if in_memory is None and peer is not None:
+        newest = committed_checkpoints(cfg.checkpoint_dir)
+        from_peers = peer.restore(state, not_older_than=newest[0][0] if newest else 0)
+    loaded = None
+    if in_memory is None and from_peers is None:
+        loaded = ckpt.load(state, optional=frozenset({rng_key(info.rank)}),
+                           allow_fresh_start=cfg.checkpoint.allow_fresh_start)
+    if loaded is not None and loaded.missing:
+        rng.derive(cfg.training.seed, loaded.step, info.rank)
+    if info.rank != 0:
+        return
+    source = ("memory" if in_memory is not None else "peer" if from_peers is not None
+              else "disk" if loaded is not None else "none")
+    events.emit("resume", step=train_state.step, source_kind=source, path=str(loaded.path) if loaded else None,
+                saved_world_size=loaded.world_size if loaded else None)
+    log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
+             f"resumed from {loaded.path} at step {train_state.step}" if loaded
+             else f"resumed from {'node' if source == 'peer' else 'process'} memory at step {train_state.step}"
+             if source in ("memory", "peer") else "starting at step 0")
+    if loaded is not None and loaded.world_size not in (None, info.world_size):
+        derived = [r for r in range(info.world_size) if r >= loaded.world_size]
+        batch = cfg.training.batch_size
+        log.warning("checkpoint written by %d ranks, resharded to %d: global batch %d -> %d samples per step, "
+                    "data position kept (no sample skipped or repeated)%s", loaded.world_size, info.world_size,
+                    batch * loaded.world_size, batch * info.world_size,
+                    f"; RNG of ranks {derived} derived from (seed, step, rank)" if derived else "")
+        events.emit("state_derived", step=loaded.step, saved_world_size=loaded.world_size,
+                    world_size=info.world_size, keys=[rng_key(r) for r in derived])
+
+
+def _drain(step: int, state: dict[str, Stateful], ckpt: CheckpointManager, drain_signal: DrainSignal,
+           events: EventLog, lead: bool) -> None:
+    """Every rank, at the same step: commit what can be committed in the time the launcher gives,
+    then leave (training/train/drain.py)."""
+    ckpt.wait()
+    saved = ckpt.saved_step == step or ckpt.mode == "off"
+    if not saved and agree_on_save(drain_signal.time_left(), ckpt.last_save_s, ckpt.distributed):
+        ckpt.save(step, state)
+        ckpt.wait()
+        saved = ckpt.saved_step == step
+    if lead:
+        events.emit("drained", step=step, saved_step=ckpt.saved_step)
+        log.warning("drain (SIGTERM): %s; leaving with exit code %d for the restart to resume",
+                    f"step {step} is committed" if saved else
+                    f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", TERMINATED)
+    raise Drained(f"drained at step {step}")
+
+
+def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:
+    if not cfg.logging.sample_log:
+        return None
+    directory = Path(cfg.run_dir) / "samples"
+    directory.mkdir(parents=True, exist_ok=True)
+    return open(directory / f"rank{rank}.jsonl", "a")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ConfigArgumentParser(prog="python -m training.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="training config file (YAML or JSON); default: built-in defaults")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format=f"[%(asctime)s] [rank{rank}] %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg = with_env_faults(load_train_config(args.config, args.overrides))
+        check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1))), cfg.allow_destructive_faults)
+        check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
+    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
+        print(f"training.train: invalid config: {err}", file=sys.stderr)
+        return CONFIG_ERROR
+    try:
+        if cfg.fault_tolerance.restart == "injob":
+            run(cfg)
+        else:
+            from training.train.inprocess import run_inprocess  # NVRx's Wrapper, only when asked for
+
+            run_inprocess(cfg, run)
+    except FreshStartRefused as err:  # no restart can help: the checkpoints need a person
+        log.error("%s", err)
+        sys.stdout.flush()
+        os._exit(CONFIG_ERROR)
+    except Drained:
+        sys.stdout.flush()
+        os._exit(TERMINATED)
+    except BaseException:  # noqa: BLE001
+        # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
+        # thread that may be stuck in a collective with a dead peer.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
