@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.cluster import ClusterSpec, run_cluster
 from bench.run import NO_CUDA, REPO_ROOT
 from training.contract.events import read_events
-from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
+from training.train.final_state import bitwise_mismatch, load_final_state
 
 LABEL = "exact resume on CUDA (NVRx async checkpoints, in-job restart)"
 STEPS, INTERVAL = 24, 5

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from training.report.goodput import main
+from training.report.cli import main
 
 from synthetic_log import FakeRun
 

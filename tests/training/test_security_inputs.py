@@ -11,7 +11,7 @@ from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.faults import (DESTRUCTIVE_KINDS, ENV_VAR, POD_ENV, FaultSpecError, check_chaos_switch,
                                       parse_faults)
-from training.report.goodput import write_report
+from training.report.cli import write_report
 
 DESTRUCTIVE = ["corrupt-ckpt@5", "disk-full@5", "node-loss@5:node=0", "partition@5:node=0"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from training.contract.events import read_events
-from training.train.final_state import bitwise_mismatch, load_final_state
+from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

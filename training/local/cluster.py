@@ -68,7 +68,8 @@ from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain
 from training.data.token_file import DataError, check_token_file
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
 from training.pod.prefork import die_with_parent
-from training.report.goodput import ReportError, write_report
+from training.report.cli import write_report
+from training.report.goodput import ReportError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_FAULTS = ("exception@60:rank=1", "sigkill@140:rank=3")

@@ -1,6 +1,6 @@
-"""`python -m training.report [--plot] RUN_DIR`."""
+"""`python -m training.report [--plot] RUN_DIR` (cli.py)."""
 import sys
 
-from training.report.goodput import main
+from training.report.cli import main
 
 sys.exit(main())

@@ -38,18 +38,15 @@ blocking time of each save (ckpt_blocked.seconds): mean, max, total.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from training.contract.events import events_dir, read_events
-from training.contract.files import replace_file
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
@@ -374,32 +371,3 @@ def _s(seconds: float | None) -> str:
 
 def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="run directory holding events/*.jsonl")
-    parser.add_argument("--plot", nargs="?", const="", metavar="PNG",
-                        help="draw the timeline (default RUN_DIR/timeline.png)")
-    args = parser.parse_args(argv)
-    try:
-        print(write_report(args.run_dir, plot=args.plot is not None,
-                           png=Path(args.plot) if args.plot else None))
-    except (ReportError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def write_report(run_dir: Path, plot: bool, png: Path | None = None) -> str:
-    """Report a run: RUN_DIR/report.json, and the timeline picture when asked; returns the text."""
-    timeline, report = report_run(run_dir)
-    json_path = run_dir / "report.json"
-    replace_file(json_path, (report.to_json() + "\n").encode())
-    lines = [format_report(report), f"wrote {json_path}"]
-    if plot:
-        from training.report.plot import plot_timeline  # matplotlib only when a picture is asked for
-
-        lines.append(f"wrote {plot_timeline(timeline, report, png or run_dir / 'timeline.png')}")
-    return "\n".join(lines)

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from training.contract.launcher import FIRST_ATTEMPT_NCCL_DEBUG_ENV
+from training.contract.launcher import FIRST_ATTEMPT_NCCL_DEBUG_ENV, free_port
 
 
 def first_attempt_nccl_debug() -> None:
