@@ -137,7 +137,7 @@ def test_image_installs_the_efa_stack_and_the_preflight_tools(repo_root):
     [installer] = [line for line in lines if "efa_installer.sh" in line]
     assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in installer
     flags = installer.split()
-    assert {"-y", "--skip-kmod"} <= set(flags)  # user space only: the AMI has the driver
+    assert {"-y", "--skip-kmod", "--disable-ngc", "--disable-build-ngc"} <= set(flags)  # user space, full install
     assert f'strings {plugin_dir}/libnccl-net-ofi.so | grep -F "aws-ofi-nccl ${{AWS_OFI_NCCL_VERSION}}"' in installer
     assert "aws-ofi-nccl-" not in dockerfile  # no second plugin built from source
     [env] = [line for line in lines if line.startswith("ENV PATH=")]
@@ -147,3 +147,20 @@ def test_image_installs_the_efa_stack_and_the_preflight_tools(repo_root):
     for binary in ("all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"):
         assert f"test -x {perf_dir / binary}" in dockerfile, binary
     assert "MPI=1" in dockerfile and "openssh-server" in dockerfile  # the MPIJob's workers run sshd
+
+
+def test_image_drops_the_base_rdma_stack_and_hpcx_mpi_before_the_efa_installer(repo_root):
+    """As AWS's NGC-based images do: the base's held ibverbs packages would block the installer's rdma-core,
+    and HPC-X's Open MPI (OPAL_PREFIX) would be the mpirun the preflight resolves."""
+    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+    installer = next(i for i, line in enumerate(lines) if "efa_installer.sh" in line)
+    [remove] = [i for i, line in enumerate(lines) if "apt-get remove" in line]
+    assert remove < installer
+    assert "--allow-change-held-packages ibverbs-utils libibverbs-dev libibverbs1 libmlx5-1" in lines[remove]
+    assert "libnccl" not in lines[remove]  # the NCCL PyTorch uses stays
+    [hpcx] = [i for i, line in enumerate(lines) if "/opt/hpcx" in line]
+    assert hpcx < installer
+    removed = set(lines[hpcx].split())
+    assert {"/opt/hpcx/ompi", "/opt/hpcx/nccl_rdma_sharp_plugin", "/usr/local/mpi"} <= removed
+    assert "/opt/hpcx" not in removed  # `import torch` needs HPC-X's UCX/UCC
+    assert lines.index("ENV OPAL_PREFIX=") < installer
