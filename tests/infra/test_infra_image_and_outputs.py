@@ -4,10 +4,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import subprocess
 from pathlib import PurePosixPath
 
 from infra.config import NAMESPACE, PVC_NAME
-from infra.image_versions import EFA_INSTALLERS, read_pins
+from infra.image_versions import BASE_IMAGES, EFA_INSTALLERS, read_pins
 from k8s.charts.preflight import ALL_REDUCE_PERF
 
 OUTPUT_KEYS = {
@@ -164,3 +165,34 @@ def test_image_drops_the_base_rdma_stack_and_hpcx_mpi_before_the_efa_installer(r
     assert {"/opt/hpcx/ompi", "/opt/hpcx/nccl_rdma_sharp_plugin", "/usr/local/mpi"} <= removed
     assert "/opt/hpcx" not in removed  # `import torch` needs HPC-X's UCX/UCC
     assert lines.index("ENV OPAL_PREFIX=") < installer
+
+
+def _constraint_filter(lines: list[str]) -> tuple[str, str, str]:
+    """The awk program the image runs on the base's pip constraint file."""
+    [rewrite] = [line for line in lines if line.startswith("RUN awk ")]
+    return re.fullmatch(r"RUN awk '(.+?)' /tmp/requirements-image\.txt (\S+) > /tmp/constraint\.txt "
+                        r"&& mv /tmp/constraint\.txt (\S+)", rewrite).group(1, 2, 3)
+
+
+def test_image_lets_its_locked_versions_past_the_base_pip_constraints(repo_root, tmp_path):
+    """NGC's PIP_CONSTRAINT file pins every package of the base: the image drops the lines of exactly the
+    packages it locks (any spelling of their names), before the first pip install, and keeps the rest."""
+    dockerfile = (repo_root / "training" / "Dockerfile").read_text()
+    lines = _instructions(dockerfile)
+    lock = (repo_root / "training" / "requirements-image.txt").read_text()
+    program, source, target = _constraint_filter(lines)
+    constraint_file = BASE_IMAGES[read_pins(dockerfile, lock).base_tag].pip_constraint_file
+    assert source == target == constraint_file
+    first_install = next(i for i, line in enumerate(lines) if "pip install" in line)
+    assert next(i for i, line in enumerate(lines) if line.startswith("RUN awk ")) < first_install
+
+    locked = _image_lock(repo_root)
+    base_pins = ["# pinned when the base was built", "torch==2.9.0a0+nv25.10", "numpy==1.26.4", "PyYAML==6.0.2",
+                 "nvidia_ml_py==13.580.82", "Packaging==25.0", "protobuf==4.25.8", "anyio==4.9.0", "pillow==11.3.0"]
+    (tmp_path / "requirements-image.txt").write_text(
+        (repo_root / "training" / "requirements-image.txt").read_text())
+    (tmp_path / "constraint.txt").write_text("\n".join(base_pins) + "\n")
+    kept = subprocess.run(["awk", program, "requirements-image.txt", "constraint.txt"], cwd=tmp_path,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    assert kept == ["# pinned when the base was built", "torch==2.9.0a0+nv25.10", "numpy==1.26.4"]
+    assert {"pyyaml", "nvidia-ml-py", "packaging", "protobuf", "anyio", "pillow"} <= set(locked)
