@@ -3,7 +3,7 @@ training/Dockerfile and training/requirements-image.txt still fit together.
 
 The pins move one at a time (a new NGC tag, a newer EFA installer, an NVRx release); what breaks is a pair:
 a plugin that does not compile against the base's CUDA, a wheel without a tag for the base's Python.
-`check_image_pins` names every broken pair and the source to read before fixing it. Torch-free: the
+`check_pins` names every broken pair and the source to read before fixing it. Torch-free: the
 infra tests run it on the files' text.
 """
 from __future__ import annotations
