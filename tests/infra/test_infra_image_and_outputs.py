@@ -4,8 +4,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import subprocess
+from pathlib import PurePosixPath
 
 from infra.config import NAMESPACE, PVC_NAME
+from infra.image_versions import BASE_IMAGES, EFA_INSTALLERS, read_pins
 from k8s.charts.preflight import ALL_REDUCE_PERF
 
 OUTPUT_KEYS = {
@@ -124,17 +127,72 @@ def test_output_values(full):
     assert outputs["FsxMountName"] == {"Fn::GetAtt": [fs_id, "LustreMountName"]}
 
 
-def test_image_installs_and_pins_the_efa_stack_and_the_preflight_tools(repo_root):
-    """NCCL must not fall back to TCP sockets unnoticed: libfabric's EFA provider and aws-ofi-nccl are
-    installed and pinned (as awsome-distributed-training's image does), and the preflight's binary is built."""
+def test_image_installs_the_efa_stack_and_the_preflight_tools(repo_root):
+    """NCCL must not fall back to TCP sockets unnoticed: libfabric's EFA provider and aws-ofi-nccl come from the
+    pinned EFA installer, the build checks the plugin is the version the facts say it bundles, NCCL is pointed
+    at it, and the preflight's binaries are built."""
     dockerfile = (repo_root / "training" / "Dockerfile").read_text()
-    pins = dict(re.findall(r"^ARG (EFA_INSTALLER_VERSION|AWS_OFI_NCCL_VERSION|NCCL_TESTS_VERSION)=(\S+)$", dockerfile, re.M))
-    assert pins == {"EFA_INSTALLER_VERSION": "1.43.2", "AWS_OFI_NCCL_VERSION": "1.16.3", "NCCL_TESTS_VERSION": "v2.16.9"}
-    installer = next(line for line in dockerfile.splitlines() if "efa_installer.sh" in line)
-    assert "--skip-kmod" in installer and "-y" in installer.split()  # user space only: the AMI has the driver
-    assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in dockerfile
-    assert "aws-ofi-nccl-${AWS_OFI_NCCL_VERSION}.tar.gz" in dockerfile and "--enable-platform-aws" in dockerfile
-    assert "--with-libfabric=/opt/amazon/efa" in dockerfile
-    assert "/opt/aws-ofi-nccl/install/lib" in re.search(r"LD_LIBRARY_PATH=(\S+)", dockerfile)[1]
-    assert f"test -x {ALL_REDUCE_PERF}" in dockerfile and "MPI=1" in dockerfile
-    assert "openssh-server" in dockerfile  # the MPIJob's workers run sshd
+    lines = _instructions(dockerfile)
+    pins = read_pins(dockerfile, (repo_root / "training" / "requirements-image.txt").read_text())
+    plugin_dir = EFA_INSTALLERS[pins.efa_installer].plugin_dir
+    [installer] = [line for line in lines if "efa_installer.sh" in line]
+    assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in installer
+    flags = installer.split()
+    assert {"-y", "--skip-kmod", "--disable-ngc", "--disable-build-ngc"} <= set(flags)  # user space, full install
+    assert f'strings {plugin_dir}/libnccl-net-ofi.so | grep -F "aws-ofi-nccl ${{AWS_OFI_NCCL_VERSION}}"' in installer
+    assert "aws-ofi-nccl-" not in dockerfile  # no second plugin built from source
+    [env] = [line for line in lines if line.startswith("ENV PATH=")]
+    assert re.search(r"LD_LIBRARY_PATH=(\S+)", env)[1].startswith(f"{plugin_dir}:")
+    assert "NCCL_NET_PLUGIN=ofi" in env.split()
+    perf_dir = PurePosixPath(ALL_REDUCE_PERF).parent
+    for binary in ("all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"):
+        assert f"test -x {perf_dir / binary}" in dockerfile, binary
+    assert "MPI=1" in dockerfile and "openssh-server" in dockerfile  # the MPIJob's workers run sshd
+
+
+def test_image_drops_the_base_rdma_stack_and_hpcx_mpi_before_the_efa_installer(repo_root):
+    """As AWS's NGC-based images do: the base's held ibverbs packages would block the installer's rdma-core,
+    and HPC-X's Open MPI (OPAL_PREFIX) would be the mpirun the preflight resolves."""
+    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+    installer = next(i for i, line in enumerate(lines) if "efa_installer.sh" in line)
+    [remove] = [i for i, line in enumerate(lines) if "apt-get remove" in line]
+    assert remove < installer
+    assert "--allow-change-held-packages ibverbs-utils libibverbs-dev libibverbs1 libmlx5-1" in lines[remove]
+    assert "libnccl" not in lines[remove]  # the NCCL PyTorch uses stays
+    [hpcx] = [i for i, line in enumerate(lines) if "/opt/hpcx" in line]
+    assert hpcx < installer
+    removed = set(lines[hpcx].split())
+    assert {"/opt/hpcx/ompi", "/opt/hpcx/nccl_rdma_sharp_plugin", "/usr/local/mpi"} <= removed
+    assert "/opt/hpcx" not in removed  # `import torch` needs HPC-X's UCX/UCC
+    assert lines.index("ENV OPAL_PREFIX=") < installer
+
+
+def _constraint_filter(lines: list[str]) -> tuple[str, str, str]:
+    """The awk program the image runs on the base's pip constraint file."""
+    [rewrite] = [line for line in lines if line.startswith("RUN awk ")]
+    return re.fullmatch(r"RUN awk '(.+?)' /tmp/requirements-image\.txt (\S+) > /tmp/constraint\.txt "
+                        r"&& mv /tmp/constraint\.txt (\S+)", rewrite).group(1, 2, 3)
+
+
+def test_image_lets_its_locked_versions_past_the_base_pip_constraints(repo_root, tmp_path):
+    """NGC's PIP_CONSTRAINT file pins every package of the base: the image drops the lines of exactly the
+    packages it locks (any spelling of their names), before the first pip install, and keeps the rest."""
+    dockerfile = (repo_root / "training" / "Dockerfile").read_text()
+    lines = _instructions(dockerfile)
+    lock = (repo_root / "training" / "requirements-image.txt").read_text()
+    program, source, target = _constraint_filter(lines)
+    constraint_file = BASE_IMAGES[read_pins(dockerfile, lock).base_tag].pip_constraint_file
+    assert source == target == constraint_file
+    first_install = next(i for i, line in enumerate(lines) if "pip install" in line)
+    assert next(i for i, line in enumerate(lines) if line.startswith("RUN awk ")) < first_install
+
+    locked = _image_lock(repo_root)
+    base_pins = ["# pinned when the base was built", "torch==2.9.0a0+nv25.10", "numpy==1.26.4", "PyYAML==6.0.2",
+                 "nvidia_ml_py==13.580.82", "Packaging==25.0", "protobuf==4.25.8", "anyio==4.9.0", "pillow==11.3.0"]
+    (tmp_path / "requirements-image.txt").write_text(
+        (repo_root / "training" / "requirements-image.txt").read_text())
+    (tmp_path / "constraint.txt").write_text("\n".join(base_pins) + "\n")
+    kept = subprocess.run(["awk", program, "requirements-image.txt", "constraint.txt"], cwd=tmp_path,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    assert kept == ["# pinned when the base was built", "torch==2.9.0a0+nv25.10", "numpy==1.26.4"]
+    assert {"pyyaml", "nvidia-ml-py", "packaging", "protobuf", "anyio", "pillow"} <= set(locked)
