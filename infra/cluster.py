@@ -28,6 +28,9 @@ KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
 SYSTEM_ROOT_VOLUME_GIB = 200
 
 OPEN_CIDR = "0.0.0.0/0"
+# Where an EKS add-on runs, and so its service account, unless its NamespaceConfig says otherwise (none here
+# does; CloudFormation AWS::EKS::Addon, NamespaceConfig: "override the default namespace").
+ADDON_NAMESPACE = "kube-system"
 
 @dataclass(frozen=True)
 class AddonSpec:
@@ -36,7 +39,7 @@ class AddonSpec:
     # reviewed change, not whatever EKS defaults to on the day of a redeploy.
     versions: Mapping[str, str]
     configuration: Mapping[str, Any] | None = None  # the add-on's configuration values (its Helm values)
-    # The add-on's service account (in kube-system) and the AWS managed policies of its Pod Identity role;
+    # The add-on's service account (in ADDON_NAMESPACE) and the AWS managed policies of its Pod Identity role;
     # none: the add-on calls no AWS API.
     service_account: str | None = None
     managed_policies: tuple[str, ...] = ()
@@ -196,7 +199,8 @@ class EksCluster(Construct):
         associations = None
         if spec.service_account:
             role = pod_identity_role(
-                self, f"{spec.name}-role", cluster=self.cluster, managed_policies=spec.managed_policies,
+                self, f"{spec.name}-role", cluster=self.cluster, namespace=ADDON_NAMESPACE,
+                service_account=spec.service_account, managed_policies=spec.managed_policies,
                 why=f"is what AWS documents for the {spec.name} add-on, on its own Pod Identity role.",
             )
             associations = [eks.CfnAddon.PodIdentityAssociationProperty(
