@@ -88,6 +88,9 @@ class EksClusterProps:
     admin_role_arn: str | None
     system_instance_type: str
     system_nodes: int
+    # The FSx for Lustre clients' group (infra/network.py): the rendezvous store and the report Job run here
+    # and mount the checkpoint volume, whose Lustre client is the node's kernel.
+    lustre_client_security_group: ec2.ISecurityGroup
     logs: LogArchive  # the stack's: the control plane's log group and the kubectl provider's
 
 
@@ -171,6 +174,13 @@ class EksCluster(Construct):
             launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
                 metadata_options=IMDS_V2_ONE_HOP,
                 block_device_mappings=[encrypted_root_volume(SYSTEM_ROOT_VOLUME_GIB)],
+                # A template that names groups gets no cluster group from EKS (EKS user guide, "Customize
+                # managed nodes with launch templates", "Using custom security groups"): it is listed, for
+                # the control plane and the other nodes, beside the Lustre clients' group.
+                security_group_ids=[
+                    self.cluster.cluster_security_group_id,
+                    props.lustre_client_security_group.security_group_id,
+                ],
             ),
         )
         self.system_nodegroup = self.cluster.add_nodegroup_capacity(

@@ -52,6 +52,16 @@ def test_system_node_group_is_al2023_with_configured_size_label_and_disk(full):
     assert SYSTEM_ROOT_VOLUME_GIB >= 100 and "DiskSize" not in system
 
 
+def test_system_nodes_keep_the_cluster_group_beside_the_lustre_clients_group(full):
+    """The store and the report Job on these nodes mount FSx, so they carry the Lustre clients' group; a template
+    that names groups gets no cluster group from EKS, without which the nodes could not join the cluster."""
+    [cluster_id] = full.resources("Cluster", "AWS::EKS::Cluster")
+    lustre_clients = full.imported("Network", {"Fn::GetAtt": [full.security_group("Network", "FSx for Lustre clients"),
+                                                              "GroupId"]})
+    template = full.launch_template(full.nodegroup("AL2023_x86_64_STANDARD"))
+    assert template["SecurityGroupIds"] == [{"Fn::GetAtt": [cluster_id, "ClusterSecurityGroupId"]}, lustre_clients]
+
+
 def test_system_nodes_require_imdsv2_with_one_hop(full):
     """As the GPU nodes: a pod on the pod network (the rendezvous store, CoreDNS, Prometheus) cannot reach IMDS
     and take the node role's credentials."""
