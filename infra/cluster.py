@@ -28,6 +28,9 @@ KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
 SYSTEM_ROOT_VOLUME_GIB = 200
 
 OPEN_CIDR = "0.0.0.0/0"
+# Where an EKS add-on runs, and so its service account, unless its NamespaceConfig says otherwise (none here
+# does; CloudFormation AWS::EKS::Addon, NamespaceConfig: "override the default namespace").
+ADDON_NAMESPACE = "kube-system"
 
 @dataclass(frozen=True)
 class AddonSpec:
@@ -36,7 +39,7 @@ class AddonSpec:
     # reviewed change, not whatever EKS defaults to on the day of a redeploy.
     versions: Mapping[str, str]
     configuration: Mapping[str, Any] | None = None  # the add-on's configuration values (its Helm values)
-    # The add-on's service account (in kube-system) and the AWS managed policies of its Pod Identity role;
+    # The add-on's service account (in ADDON_NAMESPACE) and the AWS managed policies of its Pod Identity role;
     # none: the add-on calls no AWS API.
     service_account: str | None = None
     managed_policies: tuple[str, ...] = ()
@@ -85,6 +88,9 @@ class EksClusterProps:
     admin_role_arn: str | None
     system_instance_type: str
     system_nodes: int
+    # The FSx for Lustre clients' group (infra/network.py): the rendezvous store and the report Job run here
+    # and mount the checkpoint volume, whose Lustre client is the node's kernel.
+    lustre_client_security_group: ec2.ISecurityGroup
     logs: LogArchive  # the stack's: the control plane's log group and the kubectl provider's
 
 
@@ -168,6 +174,13 @@ class EksCluster(Construct):
             launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
                 metadata_options=IMDS_V2_ONE_HOP,
                 block_device_mappings=[encrypted_root_volume(SYSTEM_ROOT_VOLUME_GIB)],
+                # A template that names groups gets no cluster group from EKS (EKS user guide, "Customize
+                # managed nodes with launch templates", "Using custom security groups"): it is listed, for
+                # the control plane and the other nodes, beside the Lustre clients' group.
+                security_group_ids=[
+                    self.cluster.cluster_security_group_id,
+                    props.lustre_client_security_group.security_group_id,
+                ],
             ),
         )
         self.system_nodegroup = self.cluster.add_nodegroup_capacity(
@@ -196,7 +209,8 @@ class EksCluster(Construct):
         associations = None
         if spec.service_account:
             role = pod_identity_role(
-                self, f"{spec.name}-role", cluster=self.cluster, managed_policies=spec.managed_policies,
+                self, f"{spec.name}-role", cluster=self.cluster, namespace=ADDON_NAMESPACE,
+                service_account=spec.service_account, managed_policies=spec.managed_policies,
                 why=f"is what AWS documents for the {spec.name} add-on, on its own Pod Identity role.",
             )
             associations = [eks.CfnAddon.PodIdentityAssociationProperty(

@@ -68,7 +68,10 @@ class Network(Construct):
         self.gpu_subnet.apply_removal_policy(props.gpu_subnet_removal_policy)
         self.vpc.apply_removal_policy(props.gpu_subnet_removal_policy)
 
-        # The GPU nodes' own group: FSx for Lustre admits Lustre traffic from it alone.
+        # The FSx for Lustre clients' group, on every node whose pods mount the checkpoint volume: the GPU
+        # nodes (training) and the system nodes (rendezvous store, report Job). FSx admits Lustre traffic from
+        # it alone. Its description predates the system nodes; it stays, since a new description replaces the
+        # group (EC2 GroupDescription is immutable) and CloudFormation cannot change an export other stacks use.
         self.node_security_group = ec2.SecurityGroup(
             self, "NodeSecurityGroup", vpc=self.vpc, description="GPU training nodes (FSx for Lustre clients)"
         )

@@ -105,6 +105,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
             admin_role_arn=config.admin_role_arn,
             system_instance_type=config.system_instance_type,
             system_nodes=config.system_nodes,
+            lustre_client_security_group=network.node_security_group,
             logs=LogArchive(cluster_stack, "Logs", log_archive),
         ),
     )

@@ -1,4 +1,4 @@
-"""IAM roles for EKS Pod Identity, assumable only by the Pod Identity service acting for this cluster."""
+"""IAM roles for EKS Pod Identity, each assumable only for one service account of one cluster."""
 from __future__ import annotations
 
 from aws_cdk import Stack, aws_eks_v2 as eks, aws_iam as iam
@@ -7,17 +7,35 @@ from constructs import Construct
 from infra.nag import acknowledge_managed_policies
 
 POD_IDENTITY_PRINCIPAL = "pods.eks.amazonaws.com"
+# The session tags Pod Identity sets when it assumes a role for a pod (EKS user guide, "Create IAM role with
+# trust policy required by EKS Pod Identity" and "Grant Pods access to AWS resources based on tags": eks-cluster-arn,
+# eks-cluster-name, kubernetes-namespace, kubernetes-service-account, kubernetes-pod-name, kubernetes-pod-uid).
+CLUSTER_ARN_TAG = "aws:RequestTag/eks-cluster-arn"
+NAMESPACE_TAG = "aws:RequestTag/kubernetes-namespace"
+SERVICE_ACCOUNT_TAG = "aws:RequestTag/kubernetes-service-account"
+SOURCE_ACCOUNT = "aws:SourceAccount"
 
 
-def pod_identity_role(scope: Construct, construct_id: str, *, cluster: eks.ICluster,
-                      managed_policies: tuple[str, ...], why: str) -> iam.Role:
-    """A role that the Pod Identity agent may assume (and tag the session of) for `cluster` alone: without the
-    aws:SourceAccount / aws:SourceArn conditions, a Pod Identity association in any cluster of any account
-    that names the role would get its credentials (confused deputy; EKS user guide, "Create the Pod Identity
-    trust policy"). `why` completes "<policy> ..." into each managed policy's cdk-nag acknowledgment."""
+def pod_identity_role(scope: Construct, construct_id: str, *, cluster: eks.ICluster, namespace: str,
+                      service_account: str, managed_policies: tuple[str, ...], why: str) -> iam.Role:
+    """A role that Pod Identity may assume (and tag the session of) for `namespace`/`service_account` of
+    `cluster` alone, in this account: without conditions, a Pod Identity association in any cluster that
+    names the role would get its credentials. The user guide scopes such roles by the session tags above,
+    which Pod Identity always sets (they are on unless an association disables them; none here does).
+    aws:SourceAccount is the cross-service confused-deputy guard (IAM user guide, "The confused deputy
+    problem"). No EKS page lists it among the keys Pod Identity sets; a user's test in
+    awslabs/mountpoint-s3-csi-driver issue 781 shows a trust policy on aws:SourceAccount alone working.
+    No aws:SourceArn: no EKS page says what Pod Identity sets it to (unverified; that issue's user had it
+    be an association ARN, …:podidentityassociation/<cluster>/…, never the cluster's), and a condition that
+    does not match denies every pod: aws-node would get no credentials and no node would become Ready.
+    `why` completes "<policy> ..." into each managed policy's cdk-nag acknowledgment."""
     principal = iam.ServicePrincipal(POD_IDENTITY_PRINCIPAL).with_conditions({
-        "StringEquals": {"aws:SourceAccount": Stack.of(scope).account},
-        "ArnEquals": {"aws:SourceArn": cluster.cluster_arn},
+        "StringEquals": {
+            SOURCE_ACCOUNT: Stack.of(scope).account,
+            CLUSTER_ARN_TAG: cluster.cluster_arn,
+            NAMESPACE_TAG: namespace,
+            SERVICE_ACCOUNT_TAG: service_account,
+        },
     })
     role = iam.Role(
         scope,

@@ -8,7 +8,9 @@ from constructs import Construct
 
 from infra.nag import acknowledge
 
-# Lustre: 988 for LNet, 1018-1023 for the servers' connections back to clients.
+# Lustre: 988 for LNet, 1018-1023 for the servers' connections back to clients; both open between the file
+# servers and from and to the clients (FSx for Lustre user guide, "File system access control with Amazon VPC";
+# "Creating an FSx for Lustre file system fails" names the same ports).
 LUSTRE_PORTS = ((988, 988), (1018, 1023))
 
 
@@ -16,7 +18,7 @@ LUSTRE_PORTS = ((988, 988), (1018, 1023))
 class CheckpointStorageProps:
     vpc: ec2.IVpc
     subnet: ec2.ISubnet  # the GPU subnet: Lustre is single-zone, keep it beside the nodes
-    client_security_group: ec2.ISecurityGroup
+    client_security_group: ec2.ISecurityGroup  # carried by every node that mounts the file system
     storage_gib: int
     throughput_per_tib: int
     export_bucket: bool
@@ -40,6 +42,8 @@ class CheckpointStorage(Construct):
 
     def __init__(self, scope: Construct, construct_id: str, props: CheckpointStorageProps) -> None:
         super().__init__(scope, construct_id)
+        # "from GPU nodes only" predates the system nodes' joining the client group: a new description would
+        # replace the group, and with it the file system (FSx SecurityGroupIds changes require replacement).
         security_group = ec2.SecurityGroup(
             self, "SecurityGroup", vpc=props.vpc, description="FSx for Lustre: Lustre ports from GPU nodes only"
         )
@@ -48,7 +52,7 @@ class CheckpointStorage(Construct):
         # must not depend on storage.
         for index, (low, high) in enumerate(LUSTRE_PORTS):
             security_group.add_ingress_rule(
-                props.client_security_group, ec2.Port.tcp_range(low, high), "Lustre from GPU nodes"
+                props.client_security_group, ec2.Port.tcp_range(low, high), "Lustre from the client nodes"
             )
             ec2.CfnSecurityGroupIngress(
                 self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import aws_cdk as cdk
 import pytest
@@ -66,7 +67,8 @@ def test_cfn_lint_finds_no_error_in_other_instance_and_capacity_variants(variant
     assert _lint_errors(variant, "Cluster") + _lint_errors(variant, "Storage") == []
 
 
-def test_cdk_cli_synthesizes_the_app_offline(repo_root, tmp_path):
+def _cdk_cli(repo_root: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CDK CLI as a user runs it from the repository (`npx cdk ...`), without AWS credentials."""
     cli = repo_root / "node_modules" / ".bin" / "cdk"
     if not cli.exists():
         pytest.skip("node_modules/.bin/cdk is missing: `make setup` installs the CDK CLI (npm ci)")
@@ -78,10 +80,11 @@ def test_cdk_cli_synthesizes_the_app_offline(repo_root, tmp_path):
     }
     for variable in ("AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         env.pop(variable, None)
-    result = subprocess.run(
-        [str(cli), "synth", "--quiet", "--no-notices", "--output", str(tmp_path / "cdk.out")],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=300,
-    )
+    return subprocess.run([str(cli), *args], cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cdk_cli_synthesizes_the_app_offline(repo_root, tmp_path):
+    result = _cdk_cli(repo_root, "synth", "--quiet", "--no-notices", "--output", str(tmp_path / "cdk.out"))
     assert result.returncode == 0, result.stdout + result.stderr
     out = tmp_path / "cdk.out"
     for stack in ("Network", "Storage", "Cluster"):
@@ -89,3 +92,14 @@ def test_cdk_cli_synthesizes_the_app_offline(repo_root, tmp_path):
     # cdk.json as shipped has no imageUri: the image is an asset that `cdk deploy` builds and pushes.
     [image] = json.loads((out / "Cluster.assets.json").read_text())["dockerImages"].values()
     assert image["source"]["dockerFile"] == "training/Dockerfile"
+
+
+def test_cdk_cli_reports_a_bad_config_value_in_one_line(repo_root, tmp_path):
+    """`cdk synth -c ...` with counts that cannot hold: the config's message and a failed exit, no traceback."""
+    result = _cdk_cli(repo_root, "synth", "--quiet", "--no-notices", "--output", str(tmp_path / "cdk.out"),
+                      "-c", "gpuNodesDesired=5", "-c", "gpuNodesMax=4")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr
+    assert ("error: GPU node counts must satisfy gpuNodesMin <= gpuNodesDesired <= gpuNodesMax; got gpuNodesMin=2, "
+            "gpuNodesDesired=5, gpuNodesMax=4") in result.stderr.splitlines()
+    assert not list((tmp_path / "cdk.out").glob("*.template.json")), "nothing may be synthesized"

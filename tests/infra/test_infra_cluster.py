@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from infra.cluster import ADDONS, SYSTEM_ROOT_VOLUME_GIB
+from infra.cluster import ADDON_NAMESPACE, ADDONS, SYSTEM_ROOT_VOLUME_GIB
 from infra.config import GPU_TAINT_KEY, SYSTEM_NODE_LABEL
 
 
@@ -52,6 +52,16 @@ def test_system_node_group_is_al2023_with_configured_size_label_and_disk(full):
     assert SYSTEM_ROOT_VOLUME_GIB >= 100 and "DiskSize" not in system
 
 
+def test_system_nodes_keep_the_cluster_group_beside_the_lustre_clients_group(full):
+    """The store and the report Job on these nodes mount FSx, so they carry the Lustre clients' group; a template
+    that names groups gets no cluster group from EKS, without which the nodes could not join the cluster."""
+    [cluster_id] = full.resources("Cluster", "AWS::EKS::Cluster")
+    lustre_clients = full.imported("Network", {"Fn::GetAtt": [full.security_group("Network", "FSx for Lustre clients"),
+                                                              "GroupId"]})
+    template = full.launch_template(full.nodegroup("AL2023_x86_64_STANDARD"))
+    assert template["SecurityGroupIds"] == [{"Fn::GetAtt": [cluster_id, "ClusterSecurityGroupId"]}, lustre_clients]
+
+
 def test_system_nodes_require_imdsv2_with_one_hop(full):
     """As the GPU nodes: a pod on the pod network (the rendezvous store, CoreDNS, Prometheus) cannot reach IMDS
     and take the node role's credentials."""
@@ -90,22 +100,52 @@ def test_node_roles_carry_no_cni_policy_which_aws_node_gets_by_pod_identity(vari
         assert {addons["vpc-cni"], addons["eks-pod-identity-agent"]} <= set(group.get("DependsOn", []))
 
 
-def test_every_pod_identity_role_trusts_this_cluster_only(variant):
-    cluster_id = next(iter(variant.resources("Cluster", "AWS::EKS::Cluster")))
+def _pod_identity_associations(synth) -> list[dict]:
+    """Every Pod Identity association of every stack as {ClusterName, Namespace, ServiceAccount, RoleArn}: the
+    AWS::EKS::PodIdentityAssociation resources and those an AWS::EKS::Addon declares, in its own namespace."""
+    found = []
+    for template in synth.templates.values():
+        for resource in template["Resources"].values():
+            props = resource.get("Properties", {})
+            if resource["Type"] == "AWS::EKS::PodIdentityAssociation":
+                assert not props.get("DisableSessionTags"), "the trust conditions need the session tags"
+                found.append({k: props[k] for k in ("ClusterName", "Namespace", "ServiceAccount", "RoleArn")})
+            elif resource["Type"] == "AWS::EKS::Addon":
+                namespace = props.get("NamespaceConfig", {}).get("Namespace", ADDON_NAMESPACE)
+                found += [{"ClusterName": props["ClusterName"], "Namespace": namespace, **association}
+                          for association in props.get("PodIdentityAssociations", [])]
+    return found
+
+
+def test_every_pod_identity_role_trusts_exactly_the_service_account_its_association_names(variant):
+    """Pod Identity tags the session with the pod's cluster, namespace and service account (EKS user guide,
+    "Create IAM role with trust policy required by EKS Pod Identity"): each role's trust names those of the
+    association that uses it, and the account. A role whose conditions drifted from its association would
+    deny that pod its credentials (for aws-node: no node ever Ready); an unscoped one would serve any pod."""
+    [cluster_id] = variant.resources("Cluster", "AWS::EKS::Cluster")
+    associations = _pod_identity_associations(variant)
     trusting = []
     for stack, template in variant.templates.items():
         for logical_id, role in template["Resources"].items():
             if role["Type"] != "AWS::IAM::Role":
                 continue
             for statement in role["Properties"]["AssumeRolePolicyDocument"]["Statement"]:
-                if "pods.eks.amazonaws.com" in json.dumps(statement.get("Principal")):
-                    trusting.append(logical_id)
-                    assert stack == "Cluster"
-                    assert statement["Condition"] == {
-                        "StringEquals": {"aws:SourceAccount": {"Ref": "AWS::AccountId"}},
-                        "ArnEquals": {"aws:SourceArn": {"Fn::GetAtt": [cluster_id, "Arn"]}},
-                    }, logical_id
+                if "pods.eks.amazonaws.com" not in json.dumps(statement.get("Principal")):
+                    continue
+                trusting.append(logical_id)
+                assert stack == "Cluster"
+                assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+                [using] = [a for a in associations if a["RoleArn"] == {"Fn::GetAtt": [logical_id, "Arn"]}]
+                assert using["ClusterName"] == {"Ref": cluster_id}
+                assert statement["Condition"] == {"StringEquals": {
+                    "aws:SourceAccount": {"Ref": "AWS::AccountId"},
+                    "aws:RequestTag/eks-cluster-arn": {"Fn::GetAtt": [cluster_id, "Arn"]},
+                    "aws:RequestTag/kubernetes-namespace": using["Namespace"],
+                    "aws:RequestTag/kubernetes-service-account": using["ServiceAccount"],
+                }}, logical_id
     assert trusting  # the VPC CNI's role at least
+    # and no association hands out a role that is not scoped so
+    assert sorted(a["RoleArn"]["Fn::GetAtt"][0] for a in associations) == sorted(trusting)
 
 
 def test_kubectl_provider_layer_matches_the_kubernetes_minor_version(full):

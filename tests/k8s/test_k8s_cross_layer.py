@@ -1,11 +1,13 @@
 """The Job against what the infra stacks create: synthesize infra/platform.py (one app per instance
 type, ~5 s each), turn its outputs into the cdk-outputs.json a deploy would write, render the
 charts from it, and compare names, mounts, node labels, taints, node counts and per-instance
-device counts."""
+device counts; then follow every pod to the node group its nodeSelector picks and that group's security
+groups, and check each path the pod needs (FSx, the pods its NetworkPolicies open, EFA) passes them."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 import aws_cdk as cdk
 import pytest
@@ -15,10 +17,15 @@ from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, 
 from infra.instances import INSTANCE_TYPES
 from infra.platform import build_platform
 from k8s.outputs import REQUIRED_KEYS
+from k8s.charts.training import PROMETHEUS_SERVER
 from k8s_render import fitting
+from security_groups import ALL, NodeGroup, SecurityGroups
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"  # a given imageUri is output as is
 _HUGEPAGES_2MI_PER_GIB = 512
+# Lustre's ports, in from the clients and between the file servers, and the servers' calls back to the clients
+# (FSx for Lustre user guide, "File system access control with Amazon VPC").
+LUSTRE_PORTS = (988, 1018, 1023)
 
 
 def _text(value: Any) -> str:
@@ -41,7 +48,8 @@ def _resources(template: dict, kind: str) -> list[dict]:
 
 @pytest.fixture(scope="module", params=sorted(INSTANCE_TYPES))
 def synthesized(request) -> tuple[PlatformConfig, dict[str, dict]]:
-    config = PlatformConfig(gpu_instance_type=request.param, image_uri=IMAGE)
+    # With the Prometheus server, whose scrapes of the training pods are one of the paths to check.
+    config = PlatformConfig(gpu_instance_type=request.param, image_uri=IMAGE, prometheus_server=True)
     app = cdk.App()
     platform = build_platform(app, config)
     assembly = app.synth()
@@ -126,3 +134,131 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
         assert f"vm.nr_hugepages = {facts.hugepages_2mi_gib * _HUGEPAGES_2MI_PER_GIB}" in user_data
         assert limits["hugepages-2Mi"] == f"{facts.hugepages_2mi_gib}Gi"
     assert "strategy: RAID0" in user_data and "emptyDir" in r.pod_volumes["scratch"]
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    namespace: str
+    labels: Mapping[str, str]
+    spec: Mapping[str, Any]
+
+
+def _pods_of(obj: dict) -> Iterator[Pod]:
+    """Every pod template of a rendered object, at any depth (Job, Deployment, MPIJob replica specs)."""
+    def walk(node: Any) -> Iterator[Pod]:
+        if isinstance(node, dict):
+            if "containers" in node.get("spec", {}):
+                yield Pod(f"{obj['kind']}/{obj['metadata']['name']}", obj["metadata"]["namespace"],
+                          node.get("metadata", {}).get("labels", {}), node["spec"])
+            for value in node.values():
+                yield from walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from walk(value)
+    return walk(obj.get("spec", {}))
+
+
+def _prometheus_server(cluster_template: dict) -> Pod:
+    """The server pod of the Prometheus chart the cluster stack installs: its values' nodeSelector, the labels
+    the training's NetworkPolicy admits it by."""
+    [chart] = [c for c in _resources(cluster_template, "Custom::AWSCDK-EKS-HelmChart") if c["Chart"] == "prometheus"]
+    values = json.loads(chart["Values"])
+    return Pod("prometheus-server", chart["Namespace"], PROMETHEUS_SERVER, {"nodeSelector": values["server"]["nodeSelector"]})
+
+
+def _selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels is followed here: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _peers(peer: Mapping[str, Any], namespace: str, pods: list[Pod]) -> list[Pod]:
+    """The pods a NetworkPolicy peer names (an ipBlock names none)."""
+    if "ipBlock" in peer:
+        return []
+    if "namespaceSelector" in peer:
+        [(key, namespace)] = peer["namespaceSelector"]["matchLabels"].items()
+        assert key == "kubernetes.io/metadata.name", peer
+    return [p for p in pods if p.namespace == namespace and _selects(peer.get("podSelector", {}), p.labels)]
+
+
+def _flows(policies: list[dict], pods: list[Pod]) -> Iterator[tuple[Pod, Pod, str, int | None]]:
+    """(source, target, protocol, port) of every connection between pods a NetworkPolicy opens; port None:
+    all traffic. From both ends: a policy's ingress rules and its egress rules to pods."""
+    for policy in policies:
+        namespace, spec = policy["metadata"]["namespace"], policy["spec"]
+        selected = [p for p in pods if p.namespace == namespace and _selects(spec["podSelector"], p.labels)]
+        for direction, peers_key in (("ingress", "from"), ("egress", "to")):
+            for rule in spec.get(direction, []):
+                peers = [p for peer in rule.get(peers_key, []) for p in _peers(peer, namespace, pods)]
+                ports = [(port["protocol"].lower(), port["port"]) for port in rule.get("ports", [])] or [(ALL, None)]
+                for protocol, port in ports:
+                    assert port is None or isinstance(port, int), f"{policy['metadata']['name']}: named port {port}"
+                    for selected_pod in selected:
+                        for peer in peers:
+                            yield ((peer, selected_pod) if direction == "ingress" else (selected_pod, peer)) + (protocol, port)
+
+
+def _rendered(config: PlatformConfig, outputs: dict, render) -> list[dict]:
+    """Everything the k8s layer renders for this platform: the training, the report Job and, where the
+    instance has EFA, the NCCL preflight."""
+    context = {"gpuInstanceType": config.gpu_instance_type, "imageUri": IMAGE}
+    runs = [(), ("--report",)] + ([("--preflight",)] if INSTANCE_TYPES[config.gpu_instance_type].efa_interfaces else [])
+    return [o for args in runs for o in render(*fitting(config.gpu_instance_type), *args, context=context,
+                                               outputs=outputs).objects()]
+
+
+def _node_group(pod: Pod, node_groups: list[NodeGroup]) -> NodeGroup:
+    selector = pod.spec.get("nodeSelector", {})
+    matching = [g for g in node_groups if g.selected_by(selector)]
+    assert len(matching) == 1, f"{pod.name}: nodeSelector {selector} picks {[g.logical_id for g in matching]}"
+    return matching[0]
+
+
+def test_every_pod_reaches_what_it_needs_through_the_security_groups(synthesized, render):
+    """A path that a security group blocks shows up late: a pod that mounts FSx waits in ContainerCreating, a
+    launcher never reaches the store, Prometheus scrapes nothing. Each pod is followed to the node group its
+    nodeSelector picks, to that group's security groups, and each path it needs is checked against the rules."""
+    config, templates = synthesized
+    objects = _rendered(config, _deploy_outputs(templates), render)
+    cluster = next(t for t in templates.values() if _resources(t, "AWS::EKS::Nodegroup"))
+    pods = [p for o in objects for p in _pods_of(o)] + [_prometheus_server(cluster)]
+    network = SecurityGroups(templates)
+    node_groups = network.node_groups()
+    blocked = []
+
+    # FSx: every pod that mounts the claim, its node's Lustre client to the file servers and back.
+    [(storage, fs)] = [(stack, props) for stack, t in templates.items() for props in _resources(t, "AWS::FSx::FileSystem")]
+    fsx = frozenset(network.group(storage, g) for g in fs["SecurityGroupIds"])
+    mounting = [p for p in pods if any(v.get("persistentVolumeClaim", {}).get("claimName") == PVC_NAME
+                                       for v in p.spec.get("volumes", []))]
+    assert {p.name for p in mounting} >= {"Job/fsdp-train", "Deployment/fsdp-train-rendezvous", "Job/fsdp-train-report"}
+    for pod in mounting:
+        nodes = _node_group(pod, node_groups).groups
+        for port in LUSTRE_PORTS:
+            for source, target, what in ((nodes, fsx, "to FSx"), (fsx, nodes, "FSx back to the node"),
+                                         (fsx, fsx, "between the file servers")):
+                if not network.passes(source, target, "tcp", port):
+                    blocked.append(f"{pod.name}: Lustre tcp/{port} {what}")
+
+    # Pods to pods: every connection a NetworkPolicy opens (the store's port from the training pods, the metrics
+    # port from Prometheus, the ranks among themselves, the preflight's launcher and workers), node to node.
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    flows = set()
+    for source, target, protocol, port in _flows(policies, pods):
+        flows.add((source.name, target.name, protocol, port))
+        if not network.passes(_node_group(source, node_groups).groups, _node_group(target, node_groups).groups,
+                              protocol, port):
+            blocked.append(f"{source.name} -> {target.name}: {protocol}/{port if port is not None else 'all'}")
+    assert ("Job/fsdp-train", "Deployment/fsdp-train-rendezvous", "tcp", 29500) in flows
+    assert ("Job/fsdp-train", "Job/fsdp-train", ALL, None) in flows
+    assert ("prometheus-server", "Job/fsdp-train", "tcp", 9464) in flows
+
+    # EFA: NCCL's OS-bypass traffic needs a group on every EFA interface that lets all traffic in from and out to
+    # itself (EC2 user guide, "Get started with EFA and NCCL for ML workloads", "Prepare an EFA-enabled security group").
+    for pod in pods:
+        if any("vpc.amazonaws.com/efa" in c.get("resources", {}).get("limits", {}) for c in pod.spec.get("containers", [])):
+            for interface in _node_group(pod, node_groups).efa_interface_groups:
+                if not any(network.passes(frozenset([g]), frozenset([g]), ALL, None) for g in interface):
+                    blocked.append(f"{pod.name}: EFA interface groups {sorted(interface)} have no all-traffic self rule")
+    assert blocked == []
