@@ -6,7 +6,7 @@ import json
 import re
 
 from infra.config import NAMESPACE, PVC_NAME
-from k8s.charts.preflight import ALL_REDUCE_PERF
+from k8s.charts.preflight import PERF_BINARIES
 
 OUTPUT_KEYS = {
     "ClusterName", "UpdateKubeconfigCommand", "Namespace", "PvcName",
@@ -136,5 +136,5 @@ def test_image_installs_and_pins_the_efa_stack_and_the_preflight_tools(repo_root
     assert "aws-ofi-nccl-${AWS_OFI_NCCL_VERSION}.tar.gz" in dockerfile and "--enable-platform-aws" in dockerfile
     assert "--with-libfabric=/opt/amazon/efa" in dockerfile
     assert "/opt/aws-ofi-nccl/install/lib" in re.search(r"LD_LIBRARY_PATH=(\S+)", dockerfile)[1]
-    assert f"test -x {ALL_REDUCE_PERF}" in dockerfile and "MPI=1" in dockerfile
+    assert f"test -x {PERF_BINARIES['all_reduce']}" in dockerfile and "MPI=1" in dockerfile
     assert "openssh-server" in dockerfile  # the MPIJob's workers run sshd
