@@ -9,6 +9,7 @@ from aws_cdk import Annotations, RemovalPolicy, Stack, aws_ec2 as ec2, aws_eks_v
 from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
 from constructs import Construct
 
+from infra.addon_pins import ADDON_PINS, AddonPin
 from infra.config import SYSTEM_NODE_LABEL
 from infra.device_plugins import GPU_TOLERATIONS
 from infra.log_archive import LogArchive
@@ -35,9 +36,9 @@ ADDON_NAMESPACE = "kube-system"
 @dataclass(frozen=True)
 class AddonSpec:
     name: str
-    # Pinned per Kubernetes minor version, as the device-plugin charts are: an add-on upgrade is a
-    # reviewed change, not whatever EKS defaults to on the day of a redeploy.
-    versions: Mapping[str, str]
+    # Pinned per Kubernetes minor version, as the device-plugin charts are, each pin with its source
+    # (infra/addon_pins.py): an add-on upgrade is a reviewed change.
+    versions: Mapping[str, AddonPin]
     configuration: Mapping[str, Any] | None = None  # the add-on's configuration values (its Helm values)
     # The add-on's service account (in ADDON_NAMESPACE) and the AWS managed policies of its Pod Identity role;
     # none: the add-on calls no AWS API.
@@ -48,13 +49,8 @@ class AddonSpec:
     before_nodes: bool = False
 
 
-def _same_version(version: str) -> dict[str, str]:
-    return dict.fromkeys(KUBECTL_LAYERS, version)
-
-
-# Versions from the EKS user guide's add-on pages (managing-vpc-cni, managing-coredns, managing-kube-proxy,
-# Nov 2025) and the node monitoring agent's chart (aws/eks-node-monitoring-agent v1.7.0); check one with
-# `aws eks describe-addon-versions --addon-name NAME --kubernetes-version 1.34`.
+# Versions and their sources: infra/addon_pins.py; `python -m infra.preflight` checks each against the
+# account's region (DescribeAddonVersions) before deploy.
 ADDONS = (
     # 1.18.5 or later: EFA-only interfaces. enableNetworkPolicy starts the network policy agent, without
     # which the Job's NetworkPolicies are accepted and silently not enforced.
@@ -63,18 +59,18 @@ ADDONS = (
     # Pod Identity, and a separate role is the recommended setup). aws-node needs them before a node can
     # run any pod, so this add-on, its association and the Pod Identity agent exist before any node does;
     # the agent runs in the host network and takes the node role's eks-auth:AssumeRoleForPodIdentity.
-    AddonSpec("vpc-cni", _same_version("v1.20.1-eksbuild.3"), {"enableNetworkPolicy": "true"},
+    AddonSpec("vpc-cni", ADDON_PINS["vpc-cni"], {"enableNetworkPolicy": "true"},
               service_account="aws-node", managed_policies=("AmazonEKS_CNI_Policy",), before_nodes=True),
-    AddonSpec("eks-pod-identity-agent", _same_version("v1.3.8-eksbuild.2"), before_nodes=True),
-    AddonSpec("coredns", _same_version("v1.12.4-eksbuild.1")),
-    AddonSpec("kube-proxy", {"1.33": "v1.33.5-eksbuild.2", "1.34": "v1.34.1-eksbuild.2"}),
+    AddonSpec("eks-pod-identity-agent", ADDON_PINS["eks-pod-identity-agent"], before_nodes=True),
+    AddonSpec("coredns", ADDON_PINS["coredns"]),
+    AddonSpec("kube-proxy", ADDON_PINS["kube-proxy"]),
     # No IAM role: the checkpoint volume is a static PV, which the driver only mounts (Lustre client on
     # the node); FSx API calls serve dynamic provisioning, resizing and deletion, which nothing here
     # asks for. AmazonFSxFullAccess would let a compromised controller delete the checkpoints.
-    AddonSpec("aws-fsx-csi-driver", _same_version("v1.7.0-eksbuild.1")),
+    AddonSpec("aws-fsx-csi-driver", ADDON_PINS["aws-fsx-csi-driver"]),
     # Its DCGM DaemonSet tolerates nothing by default (chart values: dcgmAgent.tolerations: []): without
     # the GPU taint's toleration no GPU diagnostics run on the GPU nodes, the only nodes with GPUs.
-    AddonSpec("eks-node-monitoring-agent", _same_version("v1.7.0-eksbuild.1"),
+    AddonSpec("eks-node-monitoring-agent", ADDON_PINS["eks-node-monitoring-agent"],
               {"dcgmAgent": {"tolerations": GPU_TOLERATIONS}}),
 )
 
@@ -220,7 +216,7 @@ class EksCluster(Construct):
             self,
             spec.name,
             addon_name=spec.name,
-            addon_version=spec.versions[kubernetes_version],
+            addon_version=spec.versions[kubernetes_version].version,
             cluster_name=self.cluster.cluster_name,
             configuration_values=json.dumps(spec.configuration) if spec.configuration else None,
             pod_identity_associations=associations,

@@ -1,14 +1,18 @@
-"""The NCCL/EFA preflight's verdict on an nccl-tests `all_reduce_perf` run across the GPU nodes.
+"""The NCCL/EFA preflight's verdict on nccl-tests runs across the GPU nodes, one per collective.
 
 Runs inside the preflight MPIJob's launcher (standard library only: the chart ships this file in a
-ConfigMap): `python3 nccl_check.py --instance-type p5.48xlarge --min-busbw-gbs 300 --nodes 2
-[--node-names "mpirun … cat FILE"] -- mpirun …` streams the run's output and exits 1, naming the node and
-the figure, when
+ConfigMap): `python3 nccl_check.py --instance-type p5.48xlarge --nodes 2 --floor all_reduce=300
+--floor all_gather=240 … --timeout-s 900 [--node-names "mpirun … cat FILE"] -- mpirun … {collective}_perf …`
+runs the command once per --floor, in order, with `{collective}` replaced by the collective's name, streams
+each run's output and exits 1, naming the collective, the node and the figure, when
 - a node's NCCL did not log the EFA transport (`NET/OFI`, aws-ofi-nccl's lines at NCCL_DEBUG=INFO),
   e.g. it fell back to TCP sockets (`NET/Socket`, `Using network Socket`);
-- the bus bandwidth at the largest message size is below the instance type's floor
-  (infra/instances.py, min_allreduce_busbw_gbs);
+- the bus bandwidth at the largest message size is below the collective's floor for the instance type
+  (infra/instances.py, min_busbw_gbs);
+- a run did not finish within --timeout-s (a hang: aws-ofi-nccl 1.18.0 hung on broadcast while all-reduce
+  passed); its processes are killed and the next collective runs;
 - fewer nodes took part than the Job's size, the results had wrong values, or mpirun failed.
+FSDP2 moves its bytes with all-gather and reduce-scatter, so those are checked besides all-reduce.
 NCCL and nccl-tests name hosts by the pod's hostname; --node-names runs a command that prints
 "<hostname> <node name>" per worker (each worker wrote its Kubernetes node name at start), so a failure
 names the node to cordon, with its pod.
@@ -16,10 +20,13 @@ names the node to cordon, with its pod.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -35,7 +42,7 @@ _RESULT_ROW = re.compile(r"^\s*(?P<size>\d+)\s+\d+\s+\w+\s+\w+\s+-?\d+\s+(?P<out
 
 @dataclass
 class NcclRun:
-    """What the check reads from an all_reduce_perf run's output."""
+    """What the check reads from one nccl-tests run's output."""
 
     hosts: set[str] = field(default_factory=set)  # nodes that ran ranks
     efa_hosts: set[str] = field(default_factory=set)  # nodes whose NCCL logged NET/OFI
@@ -67,10 +74,14 @@ def parse(lines: Iterable[str]) -> NcclRun:
     return run
 
 
-def failures(run: NcclRun, *, instance_type: str, min_busbw_gbs: float, nodes: int,
-             node_names: Mapping[str, str] | None = None) -> list[str]:
-    """Why the run fails the preflight, one sentence each; empty when it passes. `node_names`: the
-    Kubernetes node of each host (pod hostname), where known."""
+PLACEHOLDER = "{collective}"
+
+
+def failures(run: NcclRun, *, collective: str, instance_type: str, min_busbw_gbs: float, nodes: int,
+             node_names: Mapping[str, str] | None = None, finished: bool = True) -> list[str]:
+    """Why the run of `collective` fails the preflight, one sentence each; empty when it passes. `node_names`:
+    the Kubernetes node of each host (pod hostname), where known. A run that did not finish is judged on its
+    transport only: its bandwidth at a smaller size says nothing against the floor."""
     names = node_names or {}
 
     def hosts(among: Iterable[str]) -> str:
@@ -82,14 +93,15 @@ def failures(run: NcclRun, *, instance_type: str, min_busbw_gbs: float, nodes: i
     for host in sorted(run.hosts - run.efa_hosts):
         fallback = " (NCCL used TCP sockets: NET/Socket)" if host in run.socket_hosts else ""
         problems.append(f"node {hosts([host])}: NCCL did not use EFA, no NET/OFI transport line{fallback}")
-    if run.busbw_gbs is None:
-        problems.append("no all_reduce_perf results in the output")
-    elif run.busbw_gbs < min_busbw_gbs:
-        problems.append(f"bus bandwidth {run.busbw_gbs:.1f} GB/s at {run.largest_size} bytes across nodes "
-                        f"{hosts(run.hosts)} is below {min_busbw_gbs:g} GB/s for {instance_type}")
-    if run.wrong_values:
-        problems.append(f"{run.wrong_values} wrong value(s) in the all_reduce_perf results")
-    return problems
+    if finished:
+        if run.busbw_gbs is None:
+            problems.append(f"no {collective}_perf results in the output")
+        elif run.busbw_gbs < min_busbw_gbs:
+            problems.append(f"bus bandwidth {run.busbw_gbs:.1f} GB/s at {run.largest_size} bytes across nodes "
+                            f"{hosts(run.hosts)} is below {min_busbw_gbs:g} GB/s for {instance_type}")
+        if run.wrong_values:
+            problems.append(f"{run.wrong_values} wrong value(s) in the {collective}_perf results")
+    return [f"{collective}: {problem}" for problem in problems]
 
 
 def node_names(command: list[str]) -> dict[str, str]:
@@ -103,34 +115,83 @@ def node_names(command: list[str]) -> dict[str, str]:
     return {pair[0]: pair[1] for pair in pairs if len(pair) == 2}
 
 
+def run_bounded(command: list[str], timeout_s: float) -> tuple[list[str], int, bool]:
+    """Run `command`, streaming its output (`kubectl logs` shows the run as it goes); kill its whole process
+    group after `timeout_s`. Returns (output lines, exit code, whether it was killed for taking too long)."""
+    output: list[str] = []
+    timed_out = threading.Event()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as proc:
+        def kill() -> None:
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout_s, kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                output.append(line)
+            proc.wait()
+        finally:
+            timer.cancel()
+    return output, proc.returncode, timed_out.is_set()
+
+
+def _floor(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        if sep and re.fullmatch(r"[a-z_]+", name):
+            return name, float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"--floor {text!r}: expected COLLECTIVE=GB/s, e.g. all_gather=240")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--instance-type", required=True)
-    p.add_argument("--min-busbw-gbs", type=float, required=True)
+    p.add_argument("--floor", type=_floor, action="append", required=True, metavar="COLLECTIVE=GBS",
+                   help="a collective to run and its bus bandwidth floor (GB/s); repeat, run in order")
     p.add_argument("--nodes", type=int, required=True, help="GPU nodes the run must span")
+    p.add_argument("--timeout-s", type=float, required=True, help="longest one collective's run may take")
     p.add_argument("--node-names", metavar="COMMAND", help='one string: a command printing "<hostname> <node name>" '
                    "per worker, run first; failures then name each pod's node")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- mpirun … all_reduce_perf …")
+    p.add_argument("command", nargs=argparse.REMAINDER, help=f"-- mpirun … {PLACEHOLDER}_perf …")
     args = p.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
+    template = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not template:
         p.error("give the nccl-tests command after --")
+    if len(args.floor) > 1 and not any(PLACEHOLDER in arg for arg in template):
+        p.error(f"the command must name the collective as {PLACEHOLDER} when more than one --floor is given")
     names = node_names(shlex.split(args.node_names)) if args.node_names else {}
-    output: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:  # streamed: `kubectl logs` shows the run as it goes
-            sys.stdout.write(line)
-            output.append(line)
-    run = parse(output)
-    problems = failures(run, instance_type=args.instance_type, min_busbw_gbs=args.min_busbw_gbs, nodes=args.nodes,
-                        node_names=names)
-    if proc.returncode:
-        problems.insert(0, f"{command[0]} exited with {proc.returncode}")
+    problems: list[str] = []
+    passed: list[str] = []
+    hosts: set[str] = set()
+    for collective, floor in args.floor:
+        command = [arg.replace(PLACEHOLDER, collective) for arg in template]
+        print(f"PREFLIGHT RUNNING: {collective} ({shlex.join(command)})", flush=True)
+        output, returncode, timed_out = run_bounded(command, args.timeout_s)
+        run = parse(output)
+        hosts |= run.hosts
+        found = failures(run, collective=collective, instance_type=args.instance_type, min_busbw_gbs=floor,
+                         nodes=args.nodes, node_names=names, finished=not timed_out)
+        if timed_out:
+            found.insert(0, f"{collective}: no result within {args.timeout_s:g} s, killed: a hang (e.g. aws-ofi-nccl "
+                            f"1.18.0 on broadcast) or a fabric far below {floor:g} GB/s")
+        elif returncode:
+            found.insert(0, f"{collective}: {command[0]} exited with {returncode}")
+        problems += found
+        if not found:
+            passed.append(f"{collective} {run.busbw_gbs:.1f} >= {floor:g}")
     for problem in problems:
         print(f"PREFLIGHT FAILED: {problem}", flush=True)
     if not problems:
-        print(f"PREFLIGHT PASSED: NET/OFI on {', '.join(sorted(run.hosts))}; bus bandwidth {run.busbw_gbs:.1f} GB/s "
-              f">= {args.min_busbw_gbs:g} GB/s for {args.instance_type}", flush=True)
+        print(f"PREFLIGHT PASSED: NET/OFI on {', '.join(sorted(hosts))}; bus bandwidth (GB/s) {'; '.join(passed)} "
+              f"for {args.instance_type}", flush=True)
     return 1 if problems else 0
 
 

@@ -1,5 +1,6 @@
-"""The NCCL/EFA preflight (`python k8s/main.py --preflight`): nccl-tests all_reduce_perf across every GPU
-node the Job runs on (its training nodes and spares), checked by k8s/nccl_check.py.
+"""The NCCL/EFA preflight (`python k8s/main.py --preflight`): nccl-tests all_reduce_perf, all_gather_perf,
+reduce_scatter_perf and broadcast_perf, one after the other, across every GPU node the Job runs on (its
+training nodes and spares), each checked by k8s/nccl_check.py against its own floor.
 
 An MPIJob (Kubeflow MPI Operator v2, kubeflow.org/v2beta1), as awsome-distributed-training and the EKS
 user guide's EFA page run nccl-tests: multi-node nccl-tests are MPI programs, one rank per GPU, and the
@@ -16,16 +17,25 @@ from cdk8s import Chart
 from constructs import Construct
 
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, SYSTEM_NODE_LABEL
+from k8s import nccl_check
 from k8s.charts.network import among_themselves, network_policy
 from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object
 from k8s.charts.training import efa_env, gpu_pod_resources
 from k8s.job_config import JobConfig, JobConfigError
 
-CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "nccl_check.py"
+CHECK_SCRIPT = Path(nccl_check.__file__)
 CHECK_MOUNT = "/preflight"
-ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
+NCCL_TESTS_BUILD = "/opt/nccl-tests/build"
+# What FSDP2 moves its bytes with (all-gather, reduce-scatter) besides all-reduce, and broadcast, which
+# aws-ofi-nccl 1.18.0 hung on while all-reduce passed (fixed in 1.20.0, aws/deep-learning-containers PR 6551).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+PERF_BINARIES = {collective: f"{NCCL_TESTS_BUILD}/{collective}_perf" for collective in COLLECTIVES}
 # 8 B to 16 GiB, doubling: the largest sizes show the fabric's bandwidth (awsome-distributed-training's run).
-ALL_REDUCE_ARGS = ["-b", "8", "-e", "16G", "-f", "2", "-g", "1", "-c", "1", "-n", "100"]
+PERF_ARGS = ["-b", "8", "-e", "16G", "-f", "2", "-g", "1", "-c", "1", "-n", "100"]
+# Each collective's run is killed after this long and reported as hung. A healthy p5 run of one collective
+# takes about half a minute (the sweep moves ~32 GiB a call at ~0.1 s per 16 GiB, 105 calls with warm-up);
+# ten minutes leave room for NCCL's start and for more nodes. A TCP fallback is also cut short here.
+COLLECTIVE_TIMEOUT_S = 600
 # Each worker writes "<pod hostname> <node name>" here at start (the downward API's spec.nodeName): NCCL
 # names hosts by pod hostname, the check names the node to cordon too. On the shm emptyDir: writable, and
 # a process that mpirun starts over SSH does not inherit the container's environment.
@@ -52,7 +62,7 @@ def _mpirun(job: JobConfig) -> list[str]:
         "--bind-to", "none", "-x", "PATH", "-x", "LD_LIBRARY_PATH", *exports,
         # Open MPI's own traffic (launch, bootstrap) over TCP on the pod network; NCCL's over EFA.
         "--mca", "pml", "^ucx", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_exclude", "lo,docker0",
-        ALL_REDUCE_PERF, *ALL_REDUCE_ARGS,
+        f"{NCCL_TESTS_BUILD}/{nccl_check.PLACEHOLDER}_perf", *PERF_ARGS,
     ]
 
 
@@ -68,8 +78,9 @@ def _pod_labels(job: JobConfig) -> dict[str, str]:
 def _launcher(job: JobConfig, config_map: str) -> dict:
     script = str(PurePosixPath(CHECK_MOUNT) / CHECK_SCRIPT.name)
     facts = job.instance
-    check = ["python3", script, "--instance-type", facts.name, "--min-busbw-gbs", f"{facts.min_allreduce_busbw_gbs:g}",
-             "--nodes", str(job.pods), "--node-names", _node_names(job), "--"]
+    floors = [arg for c in COLLECTIVES for arg in ("--floor", f"{c}={facts.min_busbw_gbs(c):g}")]
+    check = ["python3", script, "--instance-type", facts.name, *floors, "--nodes", str(job.pods),
+             "--timeout-s", str(COLLECTIVE_TIMEOUT_S), "--node-names", _node_names(job), "--"]
     return {"replicas": 1, "template": {"metadata": {"labels": _pod_labels(job)}, "spec": {
         "restartPolicy": "Never",  # a failed preflight is a verdict, not something to retry
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},  # no GPU needed: mpirun only starts the ranks

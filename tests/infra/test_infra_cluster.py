@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from infra.cluster import ADDON_NAMESPACE, ADDONS, SYSTEM_ROOT_VOLUME_GIB
-from infra.config import GPU_TAINT_KEY, SYSTEM_NODE_LABEL
+from infra.config import GPU_TAINT_KEY, KUBERNETES_VERSIONS, SYSTEM_NODE_LABEL
 
 
 def test_cluster_version_name_and_node_group_capacity_without_auto_mode(full):
@@ -180,7 +180,16 @@ def test_eks_addons_are_pinned_per_kubernetes_version(full, kubernetes_133):
     assert addons["kube-proxy"]["AddonVersion"].startswith("v1.34.")
     older = _addons(kubernetes_133)
     assert older["kube-proxy"]["AddonVersion"].startswith("v1.33.")
-    assert {name: a["AddonVersion"] for name, a in older.items()} == {s.name: s.versions["1.33"] for s in ADDONS}
+    assert {name: a["AddonVersion"] for name, a in older.items()} == {s.name: s.versions["1.33"].version for s in ADDONS}
+
+
+def test_every_addon_is_pinned_for_every_allowed_kubernetes_version_with_its_source():
+    for spec in ADDONS:
+        assert sorted(spec.versions) == sorted(KUBERNETES_VERSIONS), spec.name
+        for kubernetes, pin in spec.versions.items():
+            assert pin.version.startswith("v") and "-eksbuild." in pin.version, (spec.name, kubernetes)
+            # a public source that lists it, or an honest "unverified" that the AWS preflight makes up for
+            assert pin.source.startswith(("EKS user guide", "unverified: ")), (spec.name, kubernetes, pin.source)
 
 
 def test_vpc_cni_has_efa_only_support_and_enforces_network_policies(full):

@@ -5,11 +5,10 @@ import importlib.metadata
 import json
 import re
 import subprocess
-from pathlib import PurePosixPath
 
 from infra.config import NAMESPACE, PVC_NAME
 from infra.image_versions import BASE_IMAGES, EFA_INSTALLERS, read_pins
-from k8s.charts.preflight import ALL_REDUCE_PERF
+from k8s.charts.preflight import PERF_BINARIES
 
 OUTPUT_KEYS = {
     "ClusterName", "UpdateKubeconfigCommand", "Namespace", "PvcName",
@@ -144,9 +143,8 @@ def test_image_installs_the_efa_stack_and_the_preflight_tools(repo_root):
     [env] = [line for line in lines if line.startswith("ENV PATH=")]
     assert re.search(r"LD_LIBRARY_PATH=(\S+)", env)[1].startswith(f"{plugin_dir}:")
     assert "NCCL_NET_PLUGIN=ofi" in env.split()
-    perf_dir = PurePosixPath(ALL_REDUCE_PERF).parent
-    for binary in ("all_reduce_perf", "all_gather_perf", "reduce_scatter_perf", "broadcast_perf"):
-        assert f"test -x {perf_dir / binary}" in dockerfile, binary
+    for binary in PERF_BINARIES.values():  # every collective the preflight runs
+        assert f"test -x {binary}" in dockerfile, binary
     assert "MPI=1" in dockerfile and "openssh-server" in dockerfile  # the MPIJob's workers run sshd
 
 

@@ -1,5 +1,6 @@
-"""`python k8s/main.py --preflight`: an MPIJob running nccl-tests all_reduce_perf on every GPU node of the
-Job, checked by k8s/nccl_check.py (NET/OFI on every node, bus bandwidth above the instance type's floor).
+"""`python k8s/main.py --preflight`: an MPIJob running nccl-tests all_reduce_perf, all_gather_perf,
+reduce_scatter_perf and broadcast_perf on every GPU node of the Job, checked by k8s/nccl_check.py (NET/OFI on
+every node, bus bandwidth above each collective's floor for the instance type, each run within its timeout).
 
 kubernetes-validate knows no CRDs: the MPIJob's shape is asserted here, and each pod template is
 validated strictly as a Pod."""
@@ -11,7 +12,7 @@ import pytest
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL
 from infra.instances import instance_facts
 from k8s import nccl_check
-from k8s.charts.preflight import NODE_NAME_FILE, SSHD_CAPABILITIES
+from k8s.charts.preflight import COLLECTIVE_TIMEOUT_S, NODE_NAME_FILE, SSHD_CAPABILITIES
 
 from k8s_render import IMAGE
 
@@ -71,7 +72,7 @@ def test_one_worker_per_gpu_node_of_the_job_with_the_whole_node(preflight):
     assert spec["securityContext"]["runAsUser"] == 0  # sshd and mpirun: the image's USER is the training user
 
 
-def test_launcher_runs_all_reduce_perf_across_all_ranks_through_the_check(preflight):
+def test_launcher_runs_each_collective_across_all_ranks_through_the_check(preflight):
     p5 = instance_facts("p5.48xlarge")
     spec = _replica(preflight, "Launcher")["template"]["spec"]
     assert spec["nodeSelector"] == {SYSTEM_NODE_LABEL: "true"}
@@ -79,22 +80,25 @@ def test_launcher_runs_all_reduce_perf_across_all_ranks_through_the_check(prefli
     command = container["command"]
     check, run = command[:command.index("--")], command[command.index("--") + 1:]
     assert check == ["python3", "/preflight/nccl_check.py", "--instance-type", p5.name,
-                     "--min-busbw-gbs", f"{p5.min_allreduce_busbw_gbs:g}", "--nodes", "3",
+                     "--floor", "all_reduce=300", "--floor", "all_gather=240", "--floor", "reduce_scatter=240",
+                     "--floor", "broadcast=200", "--nodes", "3", "--timeout-s", str(COLLECTIVE_TIMEOUT_S),
                      "--node-names", f"mpirun --allow-run-as-root -np 3 -N 1 cat {NODE_NAME_FILE}"]
     assert run[0] == "mpirun" and run[run.index("-np") + 1] == str(3 * p5.gpus) and run[run.index("-N") + 1] == "8"
     exported = {run[i + 1] for i, arg in enumerate(run) if arg == "-x"}
     assert {"NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,NET", "FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1"} <= exported
-    assert run[run.index("/opt/nccl-tests/build/all_reduce_perf"):][1:5] == ["-b", "8", "-e", "16G"]
+    # the check puts each collective's name in place of the placeholder, one run after the other
+    assert run[run.index("/opt/nccl-tests/build/{collective}_perf"):][1:5] == ["-b", "8", "-e", "16G"]
     assert container["volumeMounts"] == [{"name": "check", "mountPath": "/preflight", "readOnly": True}]
     assert spec["volumes"] == [{"name": "check", "configMap": {"name": "fsdp-train-nccl-preflight-check"}}]
 
 
-def test_the_floor_follows_the_instance_table_and_the_node_count(render):
+def test_the_floors_follow_the_instance_table_and_the_node_count(render):
     r = render("--preflight", "--nodes", "4", "--spares", "0",
                context={"gpuInstanceType": "p4d.24xlarge", "gpuNodesMax": 4})
     [container] = _replica(r, "Launcher")["template"]["spec"]["containers"]
-    assert container["command"][:8] == ["python3", "/preflight/nccl_check.py", "--instance-type", "p4d.24xlarge",
-                                        "--min-busbw-gbs", "37.5", "--nodes", "4"]
+    assert container["command"][:14] == ["python3", "/preflight/nccl_check.py", "--instance-type", "p4d.24xlarge",
+                                         "--floor", "all_reduce=37.5", "--floor", "all_gather=30",
+                                         "--floor", "reduce_scatter=30", "--floor", "broadcast=25", "--nodes", "4"]
     assert _replica(r, "Worker")["replicas"] == 4
 
 
