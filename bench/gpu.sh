@@ -2,11 +2,12 @@
 # The checks and the bench on one GPU (H100/H200). First the exact-resume check (bench/resume.py,
 # about a minute): a tiny run with NVRx async checkpoints and an injected exception must end bitwise
 # equal to the same run uninterrupted. Then the bench: the 1b preset in one NCCL process (NCCL
-# refuses two ranks on one device), sync vs NVRx async checkpoint blocking (training/train/checkpoint.py's
-# async_ckpt path), and in-process vs in-job recovery; writes bench/results/<date>_gpu.{json,md,png},
-# the same schema as `make bench`. About 5-8 minutes on an H200; needs about 35 GB of free disk (15 GB
-# per 1b checkpoint). The last line repeats the check's verdict: "exact resume on CUDA: PASS" or
-# "... FAIL"; the exit status is 1 when the check failed, else the bench's.
+# refuses two ranks on one device), sync vs NVRx async checkpoint blocking (the async_ckpt path of
+# training/train/checkpoint/writers.py), and in-process vs in-job recovery; writes
+# bench/results/<date>_gpu.{json,md,png}, the same schema as `make bench`. About 5-8 minutes on an
+# H200; needs about 35 GB of free disk (15 GB per 1b checkpoint). The last line repeats the check's
+# verdict: "exact resume on CUDA: PASS" or "... FAIL"; the exit status is 1 when the check failed,
+# else the bench's.
 #
 # Needs: torch with CUDA, nvidia-resiliency-ext (ft_launcher, async_ckpt), psutil, pyyaml,
 # matplotlib. PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).

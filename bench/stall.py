@@ -1,7 +1,7 @@
 """Checkpoint stall: how long a save blocks training, sync vs async, and what that costs in step rate.
 
 The same state is trained on with checkpoints off, sync and async, each mode through its own
-training.train.checkpoint.CheckpointManager, run directory and event log.
+training.train.checkpoint.manager.CheckpointManager, run directory and event log.
   measure_stall             CPU: one set of processes (torch.multiprocessing, gloo) holds a synthetic
                             state, a rank-unique shard of state_bytes / world bytes per rank (a real
                             model of 256 MB+ trains far too slowly on 2 cores); a step is a fixed
@@ -46,7 +46,7 @@ from bench.cluster import ClusterSpec, run_cluster
 from training.contract.events import EventLog
 from training.contract.launcher import free_port
 from training.report.goodput import report_run
-from training.train.checkpoint import CheckpointManager
+from training.train.checkpoint.manager import CheckpointManager
 from training.train.distributed import init_distributed, teardown
 
 MODES = ("off", "sync", "async")

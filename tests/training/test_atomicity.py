@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from training.train.checkpoint import CheckpointManager, committed_checkpoints
+from training.train.checkpoint.layout import committed_checkpoints
+from training.train.checkpoint.manager import CheckpointManager
 from training_helpers import REPO_ROOT
 
 # Saves step 1, then kills itself (SIGKILL) at the given point of the save of step 2.
@@ -17,7 +18,7 @@ _SCRIPT = r"""
 import os, signal, sys
 import torch
 import torch.distributed.checkpoint as dcp
-from training.train.checkpoint import CheckpointManager
+from training.train.checkpoint.manager import CheckpointManager
 
 directory, mode, point = sys.argv[1:]
 m = CheckpointManager(directory, mode=mode, keep=3)

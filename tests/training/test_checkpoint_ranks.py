@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from training.contract.launcher import free_port
-from training.train.checkpoint import committed_checkpoints
+from training.train.checkpoint.layout import committed_checkpoints
 from training_helpers import REPO_ROOT
 
 # Each rank saves at every step (its own tensor, full of the step number), with a training step's
@@ -23,7 +23,8 @@ import sys, time
 from datetime import timedelta
 import torch
 import torch.distributed as dist
-from training.train.checkpoint import CheckpointManager, _TorchAsyncWriter
+from training.train.checkpoint.manager import CheckpointManager
+from training.train.checkpoint.writers import _TorchAsyncWriter
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=10))
 rank = dist.get_rank()

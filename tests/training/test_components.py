@@ -11,14 +11,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.train import checkpoint
 from training.contract.config import MODEL_PRESETS, load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.launcher import free_port
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream, write_token_file
 from training.models.llama import build_model
-from training.train.checkpoint import CheckpointManager, _NvrxAsyncWriter, committed_checkpoints
+from training.train.checkpoint import manager
+from training.train.checkpoint.layout import committed_checkpoints
+from training.train.checkpoint.manager import CheckpointManager
+from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.faults import FaultInjected
 from training.train.trainer import run
 
@@ -231,7 +233,7 @@ def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx,
         queues.append(writer._queue)
         return writer
 
-    monkeypatch.setattr(checkpoint, "_make_async_writer", nvrx_writer)
+    monkeypatch.setattr(manager, "make_async_writer", nvrx_writer)
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)

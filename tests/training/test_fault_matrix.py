@@ -17,7 +17,7 @@ from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import NO_PROGRESS
 from training.contract.faults import ENV_VAR, FaultSpecError, parse_fault, parse_faults, with_env_faults
 from training.report.goodput import build_report
-from training.train.checkpoint import committed_checkpoints
+from training.train.checkpoint.layout import committed_checkpoints
 from training.train.faults import FaultInjected, FaultInjector
 from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed,
                               events_named, load_final_state, run_local)

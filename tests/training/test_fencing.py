@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.train.checkpoint import CheckpointManager, committed_checkpoints, current_generation
+from training.train.checkpoint.layout import committed_checkpoints, current_generation
+from training.train.checkpoint.manager import CheckpointManager
 from training_helpers import REPO_ROOT
 
 # Generation 1: saves step 1, then saves step 2 (w = 2.0) late, pausing at POINT until told to go on:
@@ -22,7 +23,7 @@ _OLD_GENERATION = r"""
 import sys, time
 from pathlib import Path
 import torch
-from training.train.checkpoint import CheckpointManager
+from training.train.checkpoint.manager import CheckpointManager
 
 directory, point, signals = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 

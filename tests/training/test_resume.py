@@ -13,8 +13,9 @@ import torch.distributed.checkpoint as dcp
 
 from training.contract.events import EventLog
 from training.contract.launcher import RESUME_STEP_FILE
-from training.train.checkpoint import (CheckpointLoadError, CheckpointManager, Damaged, FreshStartRefused, Held,
-                                       committed_checkpoints, inspect_checkpoint)
+from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoint
+from training.train.checkpoint.layout import committed_checkpoints
+from training.train.checkpoint.manager import CheckpointLoadError, CheckpointManager, FreshStartRefused
 from training_helpers import completed, events_named, run_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -24,7 +24,7 @@ depend on the event:
   ckpt_start      step                             rank 0
   ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
   ckpt_committed  step, path, seconds,             rank 0: save visible; seconds from start to commit;
-                  generation                       generation: the worker group's (training/train/checkpoint.py)
+                  generation                       generation: the worker group's (training/train/checkpoint/layout.py)
   ckpt_failed     step, error                      rank 0: the save is invisible, training goes on (error
                                                    starts with "fenced:" for a late save of an older generation)
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used

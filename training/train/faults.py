@@ -27,7 +27,7 @@ from training.contract.events import EventLog
 from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, node_index,
                                       partitioned_marker)
 from training.contract.launcher import DRAIN_MARKER_ENV
-from training.train.checkpoint import committed_checkpoints
+from training.train.checkpoint.layout import committed_checkpoints
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,7 +34,8 @@ from training.contract.shapes import PRESETS
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.llama import Transformer, build_model
-from training.train.checkpoint import CheckpointManager, FreshStartRefused, committed_checkpoints
+from training.train.checkpoint.layout import committed_checkpoints
+from training.train.checkpoint.manager import CheckpointManager, FreshStartRefused
 from training.train.distributed import DistInfo, init_distributed, teardown
 from training.train.drain import DrainSignal, Drained, agree_on_save
 from training.train.faults import FaultInjector

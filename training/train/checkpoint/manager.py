@@ -1,0 +1,282 @@
+"""CheckpointManager: saves, commits, prunes and loads checkpoints, on every rank at the same points of
+the program (layout.py has the directory and the commit protocol, writers.py the DCP writers).
+
+Async mode: at most one save is in flight; `poll()` (called every step on every rank) commits a finished
+save. The next save waits for it (the wait is emitted as ckpt_blocked) or, with when_busy=skip, is
+skipped with a log line. Ranks can see a save finish at different polls (the torch writer's check is
+local), so a save stays in flight until the next `save` or `wait`, where all ranks decide together.
+
+A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
+goes on.
+
+Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
+evidence of damage (inspection.py) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
+to the previous one; any other load error fails the attempt and leaves it in place. When checkpoints
+exist but none loads, training refuses to start at step 0 unless told to.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from training.contract.events import EventLog
+from training.contract.launcher import resume_step_file
+from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
+from training.train.checkpoint.layout import (SaveFenced, commit, committed_checkpoints, remove_older_saves,
+                                              save_dir_name, set_aside, set_aside_names, start_generation,
+                                              write_resume_step)
+from training.train.checkpoint.writers import AsyncWriter, WriteHook, file_writer, make_async_writer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# CheckpointException derives from BaseException; DCP raises it on every rank when any rank failed.
+_SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def _describe(err: BaseException) -> str:
+    """One line: the first failing rank's error, not DCP's multi-rank traceback dump."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, cause = next(iter(sorted(err.failures.items())))
+        if isinstance(cause, tuple):  # DCP wraps each rank's failure as (exception, traceback)
+            cause = cause[0]
+        err = cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
+        return f"rank {rank}: {type(err).__name__}: {err}"[:500]
+    return f"{type(err).__name__}: {err}"[:500]
+
+
+class CheckpointLoadError(RuntimeError):
+    """An intact checkpoint could not be loaded (an I/O error, a timeout, a key the config no longer
+    has): the attempt fails, the checkpoint stays where it is."""
+
+
+class FreshStartRefused(RuntimeError):
+    """Committed checkpoints exist but none can be loaded: a start at step 0 would discard them."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    step: int
+    path: Path
+    world_size: int | None  # the world size that wrote it (from its COMMITTED marker)
+    missing: tuple[str, ...]  # optional keys the checkpoint does not hold
+
+
+@dataclass
+class _InFlight:
+    step: int
+    tmp: Path
+    started: float
+    settled: bool = False  # this rank saw it end; rank 0 has committed it or reported its failure
+
+
+class CheckpointManager:
+    """Saves, commits, prunes and loads checkpoints. Every method is called on every rank at the
+    same point of the program (they run collectives); only rank 0 renames, deletes and emits."""
+
+    def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
+                 events: EventLog | None = None, device: torch.device = torch.device("cpu"),
+                 write_hook: WriteHook | None = None) -> None:
+        self.dir = Path(directory)
+        self.mode, self.keep, self.when_busy = mode, keep, when_busy
+        self.events = events
+        self._write_hook = write_hook
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self._inflight: _InFlight | None = None
+        self._writer: AsyncWriter | None = None
+        self.saved_step: int | None = None  # the newest step this manager saved (every rank knows it)
+        self.last_save_s: float | None = None  # how long that save took, start to durable
+        self.generation = 0  # see layout.py, Fencing; every rank learns rank 0's number below
+        if self.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.generation = start_generation(self.dir)
+            remove_older_saves(self.dir, self.generation)  # abandoned by a crash mid-save, or an older generation's
+            if not resume_step_file(self.dir).exists():
+                newest = committed_checkpoints(self.dir)[:1]
+                write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
+        if mode == "async":
+            # A separate group: background-save collectives must not interleave with the training group's.
+            group = dist.new_group(backend="gloo") if self.distributed else None
+            self._writer = make_async_writer(device, group, write_hook)
+        self.generation = self._broadcast(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
+
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        if self.mode == "off":
+            return
+        t0 = time.monotonic()
+        if self._inflight is not None:
+            if self.when_busy == "skip" and not self._all_done():
+                self._log(f"checkpoint at step {step} skipped: the save of step {self._inflight.step} is still in flight")
+                return
+            self.wait()
+        tmp = self.dir / save_dir_name(step, self.generation)
+        self._emit("ckpt_start", step=step)
+        try:
+            if self.mode == "sync":
+                dcp.save(state, storage_writer=file_writer(tmp, step, self._write_hook))
+            else:
+                assert self._writer is not None
+                self._writer.start(state, tmp, step)
+                self._inflight = _InFlight(step, tmp, t0)
+        except _SAVE_ERRORS as err:  # any failed save is survivable: training goes on
+            self._inflight = None
+            self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
+            self._failed(step, tmp, err)
+            return
+        self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
+        if self.mode == "sync":
+            self._saved(step, t0)
+            self._commit(step, tmp, t0)
+
+    def poll(self) -> None:
+        """Commit the in-flight async save if this rank sees it finished (non-blocking). It still
+        counts as in flight until `save` or `wait`: a peer may not have seen it finish yet."""
+        if self._inflight is not None and not self._inflight.settled:
+            self._settle(blocking=False)
+
+    def wait(self) -> None:
+        """Block until the in-flight async save is committed or has failed."""
+        if self._inflight is not None:
+            if not self._inflight.settled:
+                self._settle(blocking=True)
+            self._inflight = None
+
+    def _all_done(self) -> bool:
+        assert self._writer is not None and self._inflight is not None
+        try:
+            done = self._inflight.settled or self._writer.done(blocking=False)
+        except _SAVE_ERRORS:  # failed counts as done; `wait` reports it
+            done = True
+        if not self.distributed:
+            return done
+        flag = torch.tensor([0 if done else 1])
+        dist.all_reduce(flag)  # every rank must take the same skip/wait decision
+        return int(flag.item()) == 0
+
+    def _settle(self, blocking: bool) -> None:
+        assert self._writer is not None and self._inflight is not None
+        inflight = self._inflight
+        try:
+            if not self._writer.done(blocking):
+                return
+        except _SAVE_ERRORS as err:
+            inflight.settled = True
+            self._failed(inflight.step, inflight.tmp, err)
+            return
+        inflight.settled = True
+        self._saved(inflight.step, inflight.started)
+        # Rank 0's save returns only after every rank's write result reached it and .metadata is
+        # written: the save is durable whatever the other ranks have seen.
+        self._commit(inflight.step, inflight.tmp, inflight.started)
+
+    def _saved(self, step: int, started: float) -> None:
+        self.saved_step, self.last_save_s = step, time.monotonic() - started
+
+    def _commit(self, step: int, tmp: Path, started: float) -> None:
+        if self.rank != 0:
+            return
+        try:
+            final = commit(self.dir, tmp, step, generation=self.generation,
+                           world_size=dist.get_world_size() if self.distributed else 1)
+        except (SaveFenced, OSError) as err:
+            self._failed(step, tmp, err)
+            return
+        self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4),
+                   generation=self.generation)
+        for _, old in committed_checkpoints(self.dir)[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        remove_older_saves(self.dir, self.generation)
+
+    def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
+        if self.rank != 0:
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = _describe(err)
+        self._log(f"checkpoint at step {step} failed, nothing made visible, training goes on: {error}")
+        self._emit("ckpt_failed", step=step, error=error)
+
+    # ---- loading ---------------------------------------------------------------------------
+    def load(self, state: dict[str, Any], *, optional: frozenset[str] = frozenset(),
+             allow_fresh_start: bool = False) -> Loaded | None:
+        """Load the newest complete checkpoint into `state`. Returns what was loaded, or None when
+        the directory never held a committed checkpoint.
+
+        A checkpoint is set aside (`corrupt-…`, ckpt_fallback) and the previous one tried only on
+        evidence of damage (`inspect_checkpoint`). Any other failure raises CheckpointLoadError and leaves the
+        checkpoint in place. `optional` names keys of `state` that a checkpoint written at another
+        world size may lack (per-rank state): they are left as they are and reported in `missing`.
+        If committed checkpoints exist (or were set aside) and none loads, FreshStartRefused, unless
+        `allow_fresh_start`."""
+        committed, damaged = self._broadcast(lambda: (committed_checkpoints(self.dir), set_aside_names(self.dir)))
+        for i, (step, path) in enumerate(committed):
+            found = self._broadcast(lambda: inspect_checkpoint(path))
+            if isinstance(found, Damaged):
+                older = f"falling back to {committed[i + 1][1].name}" if i + 1 < len(committed) else "no older checkpoint"
+                self._log(f"checkpoint {path} is damaged ({found.evidence}); set aside, {older}")
+                self._emit("ckpt_fallback", path=str(path), error=found.evidence)
+                if self.rank == 0:
+                    damaged.append(set_aside(path))
+                if self.distributed:
+                    dist.barrier()
+                continue
+            if isinstance(found, str):
+                raise CheckpointLoadError(f"checkpoint {path} could not be inspected ({found}); it was left in place")
+            missing = tuple(sorted(k for k in optional if k in state and k not in found.keys))
+            try:
+                dcp.load({k: v for k, v in state.items() if k not in missing}, checkpoint_id=path)
+            except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
+                raise CheckpointLoadError(
+                    f"checkpoint {path} is intact but could not be loaded ({_describe(err)}); it was left in "
+                    "place. An I/O error or timeout may pass on the next attempt; a changed model or optimizer "
+                    "config cannot load it: restore the config it was written with") from None
+            return Loaded(step, path, found.world_size, missing)
+        if committed or damaged:
+            none = f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(damaged)})"
+            if not allow_fresh_start:
+                raise FreshStartRefused(
+                    f"{none}; refusing to start at step 0, which would discard their training. Restore a "
+                    "checkpoint into that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
+            self._log(f"{none}; starting at step 0 as checkpoint.allow_fresh_start=true says")
+        return None
+
+    def _broadcast(self, compute: Callable[[], T]) -> T:
+        """`compute()` on rank 0, its result on every rank (file-system checks are rank 0's)."""
+        box = [compute() if self.rank == 0 else None]
+        if self.distributed:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """End of the run, on every rank: commit the in-flight save, then release the writer."""
+        self.wait()
+        if self._writer is not None:
+            self._writer.close(abort=False)
+
+    def abort(self) -> None:
+        """The run dies (an exception, an in-process restart): stop the in-flight save without a
+        collective; it stays an uncommitted .tmp- dir, removed by the next manager."""
+        self._inflight = None
+        if self._writer is not None:
+            self._writer.close(abort=True)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.rank == 0 and self.events is not None:
+            self.events.emit(event, **fields)
+
+    def _log(self, message: str) -> None:
+        if self.rank == 0:
+            log.warning(message)

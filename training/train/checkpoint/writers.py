@@ -1,0 +1,162 @@
+"""The DCP writers a CheckpointManager saves through, and the fault-injection hook into them.
+
+Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode: the state is staged (copied)
+synchronously, then written in the background while training goes on. On CPU the background writer is
+torch's `dcp.async_save` (thread executor, own gloo group, so its collectives never interleave with the
+training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
+
+Fault injection (training/train/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
+rank's write of its shards inside DCP (in async mode, in the background thread), so an injected
+error fails the save on every rank as a real one would. NVRx's CUDA async writer writes in its own
+worker process and is not hooked.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils._pytree import tree_map_only
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# hook(step, write) -> write(): called on each rank as it writes its shards of the save of `step`
+WriteHook = Callable[[int, Callable[[], T]], T]
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """Stateful objects replaced by their state dicts (what the async writers stage)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def _cpu_snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with its CPU tensors cloned: a writer that reads them later still writes this step.
+
+    NVRx's persistent worker reads the planned tensors when it preloads and writes them. CUDA
+    tensors are copied to the host in its preload, which `schedule_async_request` waits for. CPU
+    tensors: 0.7.0's FileSystemWriterAsync.prepare_write_data clones them while planning (or copies
+    them into shared-memory snapshots with use_cpu_shm_for_gpu_tensors); 0.4.1 clones only views and
+    hands the live tensor to the worker. AdamW's `step` tensors live on the CPU and the next
+    optimizer step increments them in place: such a save records a later step count than its
+    weights. This copy makes the save hold its step whatever NVRx does; the CPU part of a CUDA
+    state is small (optimizer steps, RNG states)."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.device.type == "cpu" else t, state)
+
+
+class _HookedFileSystemWriter(dcp.FileSystemWriter):
+    """FileSystemWriter whose shard writing runs through a WriteHook (fault injection)."""
+
+    def __init__(self, path: Path, step: int, hook: WriteHook) -> None:
+        super().__init__(path)
+        self._step, self._hook = step, hook
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 (DCP's signature)
+        return self._hook(self._step, functools.partial(super().write_data, plan, planner))
+
+
+def file_writer(path: Path, step: int, hook: WriteHook | None) -> dcp.FileSystemWriter:
+    """DCP's writer for the save of `step` into `path`, its shard writing run through `hook` if any."""
+    return dcp.FileSystemWriter(path) if hook is None else _HookedFileSystemWriter(path, step, hook)
+
+
+class AsyncWriter(Protocol):
+    def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
+    def done(self, blocking: bool) -> bool:
+        """True once the in-flight save is durable on every rank; raises if it failed."""
+    def close(self, abort: bool) -> None:
+        """Release the writer. abort: the run is dying and peers may be gone, so stop any
+        in-flight save without collectives; otherwise no save is in flight any more."""
+
+
+class _TorchAsyncWriter:
+    """dcp.async_save: synchronous staging into CPU copies, background write in a thread.
+
+    The stager is kept for the writer's life: it reuses its staging buffers from one save to the
+    next (a stager per save, dcp's default, allocates and page-faults the whole state every time,
+    which is most of the blocking on CPU). Reuse is safe because at most one save is in flight.
+    Pinned and shared memory are for CUDA copies and a process executor; neither is used here."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
+        self._pg = process_group
+        self._hook = write_hook
+        self._future = None
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+
+    def start(self, state: dict[str, Any], path: Path, step: int) -> None:
+        self._future = dcp.async_save(_plain(state), storage_writer=file_writer(path, step, self._hook),
+                                      process_group=self._pg, async_stager=self._stager)
+
+    def done(self, blocking: bool) -> bool:
+        assert self._future is not None
+        if blocking:
+            self._future.result()
+        elif not self._future.done():
+            return False
+        self._future.result()  # re-raises a failed save's exception
+        return True
+
+    def close(self, abort: bool) -> None:
+        # A thread cannot be stopped: an aborted save fails once the process groups are torn down.
+        # Closing the stager frees its staging copy of the state now, not when a cyclic GC finds it
+        # (every in-process restart builds a new writer).
+        self._stager.close()
+
+
+class _NvrxAsyncWriter:
+    """NVRx async checkpointing (CUDA only: it stages with CUDA copies). Planning is collective
+    and synchronous; the write runs in NVRx's persistent worker process; finalization (gather of
+    write results, .metadata on the coordinator) runs on every rank in `done`, which NVRx makes a
+    collective: every rank must call `poll()`/`wait()` at the same steps, as the train loop does."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+        self._pg = process_group
+        self._queue = AsyncCallsQueue(persistent=True)
+
+    def start(self, state: dict[str, Any], path: Path, step: int) -> None:
+        from functools import partial
+
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+            save_state_dict_async_finalize, save_state_dict_async_plan)
+
+        path.mkdir(parents=True, exist_ok=True)
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            _cpu_snapshot(_plain(state)), FileSystemWriterAsync(path), process_group=self._pg)
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
+        self._queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn))
+
+    def done(self, blocking: bool) -> bool:
+        self._queue.maybe_finalize_async_calls(blocking=blocking)
+        return self._queue.get_num_unfinalized_calls() == 0
+
+    def close(self, abort: bool) -> None:
+        # NVRx 0.7.0: abort terminates the persistent worker (SIGTERM, then SIGKILL) and skips the
+        # finalization. Left to garbage collection, the queue's __del__ runs a plain close, whose
+        # blocking finalization waits for the worker and then all-reduces over a torn-down group.
+        self._queue.close(abort=abort)
+
+
+def make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None,
+                      write_hook: WriteHook | None) -> AsyncWriter:
+    if device.type == "cuda":
+        try:
+            writer = _NvrxAsyncWriter(process_group)
+            if write_hook is not None:
+                log.warning("checkpoint fault injection (ckpt-crash, disk-full) does not reach NVRx's async "
+                            "writer: use checkpoint.mode=sync to inject them on CUDA")
+            return writer
+        except ImportError:
+            log.info("nvidia_resiliency_ext async checkpointing not importable; using dcp.async_save")
+    return _TorchAsyncWriter(process_group, write_hook)
