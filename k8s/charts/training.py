@@ -18,7 +18,7 @@ from k8s.charts.network import among_themselves, network_policy, pods
 from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, TRAINING_POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
-from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
+from training.contract.job_rules import JOB_RULES, DisruptionRule, ExitRule
 from training.contract.launcher import DRAIN_MARKER_ENV, FIRST_ATTEMPT_NCCL_DEBUG_ENV, store_command
 
 CONTAINER = "trainer"
@@ -267,19 +267,22 @@ def _job_spec(job: JobConfig) -> dict:
         # A replacement starts only once the old pod is gone: no two pods share a hostname.
         "podReplacementPolicy": "Failed",
         "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
-        "podFailurePolicy": {"rules": [
-            # Drains, evictions and preemptions are not the training's fault: retry without counting.
-            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            # An invalid config, checkpoints that cannot load, restarts that made no progress: a
-            # retry fails the same way.
-            {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
-                                                  "values": [CONFIG_ERROR, NO_PROGRESS]}},
-        ]},
+        # The table the local cluster decides by: disruptions ignored, config errors and restarts
+        # without progress fail the Job.
+        "podFailurePolicy": {"rules": [_pod_failure_rule(rule) for rule in JOB_RULES]},
         "template": {
             "metadata": {"labels": _pod_labels(job), **_scrape_annotations(job)},
             "spec": _pod_spec(job),
         },
     }
+
+
+def _pod_failure_rule(rule: DisruptionRule | ExitRule) -> dict:
+    """One rule of the table, as the batch/v1 Job spec spells it."""
+    if isinstance(rule, DisruptionRule):
+        return {"action": rule.action.value, "onPodConditions": [{"type": rule.condition, "status": "True"}]}
+    return {"action": rule.action.value, "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                                         "values": list(rule.exit_codes)}}
 
 
 def _store_container(job: JobConfig, train_config: _ConfigFile) -> dict:

@@ -14,7 +14,8 @@ from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s.outputs import PLACEHOLDER_IMAGE
 from training.contract.config import RESTART_MODES
-from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
+from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS, TERMINATED
+from training.contract.job_rules import JOB_RULES, Decision, FailReason, Outcome, PodEnd, decide
 
 from k8s_render import IMAGE, fitting, render_into
 
@@ -84,6 +85,18 @@ def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors_
                                                  "values": [CONFIG_ERROR, NO_PROGRESS]}} in rules
     # A launcher that left before the run completed (a standby, a clean stop) is retried.
     assert not [rule for rule in rules if rule["action"] == "FailJob" and INCOMPLETE in rule["onExitCodes"]["values"]]
+
+
+def test_pod_failure_policy_is_the_table_the_local_cluster_decides_by(render):
+    rules = render().one("Job")["spec"]["podFailurePolicy"]["rules"]
+    assert [rule["action"] for rule in rules] == [rule.action.value for rule in JOB_RULES]
+    fail_job_codes = [code for rule in rules if rule["action"] == "FailJob" for code in rule["onExitCodes"]["values"]]
+    assert fail_job_codes and all(decide(PodEnd(code, disrupted=False, retries_used=0), 3, survivor=True)
+                                  == Decision(Outcome.FAIL_JOB, reason=FailReason.EXIT_CODE) for code in fail_job_codes)
+    # what the chart ignores, the local cluster replaces without counting: a drained launcher
+    ignored = [r["onPodConditions"] for r in rules if r["action"] == "Ignore"]
+    assert ignored == [[{"type": "DisruptionTarget", "status": "True"}]]
+    assert decide(PodEnd(TERMINATED, disrupted=True, retries_used=3), 3, survivor=True) == Decision(Outcome.REPLACE)
 
 
 def _services(r) -> dict[str, dict]:

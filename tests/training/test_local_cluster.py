@@ -1,4 +1,6 @@
-"""The local controller: it replaces a node whose launcher died, and Ctrl-C leaves no process behind."""
+"""The local controller: it replaces a node whose launcher died, and Ctrl-C leaves no process behind.
+
+These test it as the adapter of the Job's rules; what the rules decide, case by case, test_job_rules.py tests."""
 from __future__ import annotations
 
 import signal

@@ -18,7 +18,8 @@ sessions; their output goes to <run_dir>/logs/node<i>.log (the store's to store.
 lines are echoed here.
 
 What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
-as the Job and its podFailurePolicy would:
+as the Job and its podFailurePolicy would (training/contract/job_rules.py decides, from the table the
+chart renders):
 - killed by a signal (a lost node) or exited with an error (a failed pod, e.g. with restart=inprocess,
   where the launcher restarts nothing, or INCOMPLETE): its orphaned ranks are killed and the node is
   started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule
@@ -62,6 +63,7 @@ from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.contract.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
                                       with_env_faults)
+from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
 from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain_grace_period_s, free_port,
                                         launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
                                         resume_step_file, store_command, worker_entrypoint)
@@ -80,7 +82,6 @@ DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.inte
                   "training.collective_timeout_s=30", "logging.log_interval=20",
                   "fault_tolerance.timeout_safety_factor=10")
 STOP_GRACE_S = 10.0
-FAIL_JOB_EXIT_CODES = (CONFIG_ERROR, NO_PROGRESS)  # the Job's podFailurePolicy: FailJob, no retry
 # NVRx 0.7.0 log lines that report a detected fault: (pattern, kind, detecting party). Its logger tags
 # lines with the rank a rank monitor watches, [workload:<rank>(<local rank>) infra:…], and the
 # monitor's messages start with the restart cycle, [Cycle N].
@@ -296,13 +297,19 @@ class Cluster:
             rc = node.proc.poll() if not node.done and node.start_at is None and node.proc is not None else None
             if rc is None:
                 continue
-            if rc == 0:  # training.pod.launch exits 0 only once the run completed
-                node.done, node.drain_deadline = True, None
-            elif rc in FAIL_JOB_EXIT_CODES and node.drain_deadline is None:
-                self.give_up(node, rc)
+            drained, node.drain_deadline = node.drain_deadline is not None, None
+            detail = self.pod_failed(node, rc, drained) if rc != 0 else ""
+            # A launcher killed by a signal plays a lost node, yet its pod is not taken for disrupted as the
+            # taint manager's eviction on EKS would be: it counts against the node's retries (issue 24).
+            decision = decide(PodEnd(rc, disrupted=drained, retries_used=node.retries), self.node_retries,
+                              survivor=self.survivor_besides(node))
+            if decision.outcome is Outcome.DONE:  # training.pod.launch exits 0 only once the run completed
+                node.done = True
+            elif decision.outcome is Outcome.FAIL_JOB:
+                self.fail_job(rc, detail, decision.reason)
                 return 1
-            elif not self.replace(node, rc):
-                return 1
+            else:
+                self.replace(node, detail, decision)
         # A node cut off from the network cannot hear that the run completed: it is stopped with the rest
         # (on EKS its pod goes when the Job is deleted, or with a successPolicy as the Job succeeds).
         if any(n.done for n in self.nodes) and all(n.done or self.cut_off(n) for n in self.nodes):
@@ -375,7 +382,10 @@ class Cluster:
                   "machine; the old pod's processes run on, cut off")
         self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         self.say(detail)
-        self._schedule_replacement(node, 0.0)  # it was unreachable for the replacement delay already
+        # a disruption, which the Job's rules replace uncounted
+        decision = decide(PodEnd(None, disrupted=True, retries_used=node.retries), self.node_retries,
+                          survivor=self.survivor_besides(node))
+        self._schedule_replacement(node, 0.0, decision.start_over)  # unreachable for the replacement delay already
 
     def heal(self, partition: Partition) -> None:
         assert self.network is not None
@@ -389,39 +399,39 @@ class Cluster:
     def drain_marker(self, node: Node) -> Path:
         return self.run_dir / "drain" / f"node{node.index}"
 
-    def replace(self, node: Node, rc: int) -> bool:
-        """Start a node again, as the Job replaces a pod: one that was lost (its launcher killed by a
-        signal) or failed (exited non-zero: e.g. restart=inprocess, where the launcher restarts
-        nothing) at most node_retries times (backoffLimitPerIndex); a drained one always (a
-        disruption, which the Job's podFailurePolicy ignores)."""
-        drained = node.drain_deadline is not None
-        node.drain_deadline = None
+    def pod_failed(self, node: Node, rc: int, drained: bool) -> str:
+        """A launcher that exited non-zero: the fault it stands for (a drain's was recorded as it began),
+        and the processes it left behind killed, as they would die with a pod's container."""
         if drained:
             detail = f"launcher of drained node {node.index} exited with code {rc}"
         else:
             how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
             detail = f"launcher of node {node.index} {how}"
             self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
-        kill_processes(node.descendants)  # in a pod these would die with the container
-        if not drained:
-            if node.retries >= self.node_retries:
-                self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
-                         f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
-                return False
-            node.retries += 1
+        kill_processes(node.descendants)
+        return detail
+
+    def survivor_besides(self, node: Node) -> bool:
+        """Whether another training node is up: what opens NVRx's next rendezvous round."""
+        return any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node)
+
+    def replace(self, node: Node, detail: str, decision: Decision) -> None:
+        """Start a node again, as the Job replaces a pod: one that was lost (its launcher killed by a signal)
+        or failed (exited non-zero: e.g. restart=inprocess, where the launcher restarts nothing), counted
+        against node_retries (backoffLimitPerIndex); a drained one uncounted (a disruption)."""
+        node.retries += decision.counted
         when = f" in {self.replacement_delay_s:g} s" if self.replacement_delay_s else ""
         self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
-        self._schedule_replacement(node, self.replacement_delay_s)
-        return True
+        self._schedule_replacement(node, self.replacement_delay_s, decision.start_over)
 
-    def _schedule_replacement(self, node: Node, delay_s: float) -> None:
+    def _schedule_replacement(self, node: Node, delay_s: float, start_over: bool) -> None:
         """The Job's part of replacing a node's pod: a new attempt and its events, the new pod's start,
-        and a new rendezvous when no training node is left to open the next round."""
+        and a new rendezvous when no training node is left to open the next round (`start_over`)."""
         self._attempts += 1
         self.events.emit("node_replaced", node=node.index, attempt=self._attempts)
         self.events.emit("restart", attempt=self._attempts, restart_kind="node")
         node.start_at = time.monotonic() + delay_s
-        if not any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node):
+        if start_over:
             self.start_over()
 
     def start_over(self) -> None:
@@ -437,10 +447,12 @@ class Cluster:
                 self.kill_node(n)
                 n.start_at = time.monotonic()
 
-    def give_up(self, node: Node, rc: int) -> None:
-        """An exit code the Job's podFailurePolicy fails the whole Job on."""
-        detail = f"launcher of node {node.index} exited with code {rc}"
-        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+    def fail_job(self, rc: int, detail: str, reason: FailReason | None) -> None:
+        """The Job fails: an exit code its podFailurePolicy fails it on, or a node out of retries."""
+        if reason is FailReason.NO_RETRIES_LEFT:
+            self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
+                     f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
+            return
         why = (f"{self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress (no newer "
                "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the fault "
                "named below, then run again to resume from the last checkpoint" if rc == NO_PROGRESS
