@@ -134,7 +134,7 @@ class FaultToleranceConfig:
     calculate_timeouts_after: int = _doc(5, "steps after which the rank monitor timeouts are recomputed from "
                                             "observed timings and saved in checkpoints")
     timeout_safety_factor: float = _doc(5.0, "the longest observed timings times this make the recomputed timeouts "
-                                            "(ft_launcher --ft-safety-factor)")
+                                             "(ft_launcher --ft-safety-factor)")
     drain_timeout_s: float = _doc(120.0, "SIGTERM (a drain, an eviction, a capacity block's end): the ranks have this "
                                          "long to commit the in-flight save, and the step reached if a save fits, "
                                          "before ft_launcher (--term-timeout) and then Kubernetes (the pod's grace "
