@@ -11,7 +11,7 @@ import ipaddress
 import json
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Literal, Mapping, get_args, get_origin, get_type_hints
 
 from infra.instances import INSTANCE_TYPES, InstanceFacts, instance_facts
 
@@ -31,15 +31,21 @@ TRAINING_UID = 10001
 VPC_CIDR = "10.0.0.0/16"
 MONITORING_NAMESPACE = "monitoring"  # the optional Prometheus server's (infra/metrics_collection.py)
 
-CAPACITY_TYPES = ("on-demand", "capacity-reservation", "capacity-block")
-FSX_THROUGHPUTS_PER_TIB = (125, 250, 500, 1000)
+# Closed sets: a field of one of these types is checked against its values (_check_choices), and a refusal
+# lists them, followed by the field's `choices_note` metadata where it has one.
+KubernetesVersion = Literal["1.33", "1.34"]  # kubectl 1.34 (the provider layer) serves 1.33-1.35
+GpuInstanceType = Literal[tuple(sorted(INSTANCE_TYPES))]  # type: ignore[valid-type]  # the instance table's
+CapacityType = Literal["on-demand", "capacity-reservation", "capacity-block"]
+FsxThroughputPerTib = Literal[125, 250, 500, 1000]
 # CloudFormation can retain or delete a file system; it cannot snapshot one (DeletionPolicy Snapshot).
-FSX_REMOVAL_POLICIES = ("retain", "destroy")
-FSX_MAX_BACKUP_RETENTION_DAYS = 90
+FsxRemovalPolicy = Literal["retain", "destroy"]
 # The retention periods CloudWatch Logs accepts (AWS::Logs::LogGroup RetentionInDays), in days.
-LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
-                      3288, 3653)
-KUBERNETES_VERSIONS = ("1.33", "1.34")  # kubectl 1.34 (the provider layer) serves 1.33-1.35
+LogRetentionDays = Literal[1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557,
+                           2922, 3288, 3653]
+KUBERNETES_VERSIONS: tuple[str, ...] = get_args(KubernetesVersion)
+CAPACITY_TYPES: tuple[str, ...] = get_args(CapacityType)
+LOG_RETENTION_DAYS: tuple[int, ...] = get_args(LogRetentionDays)
+FSX_MAX_BACKUP_RETENTION_DAYS = 90
 
 _RESERVATION_ID = re.compile(r"^cr-[0-9a-f]{8}([0-9a-f]{9})?$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
@@ -68,15 +74,15 @@ class PlatformConfig:
     region: str = "us-east-1"
     availability_zones: tuple[str, ...] = ("us-east-1a", "us-east-1b")
     gpu_availability_zone: str = "us-east-1a"
-    kubernetes_version: str = "1.34"
-    gpu_instance_type: str = "p5.48xlarge"
+    kubernetes_version: KubernetesVersion = "1.34"
+    gpu_instance_type: GpuInstanceType = "p5.48xlarge"
     gpu_nodes_min: int = 2
     gpu_nodes_desired: int = 2
     gpu_nodes_max: int = 4
     # Hot spare GPU nodes beyond gpu_nodes_desired (the training size); None: one where gpuNodesMax
     # leaves room for it (see spare_nodes).
     gpu_nodes_spare: int | None = None
-    capacity_type: str = "on-demand"
+    capacity_type: CapacityType = "on-demand"
     capacity_reservation_id: str | None = None
     # The cluster placement group an EFA reservation was made in (capacity-reservation only): its
     # instances must launch into it. None with on-demand: the node group creates its own.
@@ -84,9 +90,11 @@ class PlatformConfig:
     system_instance_type: str = "m6i.xlarge"
     system_nodes: int = 2
     fsx_storage_gib: int = 1200
-    fsx_throughput_per_tib: int = 250
+    fsx_throughput_per_tib: FsxThroughputPerTib = field(default=250, metadata={"choices_note": "MB/s/TiB"})
     fsx_export_bucket: bool = False
-    fsx_removal_policy: str = "retain"  # "destroy" is the one way `cdk destroy` deletes the checkpoints
+    # "destroy" is the one way `cdk destroy` deletes the checkpoints
+    fsx_removal_policy: FsxRemovalPolicy = field(
+        default="retain", metadata={"choices_note": "(CloudFormation cannot snapshot an FSx file system)"})
     fsx_backup_retention_days: int = 7  # 0: no automatic backups
     fsx_backup_start_time: str = "03:00"  # UTC
     # A dataset imported from S3 (s3://bucket/prefix) into the file system at fsx_import_fsx_path: a data
@@ -97,7 +105,8 @@ class PlatformConfig:
     # A Prometheus server in the cluster that scrapes the training pods' metrics (infra/metrics_collection.py).
     prometheus_server: bool = False
     # How long VPC flow logs, EKS control-plane logs (audit included) and the Lambda handlers' logs are kept.
-    log_retention_days: int = 90
+    log_retention_days: LogRetentionDays = field(default=90,
+                                                  metadata={"choices_note": "days (what CloudWatch Logs takes)"})
     api_allowed_cidrs: tuple[str, ...] = ("0.0.0.0/0",)
     admin_role_arn: str | None = None
     image_uri: str | None = None  # None: build training/Dockerfile as an ECR image asset
@@ -173,10 +182,12 @@ class PlatformConfig:
 
 
 def _value_type(hint: Any) -> type:
-    """The type of a field's set value: `int | None` -> int, `tuple[str, ...]` -> tuple."""
+    """The type of a field's set value: `int | None` -> int, `tuple[str, ...]` -> tuple, `Literal[125, 250]` -> int."""
     args = get_args(hint)
     if type(None) in args:
         (hint,) = [a for a in args if a is not type(None)]
+    if get_origin(hint) is Literal:
+        return type(get_args(hint)[0])
     return get_origin(hint) or hint
 
 
@@ -203,10 +214,21 @@ def _coerce(key: str, raw: Any, kind: type) -> Any:
     return raw
 
 
+def _check_choices(c: PlatformConfig) -> None:
+    """Refuse a value outside its field's Literal type, naming the key, the value and the allowed values."""
+    hints = get_type_hints(PlatformConfig)
+    for f in fields(c):
+        allowed, value = get_args(hints[f.name]), getattr(c, f.name)
+        if get_origin(hints[f.name]) is Literal and value not in allowed:
+            note = f" {f.metadata['choices_note']}" if "choices_note" in f.metadata else ""
+            raise ConfigError(f"{c.context_key(f.name)}={value!r} is not allowed: one of {list(allowed)}{note}")
+
+
 def _validate(c: PlatformConfig) -> None:
     def fail(key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{PlatformConfig.context_key(key)}={value!r} is not allowed: {allowed}")
 
+    _check_choices(c)
     if not _NAME.match(c.cluster_name):
         fail("cluster_name", c.cluster_name, "lower-case letters, digits and '-', starting with a letter, at most 63")
     if c.account is not None and not _ACCOUNT.match(c.account):
@@ -220,10 +242,6 @@ def _validate(c: PlatformConfig) -> None:
             fail("availability_zones", list(c.availability_zones), f"zones of region {c.region}, such as {c.region}a")
     if c.gpu_availability_zone not in c.availability_zones:
         fail("gpu_availability_zone", c.gpu_availability_zone, f"one of availabilityZones {list(c.availability_zones)}")
-    if c.kubernetes_version not in KUBERNETES_VERSIONS:
-        fail("kubernetes_version", c.kubernetes_version, f"one of {list(KUBERNETES_VERSIONS)}")
-    if c.gpu_instance_type not in INSTANCE_TYPES:
-        fail("gpu_instance_type", c.gpu_instance_type, f"one of {sorted(INSTANCE_TYPES)}")
     if c.gpu_nodes_max < 1:
         fail("gpu_nodes_max", c.gpu_nodes_max, "at least 1 (a GPU node group of zero nodes trains nothing)")
     # A capacity-block group is created (and upgraded) at 0 nodes before its block is active (EKS user
@@ -249,8 +267,6 @@ def _validate(c: PlatformConfig) -> None:
             f"exceeds gpuNodesMax={c.gpu_nodes_max} (the node group runs both); allowed: at most "
             f"{c.gpu_nodes_max - c.gpu_nodes_desired}"
         )
-    if c.capacity_type not in CAPACITY_TYPES:
-        fail("capacity_type", c.capacity_type, f"one of {list(CAPACITY_TYPES)}")
     if c.uses_reserved_capacity:
         if c.capacity_reservation_id is None or not _RESERVATION_ID.match(c.capacity_reservation_id):
             fail("capacity_reservation_id", c.capacity_reservation_id,
@@ -270,11 +286,6 @@ def _validate(c: PlatformConfig) -> None:
         fail("system_nodes", c.system_nodes, "at least 1 (add-ons need a node)")
     if not (c.fsx_storage_gib == 1200 or (c.fsx_storage_gib > 0 and c.fsx_storage_gib % 2400 == 0)):
         fail("fsx_storage_gib", c.fsx_storage_gib, "1200 or a multiple of 2400 GiB (FSx for Lustre PERSISTENT_2)")
-    if c.fsx_throughput_per_tib not in FSX_THROUGHPUTS_PER_TIB:
-        fail("fsx_throughput_per_tib", c.fsx_throughput_per_tib, f"one of {list(FSX_THROUGHPUTS_PER_TIB)} MB/s/TiB")
-    if c.fsx_removal_policy not in FSX_REMOVAL_POLICIES:
-        fail("fsx_removal_policy", c.fsx_removal_policy,
-             f"one of {list(FSX_REMOVAL_POLICIES)} (CloudFormation cannot snapshot an FSx file system)")
     if not 0 <= c.fsx_backup_retention_days <= FSX_MAX_BACKUP_RETENTION_DAYS:
         fail("fsx_backup_retention_days", c.fsx_backup_retention_days,
              f"0 to {FSX_MAX_BACKUP_RETENTION_DAYS} days (0 turns automatic backups off)")
@@ -297,8 +308,6 @@ def _validate(c: PlatformConfig) -> None:
              "an absolute directory of the file system other than /, such as /datasets")
     if not _DAILY_TIME.match(c.fsx_backup_start_time):
         fail("fsx_backup_start_time", c.fsx_backup_start_time, "a daily UTC time HH:MM from 00:00 to 23:59, e.g. 03:00")
-    if c.log_retention_days not in LOG_RETENTION_DAYS:
-        fail("log_retention_days", c.log_retention_days, f"one of {list(LOG_RETENTION_DAYS)} days (what CloudWatch Logs takes)")
     if not c.api_allowed_cidrs:
         fail("api_allowed_cidrs", [], "at least one CIDR such as 203.0.113.0/24")
     for cidr in c.api_allowed_cidrs:

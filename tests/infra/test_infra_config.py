@@ -1,8 +1,10 @@
 """PlatformConfig: bad values fail before synthesis, naming the key, the value and what is allowed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import typing
 
 import pytest
 
@@ -79,6 +81,24 @@ def test_bad_value_is_rejected_naming_key_value_and_allowed(overrides, named):
         PlatformConfig.from_context(overrides)
     for text in named:
         assert text in str(error.value)
+
+
+# context key -> allowed values, for every field whose type is a Literal
+CLOSED_SETS = {PlatformConfig.context_key(f.name): typing.get_args(hint) for f in dataclasses.fields(PlatformConfig)
+               if typing.get_origin(hint := typing.get_type_hints(PlatformConfig)[f.name]) is typing.Literal}
+
+
+def test_every_closed_set_is_a_literal_type():
+    assert {"kubernetesVersion", "gpuInstanceType", "capacityType", "fsxThroughputPerTib", "fsxRemovalPolicy",
+            "logRetentionDays"} <= set(CLOSED_SETS)
+
+
+@pytest.mark.parametrize(("key", "allowed"), CLOSED_SETS.items(), ids=list(CLOSED_SETS))
+def test_a_closed_set_refuses_a_value_outside_it(key, allowed):
+    outside = max(allowed) + 1 if isinstance(allowed[0], int) else "not-a-choice"
+    with pytest.raises(ConfigError) as error:
+        PlatformConfig.from_context({key: outside})
+    assert f"{key}={outside!r} is not allowed: one of {list(allowed)}" in str(error.value)
 
 
 def test_unknown_key_is_rejected_with_the_allowed_keys():

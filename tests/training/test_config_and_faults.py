@@ -1,11 +1,15 @@
 """Config and fault-spec validation: clear errors, and the config-error exit code from both CLIs."""
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 
 from training.local import cluster as local
+from training.pod import launch, store
 from training.train import trainer as train
-from training.contract.config import TrainConfigError, load_train_config
+from training.contract.config import TrainConfig, TrainConfigError, load_train_config
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.faults import KINDS, FaultSpecError, parse_fault, parse_faults
 
@@ -24,6 +28,47 @@ def test_bad_config_values_are_named(overrides, message):
     with pytest.raises(TrainConfigError) as err:
         load_train_config(None, overrides)
     assert message in str(err.value)
+
+
+def _config_keys(cls: type = TrainConfig, prefix: str = "") -> dict[str, typing.Any]:
+    """section.key -> type of every training config key, found from the dataclasses."""
+    hints = typing.get_type_hints(cls)
+    keys: dict[str, typing.Any] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys |= _config_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            keys[prefix + f.name] = hints[f.name]
+    return keys
+
+
+# section.key -> allowed values, for every key whose type (or optional type) is a Literal
+CLOSED_SETS = {key: typing.get_args(literal) for key, hint in _config_keys().items()
+               for literal in (hint, *typing.get_args(hint)) if typing.get_origin(literal) is typing.Literal}
+
+
+def test_every_closed_set_is_a_literal_type():
+    assert {"model.preset", "training.device", "data.dtype", "checkpoint.mode", "checkpoint.when_busy",
+            "fault_tolerance.restart"} <= set(CLOSED_SETS)
+
+
+@pytest.mark.parametrize("key, allowed", CLOSED_SETS.items(), ids=list(CLOSED_SETS))
+def test_a_closed_set_refuses_a_value_outside_it(key, allowed):
+    with pytest.raises(TrainConfigError) as err:
+        load_train_config(None, [f"{key}=not-a-choice"])
+    assert f"{key}='not-a-choice' is not allowed: one of {list(allowed)}" in str(err.value)
+
+
+@pytest.mark.parametrize("main", [train.main, local.main, launch.parse_args, store.main],
+                         ids=["train", "local", "launch", "store"])
+def test_help_lists_every_config_key_with_its_allowed_values(main, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {key}: " in out for key in _config_keys()), out
+    assert "  checkpoint.mode: sync | async | off = async\n" in out
+    assert "  data.dtype: uint16 | uint32 | null = null\n" in out
 
 
 def test_new_config_keys_load(tmp_path):
