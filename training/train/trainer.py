@@ -255,7 +255,7 @@ class Trainer:
                                      store=restart.store if restart is not None else None)
         self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
         self.lead = self.info.rank == 0
-        try:
+        try:  # the setup is open: a failure from here on closes it, so that another iteration can start
             if self.lead:
                 self._announce_attempt()
             torch.manual_seed(t.seed)
