@@ -1,8 +1,10 @@
 """Entry point of every rank: `python -m training.train --config FILE [section.key=value …]`,
 started by ft_launcher in the pods and by training.local here.
 
-`run(cfg)` is re-entrant (everything it builds it also tears down), so it can be wrapped by
-nvidia_resiliency_ext.inprocess.Wrapper for in-process restarts.
+`run(cfg)` builds a `Trainer` (its components, resumed from the first recovery tier that holds the
+state: training/train/recovery.py), trains and closes it; it is re-entrant (everything it builds it
+also tears down), so it can be wrapped by nvidia_resiliency_ext.inprocess.Wrapper for in-process
+restarts. `train_step` is one optimizer step, apart from all of that.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from training.train.monitor import RankMonitor
 from training.train.parallelize import parallelize
 from training.train.peer_state import PeerState, memory_root
 from training.train.progress import Progress
+from training.train.recovery import DiskTier, InProcessTier, PeerTier, RecoveryTier, Restored, restore_first
 
 if TYPE_CHECKING:
     from training.train.inprocess import Iteration
@@ -191,84 +194,6 @@ def _attempt_number(run_dir: str) -> int:
     return sum(1 for e in read_events(run_dir) if e["event"] == "attempt_start")
 
 
-def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
-    """One training run; under the in-process Wrapper, one iteration of it (`restart`)."""
-    monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
-    drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
-    drain_signal.start()
-    info = init_distributed(cfg.training.device, cfg.training.collective_timeout_s,
-                            store=restart.store if restart is not None else None)
-    events = EventLog(cfg.run_dir, f"rank{info.rank}")
-    lead = info.rank == 0
-    try:
-        _train(cfg, info, monitor, drain_signal, events, lead, restart)
-    finally:
-        drain_signal.stop()
-        monitor.shutdown()
-        teardown()
-        events.close()
-
-
-def _train(cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, drain_signal: DrainSignal, events: EventLog,
-           lead: bool, restart: Iteration | None) -> None:
-    t = cfg.training
-    if lead:
-        _announce_attempt(cfg, info, events, restart)
-    torch.manual_seed(t.seed)
-    model, optimizer = build(cfg, info)
-    stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=info.rank, world_size=info.world_size,
-                         vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
-                         path=cfg.data.path, dtype=cfg.data.dtype)
-    train_state = TrainState(stream, monitor)
-    rng = RngState(info.device)
-    state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train_state,
-             rng_key(info.rank): rng}
-    injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, info.rank, events, cfg.checkpoint_dir)
-    ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
-                             when_busy=cfg.checkpoint.when_busy, events=events, device=info.device,
-                             write_hook=injector.around_write)
-    peer = _peer_state(cfg, info)
-    _resume(cfg, info, state, ckpt, rng, events, restart, peer)
-    after_step = _AfterStep(cfg, info, monitor, state, events if lead else None, restart, peer)
-    monitor.end_setup()
-
-    try:
-        while train_state.step < t.steps:
-            step = train_state.step + 1
-            injector.maybe_fire(step)
-            with monitor.section("step"):
-                t0 = time.perf_counter()
-                batch = stream.next_batch()
-                mean_loss, drain = train_step(model, optimizer, batch, lr_at(step, cfg), t.grad_clip, info,
-                                              drain_signal.flag)
-                step_time = time.perf_counter() - t0
-            train_state.step = step
-            after_step(step, batch, mean_loss, step_time)
-            if drain:
-                with monitor.section("checkpoint"):
-                    _drain(step, state, ckpt, drain_signal, events, lead)
-            ckpt.poll()
-            if step % cfg.checkpoint.interval == 0:
-                with monitor.section("checkpoint"):
-                    ckpt.save(step, state)
-
-        with monitor.section("checkpoint"):
-            ckpt.close()
-            if cfg.checkpoint.save_final:
-                dcp.save({"model": state["model"], "optimizer": state["optimizer"]},
-                         checkpoint_id=Path(cfg.run_dir) / "final")
-    except BaseException:
-        ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
-        raise
-    finally:
-        after_step.close()
-    if peer is not None:
-        peer.close()  # not after a failure: its thread may be stuck with a dead peer, and dies with the process
-    if lead:
-        events.emit("run_end", step=train_state.step, status="completed")
-        log.info("done: %d steps", train_state.step)
-
-
 def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
     p = cfg.peer_state
     if not p.enabled:
@@ -280,42 +205,196 @@ def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
                      t.collective_timeout_s)
 
 
-def _announce_attempt(cfg: TrainConfig, info: DistInfo, events: EventLog, restart: Iteration | None) -> None:
-    """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
-    attempt = _attempt_number(cfg.run_dir)
-    nodes = info.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
-    events.emit("run_start", world_size=info.world_size, nodes=nodes, config=cfg.to_dict())
-    kind = "fresh" if attempt == 0 else "inprocess" if restart is not None and restart.number else "injob"
-    events.emit("attempt_start", attempt=attempt, restart_kind=kind)
-    if attempt:
-        events.emit("restart", attempt=attempt, restart_kind=kind)
+def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
+    """One training run; under the in-process Wrapper, one iteration of it (`restart`)."""
+    trainer = Trainer(cfg, restart)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
 
 
-class _AfterStep:
-    """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
-    in-process restarts, the copy in node memory for the partner nodes, rank 0's step event (`events`:
-    None on other ranks), metrics and progress line, the sample log."""
+class Trainer:
+    """One attempt of the run on this rank (under the in-process Wrapper, one iteration of it): its
+    components, built once in the order each needs the ones before it, then resumed. Everything it
+    opens `close()` closes, so a process can run the next iteration."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, monitor: RankMonitor, state: dict[str, Stateful],
-                 events: EventLog | None, restart: Iteration | None, peer: PeerState | None) -> None:
-        self.monitor, self.state, self.events, self.restart, self.peer = monitor, state, events, restart, peer
+    # setup: the config, NVRx's rank monitor, the SIGTERM watch, the place in the world, the event log
+    cfg: TrainConfig
+    restart: Iteration | None  # the Wrapper's iteration; None without in-process restarts
+    monitor: RankMonitor
+    drain_signal: DrainSignal
+    info: DistInfo
+    events: EventLog
+    lead: bool  # rank 0: writes the run's events and log lines
+    # model and optimizer state: what the checkpoints and the other recovery tiers hold
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    train_state: TrainState
+    rng: RngState
+    state: dict[str, Stateful]
+    # data
+    stream: TokenStream
+    # fault injection (drains: drain_signal, watching from the start)
+    injector: FaultInjector
+    # checkpointing and the recovery tiers besides it
+    ckpt: CheckpointManager
+    peer: PeerState | None  # peer_state.enabled
+    # metrics and progress: opened once resumed, so that the first rate counts steps only
+    tokens_per_step: int
+    progress: Progress
+    metrics: TrainingMetrics | None  # rank 0 with a metrics port
+    samples: TextIO | None  # logging.sample_log
+
+    def __init__(self, cfg: TrainConfig, restart: Iteration | None = None) -> None:
+        t = cfg.training
+        self.cfg, self.restart = cfg, restart
+        self.monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
+        self.drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
+        self.drain_signal.start()
+        self.info = init_distributed(t.device, t.collective_timeout_s,
+                                     store=restart.store if restart is not None else None)
+        self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
+        self.lead = self.info.rank == 0
+        try:  # the setup is open: a failure from here on closes it, so that another iteration can start
+            if self.lead:
+                self._announce_attempt()
+            torch.manual_seed(t.seed)
+            self.model, self.optimizer = build(cfg, self.info)
+            self.stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=self.info.rank,
+                                      world_size=self.info.world_size,
+                                      vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
+                                      path=cfg.data.path, dtype=cfg.data.dtype)
+            self.train_state = TrainState(self.stream, self.monitor)
+            self.rng = RngState(self.info.device)
+            self.state = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+                          "train": self.train_state, rng_key(self.info.rank): self.rng}
+            self.injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, self.info.rank, self.events,
+                                          cfg.checkpoint_dir)
+            self.ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
+                                          when_busy=cfg.checkpoint.when_busy, events=self.events,
+                                          device=self.info.device, write_hook=self.injector.around_write)
+            self.peer = _peer_state(cfg, self.info)
+            self.resume()
+            self._open_reporting()
+        except BaseException:
+            self._close_setup()
+            raise
+
+    def _announce_attempt(self) -> None:
+        """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
+        attempt = _attempt_number(self.cfg.run_dir)
+        world_size = self.info.world_size
+        nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.events.emit("run_start", world_size=world_size, nodes=nodes, config=self.cfg.to_dict())
+        kind = "fresh" if attempt == 0 else "inprocess" if self.restart is not None and self.restart.number else "injob"
+        self.events.emit("attempt_start", attempt=attempt, restart_kind=kind)
+        if attempt:
+            self.events.emit("restart", attempt=attempt, restart_kind=kind)
+
+    def _open_reporting(self) -> None:
+        cfg, info = self.cfg, self.info
         self.tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * info.world_size
         per_token = flops_per_token(cfg.model.preset, cfg.training.seq_len)
         gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
-        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=events is not None,
+        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=self.lead,
                                  flops_per_token=per_token, gpus=info.world_size, gpu_peak_tflops=gpu_peak)
         self.metrics = (TrainingMetrics(cfg.metrics.port, cfg.run_dir, cfg.metrics.event_log_refresh_s,
                                         info.world_size, per_token, gpu_peak)
-                        if events is not None and cfg.metrics.port else None)
+                        if self.lead and cfg.metrics.port else None)
         self.samples = _sample_log(cfg, info.rank)
 
-    def __call__(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
+    # ---- resume --------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Load the state from the first recovery tier that holds it (training/train/recovery.py);
+        per-rank state the checkpoint lacks (it was written by fewer ranks) is derived, and said so."""
+        tiers: list[RecoveryTier] = [InProcessTier(self.restart)] if self.restart is not None else []
+        if self.peer is not None:
+            tiers.append(PeerTier(self.peer))
+        tiers.append(DiskTier(self.ckpt, optional=frozenset({rng_key(self.info.rank)}),
+                              allow_fresh_start=self.cfg.checkpoint.allow_fresh_start))
+        restored = restore_first(tiers, self.state, not_older_than=self._newest_checkpoint_step())
+        if restored is not None and restored.missing:
+            self.rng.derive(self.cfg.training.seed, restored.step, self.info.rank)
+        if self.lead:
+            self._announce_resume(restored)
+
+    def _newest_checkpoint_step(self) -> int:
+        """The step peer state must not be older than (0: none); only peer state asks, so only it reads it."""
+        if self.peer is None:
+            return 0
+        newest = committed_checkpoints(self.cfg.checkpoint_dir)
+        return newest[0][0] if newest else 0
+
+    def _announce_resume(self, restored: Restored | None) -> None:
+        """Rank 0's resume event and line; after a resharded checkpoint, the warning and state_derived."""
+        info, step = self.info, self.train_state.step
+        self.events.emit("resume", step=step, source_kind=restored.source_kind if restored else "none",
+                         path=str(restored.path) if restored and restored.path else None,
+                         saved_world_size=restored.saved_world_size if restored else None)
+        log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, self.cfg.model.preset,
+                 f"resumed from {restored.origin} at step {step}" if restored else "starting at step 0")
+        if restored is None or restored.saved_world_size in (None, info.world_size):
+            return
+        saved = restored.saved_world_size
+        derived = [r for r in range(info.world_size) if r >= saved]
+        batch = self.cfg.training.batch_size
+        log.warning("checkpoint written by %d ranks, resharded to %d: global batch %d -> %d samples per step, "
+                    "data position kept (no sample skipped or repeated)%s", saved, info.world_size,
+                    batch * saved, batch * info.world_size,
+                    f"; RNG of ranks {derived} derived from (seed, step, rank)" if derived else "")
+        self.events.emit("state_derived", step=restored.step, saved_world_size=saved, world_size=info.world_size,
+                         keys=[rng_key(r) for r in derived])
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> None:
+        """Steps until the last one, checkpointing and draining on the way; then the final save."""
+        t, monitor, ckpt = self.cfg.training, self.monitor, self.ckpt
+        monitor.end_setup()
+        try:
+            while self.train_state.step < t.steps:
+                step = self.train_state.step + 1
+                self.injector.maybe_fire(step)
+                with monitor.section("step"):
+                    t0 = time.perf_counter()
+                    batch = self.stream.next_batch()
+                    mean_loss, drain = train_step(self.model, self.optimizer, batch, lr_at(step, self.cfg),
+                                                  t.grad_clip, self.info, self.drain_signal.flag)
+                    step_time = time.perf_counter() - t0
+                self.train_state.step = step
+                self.after_step(step, batch, mean_loss, step_time)
+                if drain:
+                    with monitor.section("checkpoint"):
+                        self.drain(step)
+                ckpt.poll()
+                if step % self.cfg.checkpoint.interval == 0:
+                    with monitor.section("checkpoint"):
+                        ckpt.save(step, self.state)
+
+            with monitor.section("checkpoint"):
+                ckpt.close()
+                if self.cfg.checkpoint.save_final:
+                    dcp.save({"model": self.state["model"], "optimizer": self.state["optimizer"]},
+                             checkpoint_id=Path(self.cfg.run_dir) / "final")
+        except BaseException:
+            ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
+            raise
+        if self.peer is not None:
+            self.peer.close()  # not after a failure: its thread may be stuck with a dead peer, and dies with the process
+        if self.lead:
+            self.events.emit("run_end", step=self.train_state.step, status="completed")
+            log.info("done: %d steps", self.train_state.step)
+
+    def after_step(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
+        """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
+        in-process restarts, the copy in node memory for the partner nodes, rank 0's step event, the
+        sample log, metrics and progress line."""
         self.monitor.step_done()
         costs = {} if self.restart is None else {"rollback_s": round(self.restart.step_done(step, self.state), 5)}
         peer_s = self.peer.save(step, self.state, step_time) if self.peer is not None else None
         if peer_s is not None:
             costs["peer_s"] = round(peer_s, 5)
-        if self.events is not None:
+        if self.lead:
             self.events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
                              tokens=self.tokens_per_step, **costs)
             if self.peer is not None and self.peer.chosen_at == step:
@@ -328,69 +407,39 @@ class _AfterStep:
             self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
         self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
 
-    def close(self) -> None:
-        if self.samples is not None:
-            self.samples.close()
-        if self.metrics is not None:
-            self.metrics.close()
-
-
-def _resume(cfg: TrainConfig, info: DistInfo, state: dict[str, Stateful], ckpt: CheckpointManager, rng: RngState,
-            events: EventLog, restart: Iteration | None, peer: PeerState | None) -> None:
-    """An in-process restart resumes from the host copy of the last step; any restart from the node
-    memory of this and the partner nodes (peer state) if it holds every shard of a step no older than
-    the newest checkpoint; anything else from the newest loadable checkpoint, resharded to this world
-    size; per-rank state the checkpoint lacks (it was written by fewer ranks) is derived, and said so."""
-    train_state = state["train"]
-    assert isinstance(train_state, TrainState)
-    in_memory = restart.restore(state) if restart is not None else None
-    from_peers = None
-    if in_memory is None and peer is not None:
-        newest = committed_checkpoints(cfg.checkpoint_dir)
-        from_peers = peer.restore(state, not_older_than=newest[0][0] if newest else 0)
-    loaded = None
-    if in_memory is None and from_peers is None:
-        loaded = ckpt.load(state, optional=frozenset({rng_key(info.rank)}),
-                           allow_fresh_start=cfg.checkpoint.allow_fresh_start)
-    if loaded is not None and loaded.missing:
-        rng.derive(cfg.training.seed, loaded.step, info.rank)
-    if info.rank != 0:
-        return
-    source = ("memory" if in_memory is not None else "peer" if from_peers is not None
-              else "disk" if loaded is not None else "none")
-    events.emit("resume", step=train_state.step, source_kind=source, path=str(loaded.path) if loaded else None,
-                saved_world_size=loaded.world_size if loaded else None)
-    log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, cfg.model.preset,
-             f"resumed from {loaded.path} at step {train_state.step}" if loaded
-             else f"resumed from {'node' if source == 'peer' else 'process'} memory at step {train_state.step}"
-             if source in ("memory", "peer") else "starting at step 0")
-    if loaded is not None and loaded.world_size not in (None, info.world_size):
-        derived = [r for r in range(info.world_size) if r >= loaded.world_size]
-        batch = cfg.training.batch_size
-        log.warning("checkpoint written by %d ranks, resharded to %d: global batch %d -> %d samples per step, "
-                    "data position kept (no sample skipped or repeated)%s", loaded.world_size, info.world_size,
-                    batch * loaded.world_size, batch * info.world_size,
-                    f"; RNG of ranks {derived} derived from (seed, step, rank)" if derived else "")
-        events.emit("state_derived", step=loaded.step, saved_world_size=loaded.world_size,
-                    world_size=info.world_size, keys=[rng_key(r) for r in derived])
-
-
-def _drain(step: int, state: dict[str, Stateful], ckpt: CheckpointManager, drain_signal: DrainSignal,
-           events: EventLog, lead: bool) -> None:
-    """Every rank, at the same step: commit what can be committed in the time the launcher gives,
-    then leave (training/train/drain.py)."""
-    ckpt.wait()
-    saved = ckpt.saved_step == step or ckpt.mode == "off"
-    if not saved and agree_on_save(drain_signal.time_left(), ckpt.last_save_s, ckpt.distributed):
-        ckpt.save(step, state)
+    def drain(self, step: int) -> None:
+        """Every rank, at the same step: commit what can be committed in the time the launcher gives,
+        then leave (training/train/drain.py)."""
+        ckpt = self.ckpt
         ckpt.wait()
-        saved = ckpt.saved_step == step
-    if lead:
-        events.emit("drained", step=step, saved_step=ckpt.saved_step)
-        log.warning("drain (SIGTERM): %s; leaving with exit code %d for the restart to resume",
-                    f"step {step} is committed" if saved else
-                    f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", TERMINATED)
-    raise Drained(f"drained at step {step}")
+        saved = ckpt.saved_step == step or ckpt.mode == "off"
+        if not saved and agree_on_save(self.drain_signal.time_left(), ckpt.last_save_s, ckpt.distributed):
+            ckpt.save(step, self.state)
+            ckpt.wait()
+            saved = ckpt.saved_step == step
+        if self.lead:
+            self.events.emit("drained", step=step, saved_step=ckpt.saved_step)
+            log.warning("drain (SIGTERM): %s; leaving with exit code %d for the restart to resume",
+                        f"step {step} is committed" if saved else
+                        f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", TERMINATED)
+        raise Drained(f"drained at step {step}")
+
+    # ---- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close what the attempt opened, after a failure too."""
+        try:
+            if self.samples is not None:
+                self.samples.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        finally:
+            self._close_setup()
+
+    def _close_setup(self) -> None:
+        self.drain_signal.stop()
+        self.monitor.shutdown()
+        teardown()
+        self.events.close()
 
 
 def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:

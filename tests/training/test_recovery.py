@@ -1,0 +1,82 @@
+"""The recovery tiers' one contract (training/train/recovery.py), without processes: stand-in tiers and
+stand-ins for what the adapters wrap."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from training.train.checkpoint import Loaded
+from training.train.recovery import DiskTier, InProcessTier, PeerTier, Restored, SourceKind, restore_first
+
+
+@dataclass
+class FakeTier:
+    holds: int | None  # the step it holds; None: nothing
+    asked: list[str]  # the names of the tiers asked, in order, shared by all
+    name: ClassVar[SourceKind] = "peer"
+    loaded_into: list[dict[str, Any]] = field(default_factory=list)
+
+    def restore(self, state: dict[str, Any], *, not_older_than: int) -> Restored | None:
+        self.asked.append(f"{self.holds}>={not_older_than}")
+        if self.holds is None:
+            return None
+        state["step"] = self.holds
+        return Restored(self.holds, self.name)
+
+
+def test_restore_first_asks_in_order_and_the_first_that_restores_wins():
+    asked: list[str] = []
+    tiers = [FakeTier(None, asked), FakeTier(7, asked), FakeTier(9, asked)]
+    state: dict[str, Any] = {}
+    assert restore_first(tiers, state, not_older_than=5) == Restored(7, "peer")
+    assert asked == ["None>=5", "7>=5"]  # the third tier is never asked
+    assert state == {"step": 7}
+
+
+def test_restore_first_is_none_when_every_tier_misses():
+    asked: list[str] = []
+    state: dict[str, Any] = {}
+    assert restore_first([FakeTier(None, asked), FakeTier(None, asked)], state, not_older_than=0) is None
+    assert asked == ["None>=0", "None>=0"] and state == {}
+    assert restore_first([], state, not_older_than=0) is None  # no tier at all: a fresh start
+
+
+class _Holds:
+    """Stands in for an Iteration or a PeerState: restores `step` (or nothing) and records the bound."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step, self.bounds = step, []
+
+    def restore(self, state: dict[str, Any], not_older_than: int | None = None) -> int | None:
+        self.bounds.append(not_older_than)
+        return self.step
+
+
+def test_memory_tiers_say_which_memory_and_only_peer_state_is_bounded():
+    iteration, peer = _Holds(4), _Holds(None)
+    assert InProcessTier(iteration).restore({}, not_older_than=3) == Restored(4, "memory")  # type: ignore[arg-type]
+    assert iteration.bounds == [None]  # every step is kept in process memory: no checkpoint is newer
+    assert PeerTier(peer).restore({}, not_older_than=3) is None  # type: ignore[arg-type]
+    assert peer.bounds == [3]
+    assert Restored(4, "memory").origin == "process memory" and Restored(4, "peer").origin == "node memory"
+
+
+class _Checkpoints:
+    def __init__(self, loaded: Loaded | None) -> None:
+        self.loaded, self.calls = loaded, []
+
+    def load(self, state: dict[str, Any], *, optional: frozenset[str], allow_fresh_start: bool) -> Loaded | None:
+        self.calls.append((optional, allow_fresh_start))
+        return self.loaded
+
+
+def test_disk_tier_reports_the_checkpoint_and_what_it_lacked():
+    path = Path("/ckpt/step_00000006")
+    ckpt = _Checkpoints(Loaded(step=6, path=path, world_size=2, missing=("rng_rank3",)))
+    tier = DiskTier(ckpt, optional=frozenset({"rng_rank3"}), allow_fresh_start=False)  # type: ignore[arg-type]
+    restored = tier.restore({}, not_older_than=0)
+    assert restored == Restored(6, "disk", path, saved_world_size=2, missing=("rng_rank3",))
+    assert restored.origin == str(path)
+    assert ckpt.calls == [(frozenset({"rng_rank3"}), False)]
+    assert DiskTier(_Checkpoints(None), frozenset(), True).restore({}, not_older_than=0) is None  # type: ignore[arg-type]

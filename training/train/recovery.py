@@ -1,0 +1,105 @@
+"""The recovery tiers behind one contract: where a restarted rank finds its training state.
+
+A tier loads the newest state it holds into the Stateful dict and says what it loaded (`Restored`),
+or leaves the dict untouched and returns None. `restore_first` asks the tiers in order, fastest
+first, and the first that restores wins:
+
+  memory  the host copy of the last step every rank completed, after an in-process restart
+          (training/train/rollback.py, through the Wrapper's Iteration)
+  peer    the copies in node memory of this and the partner nodes (training/train/peer_state.py),
+          if they hold every shard of a step no older than the newest checkpoint
+  disk    the newest loadable checkpoint, resharded to this world size (training/train/checkpoint.py)
+
+Every tier is collective and its answer the same on every rank, so every rank walks the list alike.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from training.train.checkpoint import CheckpointManager
+    from training.train.inprocess import Iteration
+    from training.train.peer_state import PeerState
+
+SourceKind = Literal["memory", "peer", "disk"]  # the `resume` event's source_kind (training/contract/events.py)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a tier loaded: the step, the tier, and what the disk tier knows of the checkpoint."""
+    step: int
+    source_kind: SourceKind
+    path: Path | None = None  # the checkpoint loaded
+    saved_world_size: int | None = None  # the world size that wrote it (None: not recorded)
+    missing: tuple[str, ...] = ()  # optional keys it lacks: per-rank state of ranks it was not written by
+
+    @property
+    def origin(self) -> str:
+        """Where the state came from, as the resume log line says it."""
+        return str(self.path) if self.path is not None else _MEMORY_ORIGIN[self.source_kind]
+
+
+_MEMORY_ORIGIN = {"memory": "process memory", "peer": "node memory"}
+
+
+class RecoveryTier(Protocol):
+    name: ClassVar[SourceKind]
+
+    def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
+        """Load this tier's newest state into `state` (collective); None, and `state` untouched, when
+        it holds none. `not_older_than`: the newest committed checkpoint's step, which a copy kept
+        apart from the checkpoints must not be older than."""
+        ...
+
+
+@dataclass(frozen=True)
+class InProcessTier:
+    """After an in-process restart, the step kept in host memory; it also charges the Wrapper's
+    restart budget (training/train/inprocess.py). Never older than a checkpoint: every step is kept."""
+    iteration: Iteration
+    name: ClassVar[SourceKind] = "memory"
+
+    def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
+        step = self.iteration.restore(state)
+        return None if step is None else Restored(step, self.name)
+
+
+@dataclass(frozen=True)
+class PeerTier:
+    """The partner nodes' copies of every shard (training/train/peer_state.py)."""
+    peer: PeerState
+    name: ClassVar[SourceKind] = "peer"
+
+    def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
+        step = self.peer.restore(state, not_older_than=not_older_than)
+        return None if step is None else Restored(step, self.name)
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """The newest loadable checkpoint. With `allow_fresh_start` False, committed checkpoints of which
+    none loads raise FreshStartRefused rather than returning None."""
+    ckpt: CheckpointManager
+    optional: frozenset[str]  # per-rank keys a checkpoint written at another world size may lack
+    allow_fresh_start: bool
+    name: ClassVar[SourceKind] = "disk"
+
+    def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
+        loaded = self.ckpt.load(state, optional=self.optional, allow_fresh_start=self.allow_fresh_start)
+        if loaded is None:
+            return None
+        return Restored(loaded.step, self.name, loaded.path, loaded.world_size, loaded.missing)
+
+
+def restore_first(tiers: Sequence[RecoveryTier], state: dict[str, Stateful], not_older_than: int) -> Restored | None:
+    """The first tier's result that is not None, the tiers after it not asked; None: a fresh start."""
+    for tier in tiers:
+        restored = tier.restore(state, not_older_than=not_older_than)
+        if restored is not None:
+            return restored
+    return None
