@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from training.train.checkpoint import Loaded
+from training.train.checkpoint.manager import Loaded
 from training.train.recovery import DiskTier, InProcessTier, PeerTier, Restored, SourceKind, restore_first
 
 

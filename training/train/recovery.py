@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from training.train.checkpoint import CheckpointManager
+    from training.train.checkpoint.manager import CheckpointManager
     from training.train.inprocess import Iteration
     from training.train.peer_state import PeerState
 
