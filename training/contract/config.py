@@ -113,8 +113,10 @@ _INPROCESS = ("In-process restart (restart=inprocess|both; training/train/inproc
 
 @dataclass(frozen=True)
 class FaultToleranceConfig:
-    restart: RestartMode = _doc("injob", "who restarts after a fault: injob (ft_launcher restarts the worker group), "
-                                         "inprocess (the Wrapper restarts the ranks in their processes) or both")
+    restart: RestartMode = _doc("injob", "who restarts after a fault: injob (the default: ft_launcher restarts the "
+                                         "worker group), inprocess (the Wrapper restarts the ranks in their "
+                                         "processes) or both; NVRx 0.7.0 calls in-process restart deprecated: "
+                                         "new deployments should use in-job restart")
     max_restarts: int = _doc(3, "ft_launcher's in-job restarts in a row without progress (NVRx 0.7.0's no-progress "
                                 "cycles): a restart after which a newer checkpoint was committed starts the count "
                                 "again, so a long run with many faults keeps its budget and a persistent fault still "
