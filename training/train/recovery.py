@@ -8,7 +8,7 @@ first, and the first that restores wins:
           (training/train/rollback.py, through the Wrapper's Iteration)
   peer    the copies in node memory of this and the partner nodes (training/train/peer_state.py),
           if they hold every shard of a step no older than the newest checkpoint
-  disk    the newest loadable checkpoint, resharded to this world size (training/train/checkpoint.py)
+  disk    the newest loadable checkpoint, resharded to this world size (training/train/checkpoint/)
 
 Every tier is collective and its answer the same on every rank, so every rank walks the list alike.
 """
