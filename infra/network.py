@@ -12,6 +12,10 @@ from infra.log_archive import LogArchive
 
 # One /18 per zone: each p5 node takes an IP for every EFA interface plus one per pod.
 _PRIVATE_CIDR_MASK = 18
+# aws-cdk-lib's rule for a group that allows no outbound traffic (aws-ec2 security-group.ts, MATCH_NO_TRAFFIC):
+# ICMP type 252 code 86 to a host that cannot exist; any inline rule removes EC2's default allow-all egress.
+DISALLOW_ALL_EGRESS = {"CidrIp": "255.255.255.255/32", "Description": "Disallow all traffic", "IpProtocol": "icmp",
+                       "FromPort": 252, "ToPort": 86}
 _PUBLIC_CIDR_MASK = 24
 
 
@@ -85,4 +89,11 @@ class Network(Construct):
         )
         self.efa_security_group.add_ingress_rule(self.efa_security_group, ec2.Port.all_traffic(), "EFA from itself")
         self.efa_security_group.add_egress_rule(self.efa_security_group, ec2.Port.all_traffic(), "EFA to itself")
+        # The self rule is a resource of its own (a group cannot name itself inline), so the group has no inline
+        # egress and EC2 would keep its default allow-all rule ("removed only when you specify one or more egress
+        # rules in the SecurityGroupEgress property": CloudFormation, AWS::EC2::SecurityGroup). CDK's own
+        # placeholder rule (what it writes for a closed group without rules) removes it.
+        cfn_efa = self.efa_security_group.node.default_child
+        assert isinstance(cfn_efa, ec2.CfnSecurityGroup)
+        cfn_efa.add_property_override("SecurityGroupEgress", [DISALLOW_ALL_EGRESS])
 

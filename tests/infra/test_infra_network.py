@@ -1,6 +1,8 @@
 """Network stack: subnets per zone, NAT, S3 gateway endpoint, flow logs, the EFA security group."""
 from __future__ import annotations
 
+from infra.network import DISALLOW_ALL_EGRESS
+
 
 def _subnets(synth, public: bool) -> list[dict]:
     return [
@@ -44,8 +46,9 @@ def test_efa_group_allows_all_traffic_to_and_from_itself_only(full):
     assert [(r["IpProtocol"], r["DestinationSecurityGroupId"]) for r in egress] == [("-1", self_ref)]
     group = full.templates["Network"]["Resources"][efa]["Properties"]
     assert "SecurityGroupIngress" not in group
-    # No inline 0.0.0.0/0 egress: CDK writes a disallow-all placeholder when outbound is closed.
-    assert all(rule.get("CidrIp") != "0.0.0.0/0" for rule in group.get("SecurityGroupEgress", []))
+    # EC2 keeps its default allow-all egress on a group without inline egress rules: the placeholder that
+    # matches no traffic is what removes it, so the self rule is the group's only way out.
+    assert group["SecurityGroupEgress"] == [DISALLOW_ALL_EGRESS]
 
 
 def test_default_security_group_is_left_without_rules(full):
