@@ -67,13 +67,17 @@ def test_without_netns_a_partition_fault_is_refused(tmp_path):
     assert run.returncode != 0 and "partition faults need --netns" in run.output
 
 
-# Each case: (arguments, fault). The node is cut off halfway into step 12; NVRx's step-section timeout
-# (max observed x 50, several seconds) stops every rank; the restart resumes at the checkpoint of step 10.
+# Each case: (arguments, fault). The node is cut off halfway into step 12; NVRx's step-section timeout (max
+# observed step x safety factor) stops every rank; the restart resumes at the checkpoint of step 10. The first
+# step of a run takes up to ~0.9 s here, which at COMMON's factor of 50 is a 45 s timeout: gloo's 30 s would
+# come first, and a 25 s partition would heal unnoticed (as the README's timeouts table says it should).
+# A factor of 15 keeps the timeout near 13 s.
+PARTITION_OVERRIDES = ("checkpoint.mode=sync", "fault_tolerance.timeout_safety_factor=15")
 CASES = {
     # for good; the spare (node 2) takes node 1's place long before the pod would be replaced
     "spare": (("--spares", "1", "--replacement-delay", "60"), "partition@12:node=1"),
-    # back after 20 s, before Kubernetes would replace the pod: node 1 rejoins with new ranks
-    "heals": (("--replacement-delay", "60",), "partition@12:node=1:duration=20"),
+    # back after 25 s, before Kubernetes would replace the pod: node 1 rejoins with new ranks
+    "heals": (("--replacement-delay", "60",), "partition@12:node=1:duration=25"),
     # unreachable for 2 s: its pod is replaced on a new machine; the old one is back at 6 s, and its
     # processes, left running all along, are killed then (the survivors' collectives fail on it)
     "evicted": (("--replacement-delay", "2",), "partition@12:node=1:duration=6"),
@@ -89,7 +93,7 @@ def partition_run(tmp_path_factory):
         if name not in runs:
             extra, spec = CASES[name]
             runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", "--netns", *TWO_NODES, *extra,
-                                             *COMMON, "checkpoint.mode=sync", "--faults", spec, timeout=300))
+                                             *COMMON, *PARTITION_OVERRIDES, "--faults", spec, timeout=300))
         return runs[name]
     return get
 
