@@ -31,6 +31,9 @@ depend on the event:
                   generation                       generation: the worker group's (training/train/checkpoint/layout.py)
   ckpt_failed     step, error                      rank 0: the save is invisible, training goes on (error
                                                    starts with "fenced:" for a late save of an older generation)
+  ckpt_no_space   step, path, free_bytes, error    rank 0, after that ckpt_failed: the save failed because the
+                                                   file system of `path` (the checkpoint directory) is full
+                                                   (ENOSPC, or EDQUOT over a quota); free_bytes: null if unknown
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
   fault_injected  kind, rank, step, spec           the faulty rank, just before the fault fires; spec:
                                                    the fault spec as written (training/train/faults.py)
@@ -56,7 +59,7 @@ from typing import Any, Iterable, Iterator
 
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
-    "ckpt_failed", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
+    "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
     "peer_state",
     "run_end",
 })

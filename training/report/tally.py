@@ -83,6 +83,7 @@ class RunTally:
     ckpt_started: int = 0
     ckpt_committed: int = 0
     ckpt_failed: int = 0
+    ckpt_no_space: int = 0  # of those failed: the checkpoint file system was full
     blocking_total_s: float = 0.0
     blocking_max_s: float = 0.0
     committed_at: float | None = None  # time of the newest ckpt_committed
@@ -115,6 +116,8 @@ class RunTally:
             self.committed_at = t if self.committed_at is None else max(self.committed_at, t)
         elif name == "ckpt_failed":
             self.ckpt_failed += 1
+        elif name == "ckpt_no_space":
+            self.ckpt_no_space += 1
         elif name == "ckpt_blocked":
             seconds = float(r["seconds"])
             self.blocking_total_s += seconds

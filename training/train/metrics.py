@@ -90,6 +90,8 @@ class RunCollector(Collector):
                                                 tally.blocking_max_s),
             "checkpoints_committed": ("Checkpoints committed so far", tally.ckpt_committed),
             "checkpoints_failed": ("Checkpoint saves that failed so far", tally.ckpt_failed),
+            "checkpoints_failed_no_space": ("Checkpoint saves that failed so far because the checkpoint file system "
+                                            "was full (ENOSPC/EDQUOT)", tally.ckpt_no_space),
         }
         return [restarts, *(GaugeMetricFamily(PREFIX + name, text, value=value)
                             for name, (text, value) in gauges.items())]
