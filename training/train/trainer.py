@@ -252,6 +252,7 @@ class Trainer:
                                      store=restart.store if restart is not None else None)
         self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
         self.lead = self.info.rank == 0
+        self.peer = None  # before anything can fail: closing the setup stops its thread
         try:  # the setup is open: a failure from here on closes it, so that another iteration can start
             if self.lead:
                 self._announce_attempt()
@@ -376,7 +377,7 @@ class Trainer:
             ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
             raise
         if self.peer is not None:
-            self.peer.close()  # not after a failure: its thread may be stuck with a dead peer, and dies with the process
+            self.peer.close()  # not after a failure: its thread may be stuck with a dead peer (_close_setup aborts it)
         if self.lead:
             self.events.emit("run_end", step=self.train_state.step, status="completed")
             log.info("done: %d steps", self.train_state.step)
@@ -432,6 +433,8 @@ class Trainer:
             self._close_setup()
 
     def _close_setup(self) -> None:
+        if self.peer is not None:  # after a failure its thread is still running; the next iteration starts its own
+            self.peer.abort()
         self.drain_signal.stop()
         self.monitor.shutdown()
         teardown()
