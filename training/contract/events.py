@@ -137,7 +137,7 @@ class EventTail:
         data = self._pending.get(path.name, b"") + new
         complete, _, pending = data.rpartition(b"\n")
         self._pending[path.name] = pending
-        return list(_parse(complete.splitlines()))
+        return list(_parse(complete.decode(errors="replace").split("\n")))  # str: json.loads needs no detection
 
 
 def record_attempt(run_dir: str | os.PathLike, attempt: int, restart_kind: str) -> None:
