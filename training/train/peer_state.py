@@ -60,7 +60,9 @@ OWN, REPLICA = "own", "replica"
 _ALIGN = 64
 COST_BUDGET = 0.05  # interval=None: replicate every step if a save costs at most this share of a step
 CALIBRATION_STEPS = 5  # interval=None: steps saved every time before the interval is chosen
-ABORT_WAIT_S = 5.0  # for the replication thread to stop after an abort (a transfer in progress fails first)
+# For the replication thread to stop after an abort: a transfer with a live partner ends well within it; one
+# with a dead partner ends when the Wrapper's abort shuts the sockets, which may come only after the wait.
+ABORT_WAIT_S = 1.0
 
 
 class _Ref(NamedTuple):
@@ -460,7 +462,7 @@ class PeerState:
         self._thread.join(timeout=ABORT_WAIT_S)
         if self._thread.is_alive():
             log.warning("peer state: the replication thread is still in a transfer %.0f s after the abort; "
-                        "it stops when that fails", ABORT_WAIT_S)
+                        "it stops once the transfer fails", ABORT_WAIT_S)
 
     def close(self) -> None:
         """Stop replicating; what is queued is sent first (the run ends on every rank alike)."""
