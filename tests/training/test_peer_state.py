@@ -3,6 +3,7 @@ what its partner gets, what a new world restores; a torn copy is never used."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,22 @@ def test_flat_layout_round_trips_every_tensor_and_leaf():
     back = unflatten(skeleton, views(data, specs))
     assert torch.equal(back["a"], state["a"]) and torch.equal(back["b"][0], state["b"][0])
     assert back["b"][1] == 0.1 and back["c"]["step"] == 7 and back["c"]["t"].item() is True
+
+
+def test_an_iteration_that_dies_leaves_no_replication_thread_behind(tmp_path, monkeypatch):
+    """Under in-process restarts a process runs one iteration after another: each iteration's peer-state
+    thread must end with it."""
+    from training.contract.config import load_train_config
+    from training.train.faults import FaultInjected
+    from training.train.trainer import run
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_train_config(None, [f"run_dir={tmp_path}", "training.device=cpu", "training.steps=6",
+                                   "peer_state.enabled=true", "peer_state.interval=1",
+                                   f"peer_state.memory_dir={tmp_path / 'memory'}", "faults=[exception@3,exception@5]"])
+    for _ in range(2):  # two iterations: the first dies at step 3, the second (resumed from node memory) at 5
+        with pytest.raises(FaultInjected):
+            run(cfg)
+    assert [t for t in threading.enumerate() if t.name == "peer-state" and t.is_alive()] == []

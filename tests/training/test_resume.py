@@ -80,6 +80,23 @@ def test_a_transient_load_error_fails_the_attempt_and_leaves_the_checkpoint(tmp_
     assert not list(m.dir.glob("corrupt-*")) and not events_named(tmp_path, "ckpt_fallback")
 
 
+@pytest.mark.parametrize("metadata, error", [
+    (b"cno_such_module_of_an_older_image\nThing\n.", "ModuleNotFoundError"),  # pickle protocol 0: GLOBAL, STOP
+    (b"ctorch.distributed.checkpoint.metadata\nNoSuchClassInThisTorch\n.", "AttributeError"),
+])
+def test_a_class_this_image_lacks_is_not_damage(tmp_path, metadata, error):
+    """An image upgrade that moved a pickled class: the checkpoint stays, the attempt fails saying why."""
+    m = _saved(tmp_path, 1, 2)
+    newest = committed_checkpoints(m.dir)[0][1]
+    (newest / ".metadata").write_bytes(metadata)
+    found = inspect_checkpoint(newest)
+    assert isinstance(found, str) and error in found and "another torch or training image version" in found
+    with pytest.raises(CheckpointLoadError, match="could not be inspected"):
+        _manager(tmp_path).load({"w": torch.zeros(64), "rng_rank0": torch.zeros(4)})
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [2, 1]
+    assert not list(m.dir.glob("corrupt-*")) and not events_named(tmp_path, "ckpt_fallback")
+
+
 def test_a_key_the_config_no_longer_has_is_not_damage(tmp_path):
     m = _saved(tmp_path, 1)
     with pytest.raises(CheckpointLoadError, match="could not be loaded"):

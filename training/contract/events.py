@@ -2,7 +2,10 @@
 
 Each writer (a rank, the local controller, the fault injector) appends JSON lines to its own file
 `<run_dir>/events/<source>.jsonl`, so concurrent writers never interleave within a line, also on
-Lustre where O_APPEND across clients is not atomic. `read_events` merges all files by time.
+Lustre where O_APPEND across clients is not atomic. `read_events` merges all files by time; `EventTail`
+reads only what was appended since its last read (a two-week run writes over a million step events:
+a reader that runs often must not read them again). Rank 0 writes `attempt_start` to a file of its own,
+`attempts.jsonl`, so that the next attempt learns its number from one line per attempt (`next_attempt`).
 
 Every record has `t` (unix seconds, float), `event` (one of EVENTS) and `source`; the other fields
 depend on the event:
@@ -10,7 +13,8 @@ depend on the event:
   job_start       nodes, nproc_per_node, spares    the local controller, before any launcher starts, so
                                                    the report's wall time includes start-up
   run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
-  attempt_start   attempt, restart_kind            rank 0; restart_kind: fresh | injob | inprocess
+  attempt_start   attempt, restart_kind            rank 0, source `attempts` (`record_attempt`);
+                                                   restart_kind: fresh | injob | inprocess
   resume          step, source_kind, path,         rank 0; source_kind: disk | memory (in-process) | peer
                                                    (node memory, training/train/peer_state.py) | none;
                   saved_world_size                 saved_world_size: the world size that wrote the checkpoint
@@ -27,6 +31,9 @@ depend on the event:
                   generation                       generation: the worker group's (training/train/checkpoint/layout.py)
   ckpt_failed     step, error                      rank 0: the save is invisible, training goes on (error
                                                    starts with "fenced:" for a late save of an older generation)
+  ckpt_no_space   step, path, free_bytes, error    rank 0, after that ckpt_failed: the save failed because the
+                                                   file system of `path` (the checkpoint directory) is full
+                                                   (ENOSPC, or EDQUOT over a quota); free_bytes: null if unknown
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
   fault_injected  kind, rank, step, spec           the faulty rank, just before the fault fires; spec:
                                                    the fault spec as written (training/train/faults.py)
@@ -52,10 +59,13 @@ from typing import Any, Iterable, Iterator
 
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
-    "ckpt_failed", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
+    "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
     "peer_state",
     "run_end",
 })
+
+
+ATTEMPTS_SOURCE = "attempts"  # the source of every attempt_start: a file of one line per attempt
 
 
 def events_dir(run_dir: str | os.PathLike) -> Path:
@@ -83,11 +93,73 @@ class EventLog:
 
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """All events of a run, ordered by time. A torn last line (a writer killed mid-write) is skipped."""
-    directory = events_dir(run_dir)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no event log (expected {directory}/*.jsonl)")
-    records = [r for path in sorted(directory.glob("*.jsonl")) for r in _read_lines(path)]
-    return sorted(records, key=lambda r: r["t"])
+    tail = EventTail(run_dir)
+    records = tail.read_new()
+    if tail.unreadable:
+        raise OSError(f"{events_dir(run_dir)}: cannot read {'; '.join(tail.unreadable.values())}")
+    return records
+
+
+class EventTail:
+    """A run's event log, read incrementally: each `read_new` returns the records appended since the
+    previous one (every source, ordered by time), reading only the new bytes of each file. A last line
+    without its newline yet waits for it; one that never gets it (a writer killed mid-write) is skipped,
+    as is the line a later writer then appends to it. A file that cannot be read (an I/O error) is left
+    out and read from where it was next time; `unreadable` says which, and why. `limit` bounds the bytes
+    read from each file by one call (and so its memory): `behind` says whether more is waiting."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = run_dir
+        self._offsets: dict[str, int] = {}  # file name -> bytes read (the log is append-only)
+        self._pending: dict[str, bytes] = {}  # file name -> a last line still without its newline
+        self.unreadable: dict[str, str] = {}  # file name -> the error of the last read
+        self.behind = False
+
+    def read_new(self, limit: int = -1) -> list[dict[str, Any]]:
+        directory = events_dir(self.run_dir)
+        if not directory.is_dir():
+            raise FileNotFoundError(f"{self.run_dir}: no event log (expected {directory}/*.jsonl)")
+        self.unreadable, self.behind = {}, False
+        records = []
+        for path in sorted(directory.glob("*.jsonl")):
+            try:
+                records += self._read_new_lines(path, limit)
+            except OSError as err:
+                self.unreadable[path.name] = f"{path.name}: {err}"
+        return sorted(records, key=lambda r: r["t"])
+
+    def _read_new_lines(self, path: Path, limit: int) -> list[dict[str, Any]]:
+        with path.open("rb") as f:
+            f.seek(self._offsets.get(path.name, 0))
+            new = f.read(limit)
+            self._offsets[path.name] = f.tell()
+        self.behind |= 0 < limit <= len(new)
+        data = self._pending.get(path.name, b"") + new
+        complete, _, pending = data.rpartition(b"\n")
+        self._pending[path.name] = pending
+        return list(_parse(complete.decode(errors="replace").split("\n")))  # str: json.loads needs no detection
+
+
+def record_attempt(run_dir: str | os.PathLike, attempt: int, restart_kind: str) -> None:
+    """Rank 0 at the start of an attempt: its attempt_start, in the attempts file (`next_attempt`)."""
+    log = EventLog(run_dir, ATTEMPTS_SOURCE)
+    try:
+        log.emit("attempt_start", attempt=attempt, restart_kind=restart_kind)
+    finally:
+        log.close()
+
+
+def next_attempt(run_dir: str | os.PathLike) -> int:
+    """The number of the attempt starting now (0: the first): one after the newest attempt_start. Reads
+    the attempts file only, a line per attempt; a log from before that file (attempt_start among rank 0's
+    events) is read whole, once: the attempt then recorded there says the number from then on."""
+    attempts = events_dir(run_dir) / f"{ATTEMPTS_SOURCE}.jsonl"
+    recorded = [r for r in _read_lines(attempts) if r["event"] == "attempt_start"] if attempts.exists() else []
+    if recorded:
+        return int(recorded[-1]["attempt"]) + 1
+    if not events_dir(run_dir).is_dir():
+        return 0
+    return sum(1 for r in read_events(run_dir) if r["event"] == "attempt_start")
 
 
 def run_completed(run_dir: str | os.PathLike, steps: int) -> bool:
@@ -95,23 +167,23 @@ def run_completed(run_dir: str | os.PathLike, steps: int) -> bool:
     directory may hold an earlier, shorter run that a longer one resumed from)."""
     directory = events_dir(run_dir)
     for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else ():
-        with path.open() as f:  # a two-week log is large: parse only the run_end lines
-            for r in _parse(line for line in f if '"run_end"' in line):
+        with path.open("rb") as f:  # a two-week log is large: parse only the run_end lines
+            for r in _parse(line for line in f if b'"run_end"' in line):
                 if r["event"] == "run_end" and r.get("status") == "completed" and r.get("step", 0) >= steps:
                     return True
     return False
 
 
 def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open() as f:
+    with path.open("rb") as f:
         yield from _parse(f)
 
 
-def _parse(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+def _parse(lines: Iterable[str | bytes]) -> Iterator[dict[str, Any]]:
     for line in lines:
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8: a torn line
             continue
         if isinstance(record, dict) and "t" in record and "event" in record:
             yield record

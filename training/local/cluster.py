@@ -292,6 +292,7 @@ class Cluster:
             # (no in-job restarts); then every node's pod is replaced and joins a new rendezvous.
             self.say(f"the rendezvous store exited with code {self.store.returncode}; starting it again, "
                      "as its Deployment does")
+            self.stop_store()  # whatever of it is left (a container's processes go with it): the port is free
             self.start_store()
         for node in self.nodes:
             rc = node.proc.poll() if not node.done and node.start_at is None and node.proc is not None else None
@@ -473,11 +474,12 @@ class Cluster:
             self.kill_node(node)
 
     def stop_store(self) -> None:
-        """Its rendezvous state goes with it: only when no node needs it (the end), or all start over."""
+        """Its rendezvous state goes with it: only when no node needs it (the end), or all start over.
+        Every process of its group, so that no nvrx-control outlives it on the port."""
         if self.store is not None:
+            kill_processes(process_group(self.store.pid))  # its leader may be gone, its store not
             with contextlib.suppress(*_GONE):
-                os.killpg(self.store.pid, signal.SIGKILL)
-                self.store.wait(timeout=5)
+                self.store.wait(timeout=5)  # reaped
 
     def kill_node(self, node: Node) -> None:
         node.refresh_descendants()
@@ -505,6 +507,16 @@ class Cluster:
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
+
+
+def process_group(pgid: int) -> list[psutil.Process]:
+    """The processes of a process group (its leader's children, and what it left behind when it died)."""
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(*_GONE):
+            if os.getpgid(proc.pid) == pgid:
+                members.append(proc)
+    return members
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:

@@ -39,7 +39,6 @@ blocking time of each save (ckpt_blocked.seconds): mean, max, total.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from training.contract.events import events_dir, read_events
+from training.report.tally import UsefulSteps
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
@@ -207,25 +207,19 @@ def summarize(tl: Timeline) -> GoodputReport:
 
 
 def _step_runs(events: list[Event], t0: float) -> tuple[StepRun, ...]:
-    attempt, attempts = 0, []
+    """Every step execution, in log order (timestamps may tie), and whether it counts (UsefulSteps)."""
+    attempt, useful, lost, runs = 0, UsefulSteps(), set(), []
     for r in events:
         if r["event"] == "attempt_start":
             attempt = int(_number(r, "attempt"))
+        elif r["event"] == "resume":
+            lost.update(useful.resumed(int(_number(r, "step"))))
         elif r["event"] == "step":
-            attempts.append(attempt)
-    # Walk backwards (in log order: timestamps may tie): an execution is lost when a later resume
-    # went back before it, or a later execution of the same step replaced it.
-    floor, seen, out = math.inf, set(), []
-    attempt_of = reversed(attempts)
-    for r in reversed(events):
-        if r["event"] == "resume":
-            floor = min(floor, _number(r, "step"))
-        elif r["event"] == "step":
-            step = int(_number(r, "step"))
-            out.append(StepRun(step, r["t"] - t0 - _number(r, "step_time_s"), r["t"] - t0, next(attempt_of),
-                               useful=step <= floor and step not in seen))
-            seen.add(step)
-    return tuple(reversed(out))
+            step, seconds = int(_number(r, "step")), _number(r, "step_time_s")
+            lost.update(useful.executed(step, seconds, len(runs)))
+            runs.append((step, r["t"] - t0 - seconds, r["t"] - t0, attempt))
+    return tuple(StepRun(step, start, end, attempt, useful=i not in lost)
+                 for i, (step, start, end, attempt) in enumerate(runs))
 
 
 @dataclass

@@ -3,10 +3,13 @@
 Two sources, so that nothing is counted twice:
 - the step just completed, set by the training loop: step, loss, step time, tokens/s and, with a known
   GPU peak, MFU (training/contract/flops.py);
-- the run so far, from the event log through the report's own functions (training/report/goodput.py), so a
+- the run so far, from the event log by the report's own definitions (training/report/tally.py), so a
   scrape and `python -m training.report` agree: training and infra goodput, restarts by kind, checkpoint
-  blocking and the age of the newest committed checkpoint. The log is re-read at most every
-  metrics.event_log_refresh_s seconds, in the HTTP server's thread, never in the training loop's.
+  blocking and the age of the newest committed checkpoint. The log is read at most every
+  metrics.event_log_refresh_s seconds, in the HTTP server's thread, never in the training loop's, and
+  only what was appended since the last read (a two-week log holds millions of events): a refresh costs
+  the events since the previous one, whatever the log's length. The first read of a process (after each
+  restart of rank 0) catches up on the whole log once.
 
 The server binds in the background: a rank 0 restarted in-job may find the port still held for a moment
 by the process it replaces (being killed), and retries until it is free; training never waits for it.
@@ -17,30 +20,31 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from training.contract.events import read_events
+from training.contract.events import EventTail
 from training.contract.flops import mfu
-from training.report.goodput import ReportError, build_report
+from training.report.tally import RunTally
 
 log = logging.getLogger("training.train.metrics")
 PREFIX = "training_"
 BIND_RETRY_S = 1.0
+READ_CHUNK_BYTES = 4 << 20  # of each event file per fold: a new process catches up on a long log in pieces
 
 
 class RunCollector(Collector):
     """The run-so-far figures, from the event log of `run_dir`."""
 
     def __init__(self, run_dir: str | os.PathLike, refresh_s: float) -> None:
-        self.run_dir, self.refresh_s = run_dir, refresh_s
+        self.refresh_s = refresh_s
+        self._log = EventTail(run_dir)
+        self._tally = RunTally()
         self._families: list[GaugeMetricFamily | CounterMetricFamily] = []
         self._read_at = -float("inf")
-        self._committed_at: float | None = None
         self._lock = threading.Lock()
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -48,43 +52,46 @@ class RunCollector(Collector):
             if time.monotonic() - self._read_at >= self.refresh_s:
                 self._families = self._read()
                 self._read_at = time.monotonic()
-            families = self._families
+            families, committed_at = self._families, self._tally.committed_at
         yield from families
         # the age moves on between reads of the log
-        if self._committed_at is not None:
+        if committed_at is not None:
             yield GaugeMetricFamily(PREFIX + "checkpoint_commit_age_seconds",
                                     "Seconds since the newest checkpoint was committed",
-                                    value=time.time() - self._committed_at)
+                                    value=time.time() - committed_at)
 
     def _read(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
-        self._committed_at = None
         try:
-            events = read_events(self.run_dir)
-            report = build_report(events)
-        except (FileNotFoundError, ReportError):  # before the first step: nothing to say yet
+            self._tally.add(self._log.read_new(READ_CHUNK_BYTES))
+            while self._log.behind:
+                self._tally.add(self._log.read_new(READ_CHUNK_BYTES))
+        except FileNotFoundError:  # before the first event: nothing to say yet
             return []
-        committed = [e for e in events if e["event"] == "ckpt_committed"]
-        self._committed_at = committed[-1]["t"] if committed else None
-        ck = report.checkpoints
+        if self._log.unreadable:  # e.g. an FSx client eviction: those files are read on a later refresh
+            log.warning("event log: %s; the run figures leave them out until they can be read",
+                        "; ".join(self._log.unreadable.values()))
+        tally = self._tally
+        if not tally.steps:  # the report too has nothing to say before the first step
+            return []
         restarts = CounterMetricFamily(PREFIX + "restarts", "Restarts of the run by kind (injob, inprocess, node)",
                                        labels=["kind"])
-        for kind, count in sorted(Counter(str(e.get("restart_kind")) for e in events
-                                          if e["event"] == "restart").items()):
+        for kind, count in sorted(tally.restarts.items()):
             restarts.add_metric([kind], count)
         gauges: dict[str, tuple[str, Any]] = {
             "goodput_ratio": ("Training goodput so far: productive step time / wall time (training.report)",
-                              report.training_goodput),
+                              tally.training_goodput),
             "infra_goodput_ratio": ("Infra goodput so far: time inside steps, lost ones too / wall time",
-                                    report.infra_goodput),
-            "wall_seconds": ("Wall time of the run so far, as the report counts it", report.wall_s),
-            "report_as_of_timestamp_seconds": ("Time of the newest event the run figures include",
-                                               events[-1]["t"]),
+                                    tally.infra_goodput),
+            "wall_seconds": ("Wall time of the run so far, as the report counts it", tally.wall_s),
+            "report_as_of_timestamp_seconds": ("Time of the newest event the run figures include", tally.last_t),
             "checkpoint_blocking_seconds_total": ("Training time blocked by checkpoint saves",
-                                                  ck.blocking_total_s),
+                                                  tally.blocking_total_s),
             "checkpoint_blocking_max_seconds": ("Longest block of training by one checkpoint save",
-                                                ck.blocking_max_s or 0.0),
-            "checkpoints_committed": ("Checkpoints committed so far", ck.committed),
-            "checkpoints_failed": ("Checkpoint saves that failed so far", ck.failed),
+                                                tally.blocking_max_s),
+            "checkpoints_committed": ("Checkpoints committed so far", tally.ckpt_committed),
+            "checkpoints_failed": ("Checkpoint saves that failed so far", tally.ckpt_failed),
+            "checkpoints_failed_no_space": ("Checkpoint saves that failed so far because the checkpoint file system "
+                                            "was full (ENOSPC/EDQUOT)", tally.ckpt_no_space),
         }
         return [restarts, *(GaugeMetricFamily(PREFIX + name, text, value=value)
                             for name, (text, value) in gauges.items())]

@@ -60,6 +60,9 @@ OWN, REPLICA = "own", "replica"
 _ALIGN = 64
 COST_BUDGET = 0.05  # interval=None: replicate every step if a save costs at most this share of a step
 CALIBRATION_STEPS = 5  # interval=None: steps saved every time before the interval is chosen
+# For the replication thread to stop after an abort: a transfer with a live partner ends well within it; one
+# with a dead partner ends when the Wrapper's abort shuts the sockets, which may come only after the wait.
+ABORT_WAIT_S = 1.0
 
 
 class _Ref(NamedTuple):
@@ -444,6 +447,22 @@ class PeerState:
         keep = {(OWN, r) for r in here} | {(REPLICA, (r - per_node * j) % self.world)
                                            for r in here for j in range(1, self.replicas + 1)}
         self.memory.prune(keep, newest)
+
+    def abort(self) -> None:
+        """The attempt died, and this process may run the next (an in-process restart): stop the replication
+        thread, without waiting on partners that may be gone. An idle thread takes the stop at once; one in
+        a transfer fails within about a second once the Wrapper's abort has shut gloo's sockets
+        (training/train/gloo_abort.py), and stops. Nothing more is sent."""
+        if not self._thread.is_alive():
+            return
+        with contextlib.suppress(queue.Empty):
+            while True:  # what is queued would go to partners that may be gone
+                self._queue.get_nowait()
+        self._queue.put(None)
+        self._thread.join(timeout=ABORT_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("peer state: the replication thread is still in a transfer %.0f s after the abort; "
+                        "it stops once the transfer fails", ABORT_WAIT_S)
 
     def close(self) -> None:
         """Stop replicating; what is queued is sent first (the run ends on every rank alike)."""

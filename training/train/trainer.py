@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
-from training.contract.events import EventLog, read_events
+from training.contract.events import EventLog, next_attempt, record_attempt
 from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
 from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
 from training.contract.flops import flops_per_token
@@ -190,10 +190,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return total_loss / info.world_size, drain > 0
 
 
-def _attempt_number(run_dir: str) -> int:
-    return sum(1 for e in read_events(run_dir) if e["event"] == "attempt_start")
-
-
 def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
     p = cfg.peer_state
     if not p.enabled:
@@ -256,6 +252,7 @@ class Trainer:
                                      store=restart.store if restart is not None else None)
         self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
         self.lead = self.info.rank == 0
+        self.peer = None  # before anything can fail: closing the setup stops its thread
         try:  # the setup is open: a failure from here on closes it, so that another iteration can start
             if self.lead:
                 self._announce_attempt()
@@ -283,12 +280,12 @@ class Trainer:
 
     def _announce_attempt(self) -> None:
         """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
-        attempt = _attempt_number(self.cfg.run_dir)
+        attempt = next_attempt(self.cfg.run_dir)  # one line per attempt, not the whole log
         world_size = self.info.world_size
         nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         self.events.emit("run_start", world_size=world_size, nodes=nodes, config=self.cfg.to_dict())
         kind = "fresh" if attempt == 0 else "inprocess" if self.restart is not None and self.restart.number else "injob"
-        self.events.emit("attempt_start", attempt=attempt, restart_kind=kind)
+        record_attempt(self.cfg.run_dir, attempt, kind)
         if attempt:
             self.events.emit("restart", attempt=attempt, restart_kind=kind)
 
@@ -380,7 +377,7 @@ class Trainer:
             ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
             raise
         if self.peer is not None:
-            self.peer.close()  # not after a failure: its thread may be stuck with a dead peer, and dies with the process
+            self.peer.close()  # not after a failure: its thread may be stuck with a dead peer (_close_setup aborts it)
         if self.lead:
             self.events.emit("run_end", step=self.train_state.step, status="completed")
             log.info("done: %d steps", self.train_state.step)
@@ -436,6 +433,8 @@ class Trainer:
             self._close_setup()
 
     def _close_setup(self) -> None:
+        if self.peer is not None:  # after a failure its thread is still running; the next iteration starts its own
+            self.peer.abort()
         self.drain_signal.stop()
         self.monitor.shutdown()
         teardown()

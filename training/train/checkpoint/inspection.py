@@ -1,5 +1,6 @@
 """What a committed checkpoint holds, or the evidence that it is damaged. Only such evidence sets a
-checkpoint aside (layout.set_aside); an error that proves nothing (an I/O error) leaves it in place."""
+checkpoint aside (layout.set_aside); an error that proves nothing (an I/O error, a class this image
+cannot import) leaves it in place."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ class Damaged:
 def inspect_checkpoint(path: Path) -> Held | Damaged | str:
     """What a committed checkpoint holds, or the evidence that it is damaged: a `.metadata` or
     COMMITTED marker that does not parse, a shard file that is missing or shorter than its metadata
-    says. A string when it cannot be checked (an I/O error is no evidence of damage)."""
+    says. A string when it cannot be checked: an I/O error, or a `.metadata` that names a module or class
+    this image lacks (pickle's ImportError/AttributeError: written under another torch or code version,
+    e.g. before an image upgrade), is no evidence of damage."""
     try:
         marker = json.loads((path / COMMIT_MARKER).read_text())
         metadata = dcp.FileSystemReader(path).read_metadata()
@@ -33,6 +36,9 @@ def inspect_checkpoint(path: Path) -> Held | Damaged | str:
         return Damaged(f"{err.filename or err} is missing")
     except OSError as err:
         return f"{type(err).__name__}: {err}"[:300]
+    except (ImportError, AttributeError) as err:  # pickle's class lookup: the bytes are fine, the code differs
+        return (f"its .metadata needs code this image lacks ({f'{type(err).__name__}: {err}'[:200]}); was it "
+                "written by another torch or training image version? Run that version, or convert it")
     except Exception as err:  # noqa: BLE001 (JSON or pickle that does not parse: any error the bytes cause)
         return Damaged(f"unreadable marker or .metadata: {type(err).__name__}: {err}"[:300])
     needed: dict[str, int] = {}

@@ -2,13 +2,26 @@
 
   step_00000040/          complete: every rank's shards, DCP .metadata, and COMMITTED (a JSON marker)
   .tmp-step_00000060.g7/  a save in progress by generation 7, or abandoned: never loaded, removed
+  .replaced-step_00000040/  a checkpoint being replaced by a new save of its step (Atomic commit)
+  .pruned-step_00000010/  a checkpoint being deleted, invisible from the first moment (Pruning)
   corrupt-step_00000020-<time>/  a committed checkpoint found damaged, set aside (never deleted)
   GENERATION              the newest generation of workers (a number; see Fencing)
 
 Atomic commit: every rank writes its shards (fsynced) into `.tmp-step_N`; DCP's coordinator (rank 0)
 writes `.metadata` only after gathering every rank's write result, so when rank 0's save returns,
 all data is durable. Rank 0 then writes COMMITTED, renames the directory to `step_N` (one atomic
-rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` dir.
+rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` dir. A save
+of a step that already has a checkpoint (the same step trained again after a resume from an older one)
+first renames the old one to `.replaced-step_N`, then renames the new one in, then deletes the old: a
+crash between the two renames leaves no `step_N`, and the next worker group puts the old one back
+(`clean_up`), so one of the two is always there.
+
+Pruning: a checkpoint past `keep` is first renamed to `.pruned-step_N` (one atomic rename: it stops
+being a checkpoint at once), then deleted. What an interrupted deletion leaves is deleted by the next
+`clean_up` (at every worker group's start, and after every commit), and so is a `step_N` without its
+COMMITTED marker: a commit renames only complete directories, so that is what a deletion in place
+(before pruning renamed first) left half done. A full file system is loud: `out_of_space` tells a save
+that failed for it (ENOSPC, or EDQUOT over a quota) from any other.
 
 Fencing: every CheckpointManager (one per worker group: an attempt, a rendezvous round, an in-process
 restart) takes the next generation number from GENERATION as it starts, and writes only into
@@ -20,7 +33,9 @@ says it was fenced). Its leftovers are removed when a newer generation starts or
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,8 +44,12 @@ from pathlib import Path
 
 from training.contract.launcher import resume_step_file
 
+log = logging.getLogger(__name__)
+
 COMMIT_MARKER = "COMMITTED"
 GENERATION_FILE = "GENERATION"
+REPLACED_PREFIX, PRUNED_PREFIX = ".replaced-", ".pruned-"
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _TMP_DIR = re.compile(r"^\.tmp-step_\d{8}(\.g(?P<generation>\d+))?$")  # no generation: written before fencing
 
@@ -89,10 +108,13 @@ def commit(directory: Path, tmp: Path, step: int, *, generation: int, world_size
     if newest != generation:  # as late as it can be: between this check and the rename, microseconds
         raise SaveFenced(f"fenced: written by generation {generation}, and generation {newest} of the workers has "
                          "started since; a newer worker group's checkpoints win")
+    replaced = directory / f"{REPLACED_PREFIX}{final.name}"
     if final.exists():  # same step saved again after a resume from an older checkpoint
-        shutil.rmtree(final)
+        _delete(replaced)  # a leftover of an earlier replacement whose deletion failed
+        os.rename(final, replaced)  # not deleted yet: a crash before the next rename puts it back (clean_up)
     os.rename(tmp, final)
     _fsync_dir(directory)
+    _delete(replaced)
     write_resume_step(directory, step + 1)
     return final
 
@@ -104,6 +126,97 @@ def remove_older_saves(directory: Path, generation: int) -> None:
         m = _TMP_DIR.match(stale.name)
         if m and int(m.group("generation") or 0) < generation:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Rank 0, after a commit: delete the committed checkpoints older than the newest `keep`."""
+    for _, old in committed_checkpoints(directory)[keep:]:
+        _discard(old)
+
+
+def clean_up(directory: Path) -> None:
+    """Rank 0, as a worker group starts and after each commit: finish what a crash or an I/O error
+    interrupted. A replaced checkpoint whose replacement was never renamed in goes back; deletions
+    (Pruning) are finished. Errors are logged, and left for the next time."""
+    for path in sorted(directory.glob(f"{REPLACED_PREFIX}step_*")):
+        final = directory / path.name.removeprefix(REPLACED_PREFIX)
+        if final.exists():
+            _delete(path)
+            continue
+        try:
+            os.rename(path, final)
+        except OSError as err:
+            log.warning("cannot put %s back as %s (%s); trying again later", path, final, err)
+            continue
+        log.warning("checkpoint %s: its replacement by a new save was interrupted; the checkpoint is back", final)
+    for path in sorted(directory.glob(f"{PRUNED_PREFIX}step_*")):
+        _delete(path)
+    for path in sorted(directory.glob("step_*")):
+        if _STEP_DIR.match(path.name) and not _has_marker(path):
+            log.warning("checkpoint directory %s has no %s marker: what an interrupted deletion left; deleting it",
+                        path, COMMIT_MARKER)
+            _discard(path)
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether a failed save failed because its file system is full: ENOSPC, or EDQUOT (a quota), on any
+    rank (DCP's CheckpointException holds each rank's failure in `failures`, as (exception, traceback))."""
+    pending, seen = [err], set()
+    while pending:
+        e = pending.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        pending += [e.__cause__, e.__context__]
+    return False
+
+
+def free_bytes(directory: Path) -> int | None:
+    """Bytes free to this process on the file system of `directory` (None when it cannot say)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _has_marker(path: Path) -> bool:
+    """Whether `path` holds the COMMITTED marker; an error other than its absence (an I/O error) counts
+    as having it: nothing is deleted on what could not be checked."""
+    try:
+        (path / COMMIT_MARKER).stat()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory, invisible from the first moment: renamed to `.pruned-…`, then deleted."""
+    pruned = path.with_name(f"{PRUNED_PREFIX}{path.name}")
+    _delete(pruned)  # a leftover of an earlier deletion of the same step
+    try:
+        os.rename(path, pruned)
+    except OSError as err:
+        log.warning("cannot delete %s (%s); trying again after the next commit", path, err)
+        return
+    _delete(pruned)
+
+
+def _delete(path: Path) -> None:
+    """Delete a directory that is no checkpoint (any more); an error is logged, and what is left is
+    deleted by the next clean_up."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        log.warning("cannot delete %s (%s); trying again after the next commit", path, err)
 
 
 def set_aside(path: Path) -> str:

@@ -7,7 +7,8 @@ skipped with a log line. Ranks can see a save finish at different polls (the tor
 local), so a save stays in flight until the next `save` or `wait`, where all ranks decide together.
 
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
-goes on.
+goes on. A full file system (layout.out_of_space) also emits ckpt_no_space and logs an error naming the
+directory: every later save fails too until space is freed.
 
 Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
 evidence of damage (inspection.py) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
@@ -32,9 +33,9 @@ from torch.distributed.checkpoint import CheckpointException
 from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
 from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
-from training.train.checkpoint.layout import (SaveFenced, commit, committed_checkpoints, remove_older_saves,
-                                              save_dir_name, set_aside, set_aside_names, start_generation,
-                                              write_resume_step)
+from training.train.checkpoint.layout import (SaveFenced, clean_up, commit, committed_checkpoints, free_bytes,
+                                              out_of_space, prune, remove_older_saves, save_dir_name, set_aside,
+                                              set_aside_names, start_generation, write_resume_step)
 from training.train.checkpoint.writers import AsyncWriter, WriteHook, file_writer, make_async_writer
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class CheckpointManager:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.generation = start_generation(self.dir)
             remove_older_saves(self.dir, self.generation)  # abandoned by a crash mid-save, or an older generation's
+            clean_up(self.dir)  # an interrupted replacement or deletion
             if not resume_step_file(self.dir).exists():
                 newest = committed_checkpoints(self.dir)[:1]
                 write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
@@ -196,9 +198,9 @@ class CheckpointManager:
             return
         self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4),
                    generation=self.generation)
-        for _, old in committed_checkpoints(self.dir)[self.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(self.dir, self.keep)
         remove_older_saves(self.dir, self.generation)
+        clean_up(self.dir)
 
     def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
         if self.rank != 0:
@@ -207,6 +209,12 @@ class CheckpointManager:
         error = _describe(err)
         self._log(f"checkpoint at step {step} failed, nothing made visible, training goes on: {error}")
         self._emit("ckpt_failed", step=step, error=error)
+        if out_of_space(err):
+            free = free_bytes(self.dir)
+            log.error("checkpoint directory %s: its file system is full (%s bytes free): no checkpoint can be saved "
+                      "until space is freed there (old runs, set-aside corrupt-* checkpoints; on EKS a larger "
+                      "fsxStorageGib); training goes on without", self.dir, "?" if free is None else free)
+            self._emit("ckpt_no_space", step=step, path=str(self.dir), free_bytes=free, error=error)
 
     # ---- loading ---------------------------------------------------------------------------
     def load(self, state: dict[str, Any], *, optional: frozenset[str] = frozenset(),

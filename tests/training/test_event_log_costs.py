@@ -1,0 +1,93 @@
+"""Reading the event log costs rank 0 what was appended since its last read, not the log's length: a
+metrics refresh and an attempt start on synthetic logs of different lengths (bench/event_log.py measures
+millions of events)."""
+from __future__ import annotations
+
+import pytest
+
+from bench.event_log import SyntheticRun, announce_attempt, measure, measured
+from training.contract.events import EventLog, EventTail, events_dir, next_attempt, read_events
+from training.report.goodput import build_report
+from training.train import metrics as train_metrics
+from training.train.metrics import RunCollector
+
+SIZES = (4_000, 40_000)
+
+
+def _metrics(collector: RunCollector) -> dict[str, float]:
+    return {s.name: s.value for family in collector.collect() for s in family.samples}
+
+
+def test_a_refresh_and_an_attempt_start_read_only_what_is_new(tmp_path):
+    costs = [measure(tmp_path / str(n), n) for n in SIZES]
+    small, large = costs
+    assert large.log_bytes > 9 * small.log_bytes  # the log grew tenfold ...
+    assert large.catch_up.bytes_read > 0.99 * large.log_bytes  # (a new process reads it once) ...
+    for c in costs:  # ... and neither the refresh nor the attempt start read it again
+        assert c.refresh.bytes_read < 16_384, c
+        assert c.attempt_start.bytes_read < 4_096, c
+    assert abs(large.refresh.bytes_read - small.refresh.bytes_read) < 1_024
+    assert abs(large.attempt_start.bytes_read - small.attempt_start.bytes_read) < 1_024
+    assert next_attempt(tmp_path / str(SIZES[1])) == 2  # attempts 0 (fresh) and 1 (announce_attempt)
+
+
+def test_incremental_figures_are_the_reports(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_metrics, "READ_CHUNK_BYTES", 1_000)  # lines split across reads, several per refresh
+    run = SyntheticRun(tmp_path)
+    collector = RunCollector(tmp_path, refresh_s=0.0)
+    try:
+        for chunk in (250, 1, 3_000, 40):
+            run.append(chunk)
+            _metrics(collector)
+        with (events_dir(tmp_path) / "rank0.jsonl").open("a") as f:  # a line still being written: not yet
+            f.write('{"t":1767999999.0,"event":"ckpt_failed","source":"rank0","step":1,')
+        metrics = _metrics(collector)
+        assert metrics["training_checkpoints_failed"] == 0
+        with (events_dir(tmp_path) / "rank0.jsonl").open("a") as f:
+            f.write('"error":"OSError: disk full"}\n')
+        run.append(10)
+        metrics = _metrics(collector)
+    finally:
+        run.close()
+    report = build_report(read_events(tmp_path))
+    assert metrics["training_checkpoints_failed"] == report.checkpoints.failed == 1
+    assert metrics["training_goodput_ratio"] == pytest.approx(report.training_goodput, rel=1e-9)
+    assert metrics["training_infra_goodput_ratio"] == pytest.approx(report.infra_goodput, rel=1e-9)
+    assert metrics["training_wall_seconds"] == pytest.approx(report.wall_s, rel=1e-9)
+    assert metrics["training_checkpoints_committed"] == report.checkpoints.committed > 0
+    assert metrics["training_checkpoint_blocking_seconds_total"] == pytest.approx(report.checkpoints.blocking_total_s)
+
+
+def test_an_attempt_start_needs_no_scan_of_the_log(tmp_path):
+    """A fresh run is attempt 0; each announced attempt counts; a log from before the attempts file
+    (attempt_start among rank 0's events) is counted from the log once."""
+    assert next_attempt(tmp_path / "new") == 0
+    run = SyntheticRun(tmp_path / "run")
+    run.close()
+    cost = measured(lambda: announce_attempt(tmp_path / "run"))
+    assert cost.bytes_read < 4_096 and next_attempt(tmp_path / "run") == 2
+    legacy = events_dir(tmp_path / "legacy")
+    legacy.mkdir(parents=True)
+    (legacy / "rank0.jsonl").write_text("".join(
+        f'{{"t":{i}.0,"event":"attempt_start","source":"rank0","attempt":{i},"restart_kind":"injob"}}\n'
+        for i in range(3)))
+    assert next_attempt(tmp_path / "legacy") == 3
+    announce_attempt(tmp_path / "legacy")
+    assert next_attempt(tmp_path / "legacy") == 4
+    assert [e["attempt"] for e in read_events(tmp_path / "legacy") if e["event"] == "attempt_start"] == [0, 1, 2, 3]
+
+
+def test_a_file_that_cannot_be_read_is_read_later_not_lost(tmp_path):
+    log = EventLog(tmp_path, "rank0")
+    log.emit("step", step=1, loss=1.0, step_time_s=1.0, tokens=1)
+    broken = events_dir(tmp_path) / "rank1.jsonl"
+    broken.mkdir()  # reading it fails with an OSError, as an evicted Lustre client's read does
+    tail = EventTail(tmp_path)
+    assert [r["step"] for r in tail.read_new()] == [1]
+    assert list(tail.unreadable) == ["rank1.jsonl"]
+    with pytest.raises(OSError, match="cannot read rank1.jsonl"):
+        read_events(tmp_path)
+    broken.rmdir()
+    EventLog(tmp_path, "rank1").emit("fault_detected", kind="exception", rank=1, detail="x", by="test")
+    log.emit("step", step=2, loss=1.0, step_time_s=1.0, tokens=1)
+    assert [r["event"] for r in tail.read_new()] == ["fault_detected", "step"] and not tail.unreadable
