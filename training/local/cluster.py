@@ -20,12 +20,15 @@ lines are echoed here.
 What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
 as the Job and its podFailurePolicy would (training/contract/job_rules.py decides, from the table the
 chart renders):
-- killed by a signal (a lost node) or exited with an error (a failed pod, e.g. with restart=inprocess,
-  where the launcher restarts nothing, or INCOMPLETE): its orphaned ranks are killed and the node is
-  started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule
-  and start the new pod; bench/projection.py names its parts on EKS), at most --node-retries times per
-  node (backoffLimitPerIndex; node_replaced, restart with restart_kind=node).
-- exited with CONFIG_ERROR or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
+- killed by a signal (a lost node): its orphaned ranks are killed and the node is started again, after
+  --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule and start the new pod;
+  bench/projection.py names its parts on EKS), not counted against --node-retries: on EKS the pod of a
+  lost node is removed with DisruptionTarget, which the Job's podFailurePolicy ignores
+  (node_replaced, restart with restart_kind=node).
+- exited with an error (a failed pod, e.g. INCOMPLETE): the same, counted against --node-retries
+  (backoffLimitPerIndex) per node.
+- exited with CONFIG_ERROR (the config or its checkpoints cannot work: named on the last line, from the
+  rank's job failure request) or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
   no progress): the job fails at once, with a message naming the ranks and faults that the event log
   recorded (e.g. a persistent fault).
 - drained (a `drain` fault: the controller plays the kubelet, with the drain marker, SIGTERM and the
@@ -299,9 +302,7 @@ class Cluster:
                 continue
             drained, node.drain_deadline = node.drain_deadline is not None, None
             detail = self.pod_failed(node, rc, drained) if rc != 0 else ""
-            # A launcher killed by a signal plays a lost node, yet its pod is not taken for disrupted as the
-            # taint manager's eviction on EKS would be: it counts against the node's retries (issue 24).
-            decision = decide(PodEnd(rc, disrupted=drained, retries_used=node.retries), self.node_retries,
+            decision = decide(local_pod_end(rc, drained, node.retries), self.node_retries,
                               survivor=self.survivor_besides(node))
             if decision.outcome is Outcome.DONE:  # training.pod.launch exits 0 only once the run completed
                 node.done = True
@@ -405,8 +406,9 @@ class Cluster:
         if drained:
             detail = f"launcher of drained node {node.index} exited with code {rc}"
         else:
-            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-            detail = f"launcher of node {node.index} {how}"
+            detail = (f"node {node.index} lost (its launcher was killed by {signal.Signals(-rc).name}; on EKS the "
+                      "taint manager or PodGC removes its pod with DisruptionTarget)" if rc < 0
+                      else f"launcher of node {node.index} exited with code {rc}")
             self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         kill_processes(node.descendants)
         return detail
@@ -416,9 +418,8 @@ class Cluster:
         return any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node)
 
     def replace(self, node: Node, detail: str, decision: Decision) -> None:
-        """Start a node again, as the Job replaces a pod: one that was lost (its launcher killed by a signal)
-        or failed (exited non-zero: e.g. restart=inprocess, where the launcher restarts nothing), counted
-        against node_retries (backoffLimitPerIndex); a drained one uncounted (a disruption)."""
+        """Start a node again, as the Job replaces a pod: one that failed (exited non-zero), counted against
+        node_retries (backoffLimitPerIndex); a lost or drained one uncounted (a disruption)."""
         node.retries += decision.counted
         when = f" in {self.replacement_delay_s:g} s" if self.replacement_delay_s else ""
         self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
@@ -505,6 +506,15 @@ class Cluster:
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
+
+
+def local_pod_end(returncode: int, drained: bool, retries_used: int) -> PodEnd:
+    """A node's launcher that exited, as the Job sees its pod. Killed by a signal, it plays a lost node: on
+    EKS the taint manager evicts the pod of a node that stopped reporting, or PodGC deletes it once the
+    Node object is gone, both with DisruptionTarget, and no exit code reaches the Job. A drain (the
+    controller plays the Eviction API) is a disruption too."""
+    lost = returncode < 0
+    return PodEnd(None if lost else returncode, disrupted=drained or lost, retries_used=retries_used)
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:
