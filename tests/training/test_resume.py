@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.events import EventLog
+from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.launcher import RESUME_STEP_FILE
 from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoint
 from training.train.checkpoint.layout import committed_checkpoints
@@ -199,13 +200,34 @@ def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(
     for _, path in committed_checkpoints(run_dir / "checkpoints"):
         for shard in _shards(path):
             shard.write_bytes(b"")
-    refused = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
-                        "fault_tolerance.max_restarts=1")
-    assert refused.returncode == 1, refused.output[-4000:]
-    assert "refusing to start at step 0" in refused.output
-    assert "made no progress" in refused.output  # the launcher stopped retrying a refusal
+    refused = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON)
+    _failed_at_once(refused, "refusing to start at step 0")
     assert len(events_named(run_dir, "step")) == FIRST  # not one step trained from scratch
     fresh = completed(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
                           "checkpoint.allow_fresh_start=true"))
     assert "starting at step 0" in fresh.output
     assert [e["step"] for e in events_named(run_dir, "resume")][-1] == 0
+
+
+def _failed_at_once(run, cause: str) -> None:
+    """The Job failed on its first attempt with exit code 3, the rank's cause on the controller's last line."""
+    assert run.returncode == 1, run.output[-4000:]
+    assert len(events_named(run.run_dir, "attempt_start")) == 1 + 1  # the first run's, and this one: no restart
+    assert f"exited with code {CONFIG_ERROR}: the training config or its checkpoints cannot work" in run.output
+    last = run.output.strip().splitlines()[-1]
+    assert cause in last and last.split("] ", 2)[-1].startswith("rank"), run.output[-3000:]
+    assert "made no progress" not in run.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["injob", "both"])
+def test_checkpoints_of_another_model_fail_the_job_at_once_in_every_restart_mode(four_ranks, tmp_path, mode):
+    """A changed preset: no restart can load the checkpoints, so none is tried, in-job or in-process."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_ranks.run_dir, run_dir)
+    run = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+                    "model.preset=small", f"fault_tolerance.restart={mode}")
+    _failed_at_once(run, "step_00000020 is intact but cannot be loaded into this run's model and optimizer "
+                         "(ValueError: Size mismatch between saved torch.Size([256, 64]) and current: "
+                         "torch.Size([32000, 512])")
+    assert [s for s, _ in committed_checkpoints(run_dir / "checkpoints")] == [20, 10]  # left in place

@@ -66,6 +66,7 @@ from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.contract.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
                                       with_env_faults)
+from training.contract.job_failure import FailureRequests
 from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
 from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain_grace_period_s, free_port,
                                         launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
@@ -162,6 +163,7 @@ class Cluster:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
+        self.failure_requests = FailureRequests(self.run_dir)  # a rank's cause, when a node exits CONFIG_ERROR
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"
         self.partitions: list[Partition] = []
@@ -454,11 +456,16 @@ class Cluster:
             self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
                      f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
             return
-        why = (f"{self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress (no newer "
-               "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the fault "
-               "named below, then run again to resume from the last checkpoint" if rc == NO_PROGRESS
-               else "the training config or its checkpoints cannot work: see the error above")
-        self.say(f"{detail}: {why}; the job fails. {fault_summary(self.run_dir)}")
+        if rc == NO_PROGRESS:
+            self.say(f"{detail}: {self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress "
+                     "(no newer checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the "
+                     "fault named below, then run again to resume from the last checkpoint; the job fails. "
+                     f"{fault_summary(self.run_dir)}")
+            return
+        request = self.failure_requests.new()
+        self.say(f"{detail}: the training config or its checkpoints cannot work, no restart can help; the job "
+                 f"fails. {fault_summary(self.run_dir)}")
+        self.say(f"{request.source}: {request.cause}" if request else "the cause is in the node logs above")
 
     def stop_all(self) -> None:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
