@@ -350,15 +350,13 @@ def test_a_long_run_survives_many_faults_with_the_default_budget(tmp_path):
 # The faults of a week on a big cluster in one run, in every restart mode, with the default budgets:
 # each fault fires once and the final state is the uninterrupted run's. Hangs are caught by NVRx's
 # rank monitor (injob) or the in-process Wrapper, whose soft timeout the learned step timeouts must
-# not undercut (inprocess, both); with restart=inprocess a killed process fails its pod, which the
-# Job (the controller) retries.
+# not undercut (both).
 MIXED = ("exception@3:rank=1", "sigkill@7:rank=1", "node-loss@11:node=0", "hang@14:rank=1", "corrupt-ckpt@18")
 MIXED_OVERRIDES = {
     "injob": ("fault_tolerance.timeout_safety_factor=20",),
-    "inprocess": ("fault_tolerance.timeout_safety_factor=5", "fault_tolerance.inprocess_soft_timeout=4",
-                  "fault_tolerance.inprocess_hard_timeout=15"),
+    "both": ("fault_tolerance.timeout_safety_factor=5", "fault_tolerance.inprocess_soft_timeout=4",
+             "fault_tolerance.inprocess_hard_timeout=15"),
 }
-MIXED_OVERRIDES["both"] = MIXED_OVERRIDES["inprocess"]
 
 
 @pytest.mark.slow

@@ -599,7 +599,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fault specs, comma-separated or repeated (format: training/train/faults.py); "
                    "--faults '' runs the demo without faults")
     p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
-                   "sets fault_tolerance.max_restarts (none with restart=inprocess)")
+                   "sets fault_tolerance.max_restarts")
     p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher was killed "
                    "or failed (the Job's backoffLimitPerIndex); drains do not count")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")

@@ -1,5 +1,5 @@
-"""In-process restart (fault_tolerance.restart = inprocess | both): training.train.run under
-nvidia_resiliency_ext.inprocess.Wrapper.
+"""In-process restart (fault_tolerance.restart = both): training.train.run under
+nvidia_resiliency_ext.inprocess.Wrapper, inside ft_launcher.
 
 A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes every rank abort its
 process groups (training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume
