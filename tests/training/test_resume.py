@@ -215,7 +215,7 @@ def _failed_at_once(run, cause: str) -> None:
     assert len(events_named(run.run_dir, "attempt_start")) == 1 + 1  # the first run's, and this one: no restart
     assert f"exited with code {CONFIG_ERROR}: the training config or its checkpoints cannot work" in run.output
     last = run.output.strip().splitlines()[-1]
-    assert cause in last and last.split("] ", 2)[-1].startswith("rank"), run.output[-3000:]
+    assert cause in last and last.split("] ", 2)[-1].startswith("the job failed: rank"), run.output[-3000:]
     assert "made no progress" not in run.output
 
 

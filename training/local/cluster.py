@@ -164,6 +164,7 @@ class Cluster:
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
         self.failure_requests = FailureRequests(self.run_dir)  # a rank's cause, when a node exits CONFIG_ERROR
+        self.failure: str | None = None  # why the job failed
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"
         self.partitions: list[Partition] = []
@@ -451,21 +452,22 @@ class Cluster:
                 n.start_at = time.monotonic()
 
     def fail_job(self, rc: int, detail: str, reason: FailReason | None) -> None:
-        """The Job fails: an exit code its podFailurePolicy fails it on, or a node out of retries."""
+        """The Job fails: an exit code its podFailurePolicy fails it on, or a node out of retries. Its cause
+        is kept (`failure`), for the last line of the run's output."""
         if reason is FailReason.NO_RETRIES_LEFT:
-            self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
-                     f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
-            return
-        if rc == NO_PROGRESS:
-            self.say(f"{detail}: {self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress "
-                     "(no newer checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the "
-                     "fault named below, then run again to resume from the last checkpoint; the job fails. "
-                     f"{fault_summary(self.run_dir)}")
-            return
-        request = self.failure_requests.new()
-        self.say(f"{detail}: the training config or its checkpoints cannot work, no restart can help; the job "
-                 f"fails. {fault_summary(self.run_dir)}")
-        self.say(f"{request.source}: {request.cause}" if request else "the cause is in the node logs above")
+            self.failure = (f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
+                            f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
+        elif rc == NO_PROGRESS:
+            self.failure = (f"{detail}: {self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no "
+                            "progress (no newer checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped "
+                            "restarting: fix the fault named below, then run again to resume from the last "
+                            f"checkpoint; the job fails. {fault_summary(self.run_dir)}")
+        else:
+            self.say(f"{detail}: the training config or its checkpoints cannot work, no restart can help; the job "
+                     f"fails. {fault_summary(self.run_dir)}")
+            request = self.failure_requests.new()
+            self.failure = f"{request.source}: {request.cause}" if request else "the cause is in the node logs above"
+        self.say(self.failure)
 
     def stop_all(self) -> None:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -643,4 +645,6 @@ def main(argv: list[str] | None = None) -> int:
         print(write_report(Path(cfg.run_dir), plot=True), flush=True)
     except ReportError as err:  # e.g. stopped before the first step: nothing to report
         print(f"no goodput report: {err}", file=sys.stderr)
+    if cluster.failure is not None:  # the last line says why, below the report
+        cluster.say(f"the job failed: {cluster.failure}")
     return status
