@@ -602,8 +602,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "--faults '' runs the demo without faults")
     p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
                    "sets fault_tolerance.max_restarts")
-    p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher was killed "
-                   "or failed (the Job's backoffLimitPerIndex); drains do not count")
+    p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher failed (the "
+                   "Job's backoffLimitPerIndex); a lost node (its launcher killed) and a drain do not count")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc_per_node < 1:
