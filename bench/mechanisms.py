@@ -5,7 +5,7 @@ goodput report (training.report) gives each fault's detection time, recovery tim
 completed step) and steps lost, and the run's training and infra goodput.
 
   inprocess         an exception in one rank; NVRx in-process restart (fault_tolerance.restart=
-                    inprocess), rollback in memory. Needs training/train/inprocess.py.
+                    both), rollback in memory. Needs training/train/inprocess.py.
   injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
                     from the last checkpoint on disk. Workers are forked from each node's template
                     process (training/pod/prefork.py, the default).
@@ -70,7 +70,7 @@ class Mechanism:
 
 
 MECHANISMS = (
-    Mechanism("inprocess", "in-process restart", "inprocess", "exception", True, "inprocess",
+    Mechanism("inprocess", "in-process restart", "both", "exception", True, "inprocess",
               needs_module="training.train.inprocess"),
     Mechanism("injob", "in-job restart (ft_launcher)", "injob", "exception", True, "injob"),
     Mechanism("injob_fresh", "in-job restart, fresh Python workers", "injob", "exception", True, "injob",
@@ -145,7 +145,7 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
     # down and the store restarts: a node's replacement that meets it before then fails once more.
     retries = (profile.faults + 1) * (1 if m.in_job_restarts else 2)
     budgets = (f"fault_tolerance.max_restarts={retries if m.in_job_restarts else 0}",
-               *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "inprocess" else ()))
+               *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "both" else ()))
     return ClusterSpec(
         run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node, steps=profile.steps,
         overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",

@@ -94,7 +94,7 @@ class JobConfig:
 
     @property
     def inprocess(self) -> bool:
-        return self.restart_mode in ("inprocess", "both")
+        return self.restart_mode == "both"
 
     @property
     def pods(self) -> int:

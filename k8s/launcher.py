@@ -38,7 +38,7 @@ def launcher_args(job: JobConfig) -> list[str]:
     """ft_launcher's arguments, the same on every pod: each joins the store (k8s/charts/training.py)
     as a client, `job.nodes` of them train and the other `job.spares` stand by."""
     # The fault-tolerance flags, restart budget included, are the local runner's too
-    # (training.contract.launcher): with restart=inprocess the launcher restarts nothing.
+    # (training.contract.launcher).
     ft = job.train.fault_tolerance
     return [
         *rendezvous_args(ft, job.rendezvous_endpoint, job.name, job.nodes, job.spares),

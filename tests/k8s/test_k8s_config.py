@@ -21,7 +21,7 @@ import pytest
     (["-c", "gpuNodes=3"], {}, "-c 'gpuNodes=3': expected key=value with key one of"),
     (["-c", "gpuInstanceType=p3.2xlarge"], {}, "gpuInstanceType='p3.2xlarge' is not allowed"),
     (["--set", "fault_tolerance.restart=sometimes"], {},
-     "fault_tolerance.restart='sometimes' is not allowed: one of ['injob', 'inprocess', 'both']"),
+     "fault_tolerance.restart='sometimes' is not allowed: one of ['injob', 'both']"),
     (["--set", "fault_tolerance.max_restarts=-1"], {}, "fault_tolerance.max_restarts=-1"),
     (["--set", "fault_tolerance.checkpoint_section_timeout=60"], {},
      "checkpoint_section_timeout (60.0) must be at least step_section_timeout (180.0)"),

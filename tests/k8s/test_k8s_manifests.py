@@ -269,9 +269,9 @@ def test_restart_mode_sets_the_nccl_environment_and_restart_budget(render, mode)
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
         assert env["NCCL_NVLS_ENABLE"] == "0"
         assert env["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
-    # inprocess only: the Wrapper restarts in the process, the launcher does not restart the group;
-    # else 7 restarts in a row without progress, under the lifetime backstop
-    assert f"--max-restarts={0 if mode == 'inprocess' else 1000}" in r.container["args"]
+    # in every mode the launcher restarts what the Wrapper cannot handle: 7 restarts in a row without
+    # progress, under the lifetime backstop
+    assert "--max-restarts=1000" in r.container["args"]
     assert "--ft-max-no-progress-cycles=7" in r.container["args"]
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
 from torch.distributed.checkpoint.stateful import Stateful
 
-from training.contract.config import FaultToleranceConfig, TrainConfigError, load_train_config
+from training.contract.config import RESTART_MODES, FaultToleranceConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
 from training.contract.launcher import HANG_FLOOR_MARGIN_S, launcher_ft_args, section_timeout_floor
 from training.contract.shapes import PRESETS
@@ -37,7 +37,7 @@ from training_helpers import assert_bitwise_equal, completed, events_named, load
 
 
 def _cfg(*overrides):
-    return load_train_config(None, ["run_dir=/tmp/x", "fault_tolerance.restart=inprocess", *overrides])
+    return load_train_config(None, ["run_dir=/tmp/x", "fault_tolerance.restart=both", *overrides])
 
 
 def _budget():
@@ -73,11 +73,14 @@ def test_make_wrapper_hides_local_rank_on_cpu(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["fault_tolerance.restart=sometimes"], "fault_tolerance.restart='sometimes' is not allowed: one of "
-                                            "['injob', 'inprocess', 'both']"),
+                                            "['injob', 'both']"),
+    # the mode whose launcher restarted nothing: a fault the Wrapper could not handle spent a Job retry
+    (["fault_tolerance.restart=inprocess"], "fault_tolerance.restart='inprocess' is not allowed: that mode was "
+                                            "removed: its launcher restarted nothing"),
     (["fault_tolerance.inprocess_soft_timeout=90"], "inprocess_soft_timeout (90.0) must be greater than 0 and less "
                                                     "than inprocess_hard_timeout (90.0)"),
     (["fault_tolerance.inprocess_hard_timeout=200"], "inprocess_hard_timeout (200.0) must be less than "
-                                                     "step_section_timeout (180.0) with restart=inprocess"),
+                                                     "step_section_timeout (180.0) with restart=both"),
     (["fault_tolerance.restart=both", "fault_tolerance.rank_heartbeat_timeout=60"],
      "less than rank_heartbeat_timeout (60.0) with restart=both: otherwise the launcher's rank monitor kills"),
     (["fault_tolerance.inprocess_max_restarts=-1"], "inprocess_max_restarts=-1 is not allowed: 0 or more"),
@@ -90,7 +93,6 @@ def test_contradictory_inprocess_config_is_named(overrides, message):
 
 def test_learned_timeouts_never_undercut_the_wrappers_hard_timeout():
     assert section_timeout_floor(_cfg().fault_tolerance) == 90 + HANG_FLOOR_MARGIN_S
-    assert section_timeout_floor(_cfg("fault_tolerance.restart=both").fault_tolerance) == 90 + HANG_FLOOR_MARGIN_S
     assert section_timeout_floor(_cfg("fault_tolerance.restart=injob").fault_tolerance) == 0
 
 
@@ -104,12 +106,11 @@ def test_restart_budget_counts_restarts_without_progress():
         budget.resumed(9, 12)
 
 
-def test_launcher_restarts_per_mode():
+def test_launcher_restarts_what_the_wrapper_cannot_handle_in_every_mode():
     assert load_train_config(None, ["fault_tolerance.inprocess_hard_timeout=200"])  # injob: no constraint
-    ft = {mode: FaultToleranceConfig(restart=mode, max_restarts=4, max_restarts_total=9)
-          for mode in ("injob", "inprocess", "both")}
-    assert {m: f.launcher_max_restarts for m, f in ft.items()} == {"injob": 9, "inprocess": 0, "both": 9}
-    assert "--max-restarts=0" in launcher_ft_args(ft["inprocess"], "resume_step")
+    ft = {mode: FaultToleranceConfig(restart=mode, max_restarts=4, max_restarts_total=9) for mode in RESTART_MODES}
+    assert {m: f.launcher_max_restarts for m, f in ft.items()} == {"injob": 9, "both": 9}
+    assert "--max-restarts=9" in launcher_ft_args(ft["both"], "resume_step")
     assert FaultToleranceConfig(max_restarts=0).launcher_max_restarts == 0  # no restart at all
 
 
@@ -476,8 +477,8 @@ COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.
 ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
 TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")  # two launchers, one host: the stores must not collide
 RUNS = {
-    "exception": (ONE_NODE, "inprocess", f"exception@{FAULT_STEP}:rank=1"),
-    "hang": (TWO_NODES, "inprocess", f"hang@{FAULT_STEP}:rank=1"),
+    "exception": (ONE_NODE, "both", f"exception@{FAULT_STEP}:rank=1"),
+    "hang": (TWO_NODES, "both", f"hang@{FAULT_STEP}:rank=1"),
     "sigkill": (TWO_NODES, "both", f"sigkill@{FAULT_STEP}:rank=1"),
 }
 
@@ -553,8 +554,9 @@ def test_killed_process_falls_back_to_an_injob_restart_from_disk(fault_run, refe
 def test_persistent_fault_ends_the_job_after_the_inprocess_budget_naming_rank_and_fault(tmp_path):
     spec, budget = "exception@3:rank=1:persistent", 2
     started = time.monotonic()
-    # --node-retries 0: the Job would retry the failed pod; here the Wrapper's budget alone is measured
-    run = run_local(tmp_path / "run", *ONE_NODE, "--node-retries", "0", *COMMON, "fault_tolerance.restart=inprocess",
+    # no in-job restart (max_restarts=0) and --node-retries 0: the Wrapper's budget alone is measured
+    run = run_local(tmp_path / "run", *ONE_NODE, "--node-retries", "0", *COMMON, "fault_tolerance.restart=both",
+                    "fault_tolerance.max_restarts=0",
                     f"fault_tolerance.inprocess_max_restarts={budget}", "--faults", spec, timeout=180)
     assert run.returncode == 1, run.output[-4000:]
     assert time.monotonic() - started < 150

@@ -9,6 +9,7 @@ from training.contract import exit_codes
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS, TERMINATED
 from training.contract.job_rules import (JOB_RULES, Action, Decision, DisruptionRule, ExitRule, FailReason, Outcome,
                                          PodEnd, decide, matching_action)
+from training.local.cluster import local_pod_end
 
 RETRY_LIMIT = 3
 DONE = Decision(Outcome.DONE)
@@ -42,13 +43,10 @@ def test_every_exit_code_of_the_contract_has_its_action():
     (INCOMPLETE, False, 0, COUNTED),  # a launcher that left before the run completed
     (INCOMPLETE, False, RETRY_LIMIT - 1, COUNTED),
     (INCOMPLETE, False, RETRY_LIMIT, OUT_OF_RETRIES),
-    (1, False, 0, COUNTED),  # a failed pod, e.g. restart=inprocess
+    (1, False, 0, COUNTED),  # a failed pod
     (1, False, RETRY_LIMIT, OUT_OF_RETRIES),
-    # The local launcher killed by a signal plays a lost node, but not a disruption: counted, where EKS's
-    # taint eviction would not count it (issue 24).
-    (-9, False, 0, COUNTED),
-    (-9, False, RETRY_LIMIT, OUT_OF_RETRIES),
-    (None, True, 0, UNCOUNTED),  # evicted from a node cut off from the network
+    (137, False, 0, COUNTED),  # SIGKILL of PID 1 (an OOM kill): no disruption
+    (None, True, 0, UNCOUNTED),  # a lost node, or one cut off from the network: its pod removed
     (None, True, RETRY_LIMIT, UNCOUNTED),
 ])
 def test_a_pods_end_decides_the_job(exit_code, disrupted, retries_used, expected):
@@ -76,6 +74,26 @@ def test_only_a_replacement_starts_over(end, expected):
 def test_a_pod_without_an_exit_code_was_evicted():
     with pytest.raises(ValueError, match="disrupted=True"):
         PodEnd(None, disrupted=False, retries_used=0)
+
+
+@pytest.mark.parametrize("code", [-9, 256])
+def test_an_exit_code_is_one_a_container_can_have(code):
+    with pytest.raises(ValueError, match=f"exit code {code}: a container's exit code is 0 to 255"):
+        PodEnd(code, disrupted=False, retries_used=0)
+
+
+@pytest.mark.parametrize("returncode, drained, expected", [
+    (-9, False, PodEnd(None, disrupted=True, retries_used=RETRY_LIMIT)),  # node-loss: SIGKILL of the pod's PID 1
+    (-15, False, PodEnd(None, disrupted=True, retries_used=RETRY_LIMIT)),
+    (TERMINATED, True, PodEnd(TERMINATED, disrupted=True, retries_used=RETRY_LIMIT)),  # a drain
+    (1, False, PodEnd(1, disrupted=False, retries_used=RETRY_LIMIT)),
+])
+def test_the_local_cluster_plays_a_lost_node_as_eks_removes_its_pod(returncode, drained, expected):
+    """A launcher killed by a signal is the local cluster's lost node: on EKS its pod is removed by the taint
+    manager or PodGC with DisruptionTarget, so a node lost any number of times never uses up its retries."""
+    end = local_pod_end(returncode, drained, retries_used=RETRY_LIMIT)
+    assert end == expected
+    assert decide(end, RETRY_LIMIT, survivor=True) == (OUT_OF_RETRIES if returncode == 1 else UNCOUNTED)
 
 
 def test_the_table_is_one_kubernetes_accepts():

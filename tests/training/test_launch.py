@@ -12,7 +12,9 @@ import pytest
 
 from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
-from training.pod.launch import MAX_PODS, launcher_env
+from training.contract.job_failure import (FailureRequest, FailureRequests, JobMustFail, request_job_failure,
+                                           requests_dir)
+from training.pod.launch import MAX_PODS, fail_the_job, launcher_env
 from training_helpers import REPO_ROOT
 
 STEPS = 10
@@ -103,3 +105,44 @@ def test_an_invalid_config_fails_before_the_launcher_starts(tmp_path):
     bad.write_text("training:\n  steps: -1\n")
     code, out = _exit(bad, "true")
     assert code == CONFIG_ERROR and "training.steps" in out
+
+
+# ---- a rank's request that the Job fail (training/contract/job_failure.py) --------------------------
+
+def _asks_for_job_failure(run_dir, cause):
+    """A launcher whose rank asks for the Job to fail, then carries on as ft_launcher would (restarting)."""
+    return (sys.executable, "-c", "import time\nfrom training.contract.job_failure import request_job_failure\n"
+            f"request_job_failure({str(run_dir)!r}, 'rank1', {cause!r})\ntime.sleep(120)\n")
+
+
+def test_a_ranks_request_fails_the_pod_at_once_with_config_error_and_its_cause(config):
+    cause = "checkpoint step_00000010 is intact but cannot be loaded into this run's model and optimizer"
+    started = time.monotonic()
+    code, out = _exit(config, *_asks_for_job_failure(config.parent / "run", cause))
+    assert code == CONFIG_ERROR and time.monotonic() - started < 15  # not after the launcher's restarts
+    assert out.strip().splitlines()[-1] == (f"training.pod.launch: rank1 asked for the Job to fail, as no restart "
+                                            f"can help: {cause}")
+
+
+def test_a_request_left_by_an_earlier_job_is_not_this_ones(config):
+    request_job_failure(config.parent / "run", "rank0", "an earlier Job's cause, fixed since")
+    assert _exit(config, "true")[0] == INCOMPLETE
+
+
+def test_the_cause_is_the_containers_termination_message(tmp_path):
+    log = tmp_path / "termination-log"
+    log.touch()  # the kubelet creates it in every container
+    assert fail_the_job(FailureRequest("rank0", "x" * 5000), log) == CONFIG_ERROR
+    assert log.read_text() == ("rank0 asked for the Job to fail, as no restart can help: " + "x" * 5000)[:4096]
+    assert fail_the_job(FailureRequest("rank0", "cause"), tmp_path / "absent") == CONFIG_ERROR  # not in a pod
+
+
+def test_failure_requests_are_read_once_each_and_only_whole_ones(tmp_path):
+    request_job_failure(tmp_path, "rank0", "before")
+    requests = FailureRequests(tmp_path)
+    assert requests.new() is None
+    (requests_dir(tmp_path) / "foreign.json").write_text("{not json")
+    error = request_job_failure(tmp_path, "rank3", "after")
+    assert isinstance(error, JobMustFail) and not isinstance(error, Exception)  # the Wrapper lets it through
+    assert requests.new() == FailureRequest("rank3", "after")
+    assert requests.new() is None

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.events import EventLog
+from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.launcher import RESUME_STEP_FILE
 from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoint
 from training.train.checkpoint.layout import committed_checkpoints
-from training.train.checkpoint.manager import CheckpointLoadError, CheckpointManager, FreshStartRefused
+from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
+                                               FreshStartRefused)
 from training_helpers import completed, events_named, run_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -97,11 +100,40 @@ def test_a_class_this_image_lacks_is_not_damage(tmp_path, metadata, error):
     assert not list(m.dir.glob("corrupt-*")) and not events_named(tmp_path, "ckpt_fallback")
 
 
-def test_a_key_the_config_no_longer_has_is_not_damage(tmp_path):
-    m = _saved(tmp_path, 1)
-    with pytest.raises(CheckpointLoadError, match="could not be loaded"):
-        _manager(tmp_path).load({"w": torch.zeros(64), "rng_rank0": torch.zeros(4), "extra": torch.zeros(2)})
-    assert [s for s, _ in committed_checkpoints(m.dir)] == [1]
+class _Module(Stateful):
+    """A Stateful as the trainer's model and optimizer are: dcp.load asks it for its state dict."""
+
+    def __init__(self, size: int) -> None:
+        self.layer = torch.nn.Linear(size, 4)
+
+    def state_dict(self):
+        return self.layer.state_dict()
+
+    def load_state_dict(self, state):
+        self.layer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("saved, target, cause", [
+    # a key the config no longer has (another optimizer's state)
+    ({"w": torch.zeros(64)}, {"w": torch.zeros(64), "extra": torch.zeros(2)},
+     "RuntimeError: Missing key in checkpoint state_dict: extra."),
+    # another preset: "Size mismatch between saved torch.Size([64]) and current: torch.Size([32]) for w"
+    ({"w": torch.zeros(64)}, {"w": torch.zeros(32)}, "Size mismatch between saved torch.Size([64]) and current"),
+    ({"model": _Module(64)}, {"model": _Module(32)}, "and current: torch.Size([4, 32]) for model.weight"),
+])
+def test_a_checkpoint_that_cannot_match_the_model_is_no_damage_and_no_retry_can_load_it(tmp_path, monkeypatch,
+                                                                                          saved, target, cause):
+    m = _manager(tmp_path)
+    m.save(1, saved)
+    read = []
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", lambda *a, **k: read.append(a))
+    with pytest.raises(CheckpointMismatch) as err:
+        _manager(tmp_path).load(target)
+    assert "step_00000001 is intact but cannot be loaded into this run's model and optimizer" in str(err.value)
+    assert cause in str(err.value) and "Restore the config it was written with" in str(err.value)
+    assert not isinstance(err.value, CheckpointLoadError)  # the retryable kind
+    assert not read  # decided from the metadata: no shard read (at 8b, a reload from FSx)
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [1] and not list(m.dir.glob("corrupt-*"))
 
 
 def test_per_rank_state_of_a_larger_world_may_be_missing(tmp_path):
@@ -185,13 +217,34 @@ def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(
     for _, path in committed_checkpoints(run_dir / "checkpoints"):
         for shard in _shards(path):
             shard.write_bytes(b"")
-    refused = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
-                        "fault_tolerance.max_restarts=1")
-    assert refused.returncode == 1, refused.output[-4000:]
-    assert "refusing to start at step 0" in refused.output
-    assert "made no progress" in refused.output  # the launcher stopped retrying a refusal
+    refused = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON)
+    _failed_at_once(refused, "refusing to start at step 0")
     assert len(events_named(run_dir, "step")) == FIRST  # not one step trained from scratch
     fresh = completed(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
                           "checkpoint.allow_fresh_start=true"))
     assert "starting at step 0" in fresh.output
     assert [e["step"] for e in events_named(run_dir, "resume")][-1] == 0
+
+
+def _failed_at_once(run, cause: str) -> None:
+    """The Job failed on its first attempt with exit code 3, the rank's cause on the controller's last line."""
+    assert run.returncode == 1, run.output[-4000:]
+    assert len(events_named(run.run_dir, "attempt_start")) == 1 + 1  # the first run's, and this one: no restart
+    assert f"exited with code {CONFIG_ERROR}: the training config or its checkpoints cannot work" in run.output
+    last = run.output.strip().splitlines()[-1]
+    assert cause in last and last.split("] ", 2)[-1].startswith("the job failed: rank"), run.output[-3000:]
+    assert "made no progress" not in run.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["injob", "both"])
+def test_checkpoints_of_another_model_fail_the_job_at_once_in_every_restart_mode(four_ranks, tmp_path, mode):
+    """A changed preset: no restart can load the checkpoints, so none is tried, in-job or in-process."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(four_ranks.run_dir, run_dir)
+    run = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+                    "model.preset=small", f"fault_tolerance.restart={mode}")
+    _failed_at_once(run, "step_00000020 is intact but cannot be loaded into this run's model and optimizer "
+                         "(ValueError: Size mismatch between saved torch.Size([256, 64]) and current: "
+                         "torch.Size([32000, 512])")
+    assert [s for s, _ in committed_checkpoints(run_dir / "checkpoints")] == [20, 10]  # left in place

@@ -26,7 +26,7 @@ from training.contract.shapes import PRESETS
 
 ModelPreset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the shapes table is the one list
 CheckpointMode = Literal["sync", "async", "off"]
-RestartMode = Literal["injob", "inprocess", "both"]
+RestartMode = Literal["injob", "both"]
 Device = Literal["auto", "cpu", "cuda"]
 DataDtype = Literal["uint16", "uint32"]
 WhenBusy = Literal["wait", "skip"]
@@ -106,7 +106,7 @@ class CheckpointConfig:
 # Shared by the docs of a group of keys.
 _RANK_MONITOR = ("An NVRx rank monitor timeout in seconds, generous until observed timings exist: after "
                  "calculate_timeouts_after steps they are recomputed and saved in checkpoints.")
-_INPROCESS = ("In-process restart (restart=inprocess|both; training/train/inprocess.py); both timeouts must cover the "
+_INPROCESS = ("In-process restart (restart=both; training/train/inprocess.py); both timeouts must cover the "
               "longest blocking operation (a sync checkpoint save) and stay below the launcher's rank monitor "
               "timeouts, which remain the backstop")
 
@@ -114,9 +114,9 @@ _INPROCESS = ("In-process restart (restart=inprocess|both; training/train/inproc
 @dataclass(frozen=True)
 class FaultToleranceConfig:
     restart: RestartMode = _doc("injob", "who restarts after a fault: injob (the default: ft_launcher restarts the "
-                                         "worker group), inprocess (the Wrapper restarts the ranks in their "
-                                         "processes) or both; NVRx 0.7.0 calls in-process restart deprecated: "
-                                         "new deployments should use in-job restart")
+                                         "worker group) or both (the Wrapper restarts the ranks in their processes "
+                                         "first; what it cannot handle, ft_launcher); NVRx 0.7.0 calls in-process "
+                                         "restart deprecated: new deployments should use in-job restart")
     max_restarts: int = _doc(3, "ft_launcher's in-job restarts in a row without progress (NVRx 0.7.0's no-progress "
                                 "cycles): a restart after which a newer checkpoint was committed starts the count "
                                 "again, so a long run with many faults keeps its budget and a persistent fault still "
@@ -156,10 +156,10 @@ class FaultToleranceConfig:
 
     @property
     def launcher_max_restarts(self) -> int:
-        """ft_launcher's --max-restarts: none with restart=inprocess (the Wrapper restarts; what it
-        cannot handle ends the job) or max_restarts=0, else the lifetime backstop max_restarts_total
-        (the budget that matters, restarts without progress, is counted by NVRx's progress tracker)."""
-        return 0 if self.restart == "inprocess" or self.max_restarts == 0 else self.max_restarts_total
+        """ft_launcher's --max-restarts: none with max_restarts=0, else the lifetime backstop
+        max_restarts_total (the budget that matters, restarts without progress, is counted by NVRx's
+        progress tracker)."""
+        return 0 if self.max_restarts == 0 else self.max_restarts_total
 
 
 @dataclass(frozen=True)
@@ -384,6 +384,10 @@ def _validate(c: TrainConfig) -> None:
     def fail(key: str, value: Any, allowed: str) -> None:
         raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
+    if c.fault_tolerance.restart == "inprocess":
+        fail("fault_tolerance.restart", "inprocess", "that mode was removed: its launcher restarted nothing, so every "
+             "fault the Wrapper cannot handle failed the pod and spent one of the Job's retries. Use both (the "
+             "Wrapper first, then ft_launcher) or injob")
     for key in _keys(c):
         allowed = _choices(key.hint)
         if allowed and key.value not in allowed:

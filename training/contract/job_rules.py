@@ -26,8 +26,12 @@ class Action(Enum):
 
 @dataclass(frozen=True)
 class DisruptionRule:
-    """A pod with the DisruptionTarget condition: drained through the eviction API, evicted by the taint
-    manager from an unreachable node, preempted."""
+    """A pod with the DisruptionTarget condition, which Kubernetes 1.34 sets before it removes a pod for a
+    reason outside it (https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions):
+    evicted through the Eviction API (a drain, k8s/evict.py), deleted by the taint manager from a node that
+    became unreachable or not ready (a lost node, after the pod's toleration), deleted by PodGC because its node
+    is gone, terminated by the kubelet (node pressure, graceful node shutdown), preempted. A plain delete
+    (`kubectl delete pod`) and an OOM kill set no such condition."""
     action: Action
     condition: ClassVar[str] = "DisruptionTarget"
 
@@ -52,15 +56,18 @@ JOB_RULES: tuple[DisruptionRule | ExitRule, ...] = (
 @dataclass(frozen=True)
 class PodEnd:
     """How a pod ended, as the Job controller sees it."""
-    # its training container's exit code; negative: the local launcher killed by that signal; None: no
-    # exit seen (its pod was evicted from a node cut off from the network, where its processes run on)
+    # its training container's exit code (0-255); None: no exit seen, its node lost or cut off from the
+    # network (the taint manager or PodGC removed the pod, its processes died with the node or run on there)
     exit_code: int | None
-    disrupted: bool  # the pod has the DisruptionTarget condition (drained, evicted)
+    disrupted: bool  # the pod has the DisruptionTarget condition (drained, evicted, its node lost)
     retries_used: int  # counted replacements of its index so far
 
     def __post_init__(self) -> None:
         if self.exit_code is None and not self.disrupted:
             raise ValueError("a pod that ended without an exit code was evicted: disrupted=True")
+        if self.exit_code is not None and not 0 <= self.exit_code <= 255:
+            raise ValueError(f"exit code {self.exit_code}: a container's exit code is 0 to 255 (128 + N when "
+                             "killed by signal N); a pod whose node was lost has none (None)")
 
 
 class Outcome(Enum):

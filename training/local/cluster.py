@@ -20,12 +20,15 @@ lines are echoed here.
 What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
 as the Job and its podFailurePolicy would (training/contract/job_rules.py decides, from the table the
 chart renders):
-- killed by a signal (a lost node) or exited with an error (a failed pod, e.g. with restart=inprocess,
-  where the launcher restarts nothing, or INCOMPLETE): its orphaned ranks are killed and the node is
-  started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule
-  and start the new pod; bench/projection.py names its parts on EKS), at most --node-retries times per
-  node (backoffLimitPerIndex; node_replaced, restart with restart_kind=node).
-- exited with CONFIG_ERROR or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
+- killed by a signal (a lost node): its orphaned ranks are killed and the node is started again, after
+  --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule and start the new pod;
+  bench/projection.py names its parts on EKS), not counted against --node-retries: on EKS the pod of a
+  lost node is removed with DisruptionTarget, which the Job's podFailurePolicy ignores
+  (node_replaced, restart with restart_kind=node).
+- exited with an error (a failed pod, e.g. INCOMPLETE): the same, counted against --node-retries
+  (backoffLimitPerIndex) per node.
+- exited with CONFIG_ERROR (the config or its checkpoints cannot work: named on the last line, from the
+  rank's job failure request) or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
   no progress): the job fails at once, with a message naming the ranks and faults that the event log
   recorded (e.g. a persistent fault).
 - drained (a `drain` fault: the controller plays the kubelet, with the drain marker, SIGTERM and the
@@ -63,6 +66,7 @@ from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.contract.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
                                       with_env_faults)
+from training.contract.job_failure import FailureRequests
 from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
 from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain_grace_period_s, free_port,
                                         launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
@@ -159,6 +163,8 @@ class Cluster:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
+        self.failure_requests = FailureRequests(self.run_dir)  # a rank's cause, when a node exits CONFIG_ERROR
+        self.failure: str | None = None  # why the job failed
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"
         self.partitions: list[Partition] = []
@@ -300,9 +306,7 @@ class Cluster:
                 continue
             drained, node.drain_deadline = node.drain_deadline is not None, None
             detail = self.pod_failed(node, rc, drained) if rc != 0 else ""
-            # A launcher killed by a signal plays a lost node, yet its pod is not taken for disrupted as the
-            # taint manager's eviction on EKS would be: it counts against the node's retries (issue 24).
-            decision = decide(PodEnd(rc, disrupted=drained, retries_used=node.retries), self.node_retries,
+            decision = decide(local_pod_end(rc, drained, node.retries), self.node_retries,
                               survivor=self.survivor_besides(node))
             if decision.outcome is Outcome.DONE:  # training.pod.launch exits 0 only once the run completed
                 node.done = True
@@ -406,8 +410,9 @@ class Cluster:
         if drained:
             detail = f"launcher of drained node {node.index} exited with code {rc}"
         else:
-            how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-            detail = f"launcher of node {node.index} {how}"
+            detail = (f"node {node.index} lost (its launcher was killed by {signal.Signals(-rc).name}; on EKS the "
+                      "taint manager or PodGC removes its pod with DisruptionTarget)" if rc < 0
+                      else f"launcher of node {node.index} exited with code {rc}")
             self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         kill_processes(node.descendants)
         return detail
@@ -417,9 +422,8 @@ class Cluster:
         return any(n.active and n.proc is not None and n.proc.poll() is None for n in self.nodes if n is not node)
 
     def replace(self, node: Node, detail: str, decision: Decision) -> None:
-        """Start a node again, as the Job replaces a pod: one that was lost (its launcher killed by a signal)
-        or failed (exited non-zero: e.g. restart=inprocess, where the launcher restarts nothing), counted
-        against node_retries (backoffLimitPerIndex); a drained one uncounted (a disruption)."""
+        """Start a node again, as the Job replaces a pod: one that failed (exited non-zero), counted against
+        node_retries (backoffLimitPerIndex); a lost or drained one uncounted (a disruption)."""
         node.retries += decision.counted
         when = f" in {self.replacement_delay_s:g} s" if self.replacement_delay_s else ""
         self.say(f"{detail}; starting a replacement{when} ({node.retries}/{self.node_retries})")
@@ -449,16 +453,22 @@ class Cluster:
                 n.start_at = time.monotonic()
 
     def fail_job(self, rc: int, detail: str, reason: FailReason | None) -> None:
-        """The Job fails: an exit code its podFailurePolicy fails it on, or a node out of retries."""
+        """The Job fails: an exit code its podFailurePolicy fails it on, or a node out of retries. Its cause
+        is kept (`failure`), for the last line of the run's output."""
         if reason is FailReason.NO_RETRIES_LEFT:
-            self.say(f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
-                     f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
-            return
-        why = (f"{self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no progress (no newer "
-               "checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped restarting: fix the fault "
-               "named below, then run again to resume from the last checkpoint" if rc == NO_PROGRESS
-               else "the training config or its checkpoints cannot work: see the error above")
-        self.say(f"{detail}: {why}; the job fails. {fault_summary(self.run_dir)}")
+            self.failure = (f"{detail}; no retries left ({self.node_retries}, --node-retries: the Job's "
+                            f"backoffLimitPerIndex); the job fails. {fault_summary(self.run_dir)}")
+        elif rc == NO_PROGRESS:
+            self.failure = (f"{detail}: {self.cfg.fault_tolerance.max_restarts} in-job restart(s) in a row made no "
+                            "progress (no newer checkpoint; fault_tolerance.max_restarts), so ft_launcher stopped "
+                            "restarting: fix the fault named below, then run again to resume from the last "
+                            f"checkpoint; the job fails. {fault_summary(self.run_dir)}")
+        else:
+            self.say(f"{detail}: the training config or its checkpoints cannot work, no restart can help; the job "
+                     f"fails. {fault_summary(self.run_dir)}")
+            request = self.failure_requests.new()
+            self.failure = f"{request.source}: {request.cause}" if request else "the cause is in the node logs above"
+        self.say(self.failure)
 
     def stop_all(self) -> None:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -517,6 +527,15 @@ def process_group(pgid: int) -> list[psutil.Process]:
             if os.getpgid(proc.pid) == pgid:
                 members.append(proc)
     return members
+
+
+def local_pod_end(returncode: int, drained: bool, retries_used: int) -> PodEnd:
+    """A node's launcher that exited, as the Job sees its pod. Killed by a signal, it plays a lost node: on
+    EKS the taint manager evicts the pod of a node that stopped reporting, or PodGC deletes it once the
+    Node object is gone, both with DisruptionTarget, and no exit code reaches the Job. A drain (the
+    controller plays the Eviction API) is a disruption too."""
+    lost = returncode < 0
+    return PodEnd(None if lost else returncode, disrupted=drained or lost, retries_used=retries_used)
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:
@@ -594,9 +613,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fault specs, comma-separated or repeated (format: training/train/faults.py); "
                    "--faults '' runs the demo without faults")
     p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
-                   "sets fault_tolerance.max_restarts (none with restart=inprocess)")
-    p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher was killed "
-                   "or failed (the Job's backoffLimitPerIndex); drains do not count")
+                   "sets fault_tolerance.max_restarts")
+    p.add_argument("--node-retries", type=int, default=3, help="replacements per node after its launcher failed (the "
+                   "Job's backoffLimitPerIndex); a lost node (its launcher killed) and a drain do not count")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc_per_node < 1:
@@ -638,4 +657,6 @@ def main(argv: list[str] | None = None) -> int:
         print(write_report(Path(cfg.run_dir), plot=True), flush=True)
     except ReportError as err:  # e.g. stopped before the first step: nothing to report
         print(f"no goodput report: {err}", file=sys.stderr)
+    if cluster.failure is not None:  # the last line says why, below the report
+        cluster.say(f"the job failed: {cluster.failure}")
     return status

@@ -8,7 +8,10 @@
    child, with the pod's start time and index as NVRx's infrastructure rank (launcher_env), passes on the
    termination signals the kubelet (or the local controller) sends, and reaps every process that
    ends up orphaned under it, as a container's PID 1 must.
-3. Exits 0 exactly when the run completed (a completed run_end in the event log,
+3. Watches the run's job failure requests (training/contract/job_failure.py): when a rank asks, it stops
+   the command (SIGTERM, SIGKILL after STOP_GRACE_S) and exits CONFIG_ERROR at once, the cause on its last
+   line and in the container's termination message, whatever the restart mode would have done next.
+4. Exits 0 exactly when the run completed (a completed run_end in the event log,
    training.contract.events.run_completed), whatever ft_launcher exited with: a node that starts or fails
    after the run's end has nothing left to do, and the Indexed Job needs every index to succeed.
    Otherwise it exits as ft_launcher did, but never 0: ft_launcher 0.7.0 also exits 0 when a hot
@@ -23,15 +26,22 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
 from training.contract.events import run_completed
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
+from training.contract.job_failure import FailureRequest, FailureRequests
 
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # what an Indexed Job gives each pod (training.local too)
 MAX_PODS = 100_000  # indexes below it keep the infrastructure rank (ms x MAX_PODS + index) within int64
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+POLL_S = 0.5  # how often the child's exit and the job failure requests are looked at (one listing on FSx)
+STOP_GRACE_S = 10.0  # a rank that asked for the Job to fail has left: the others need only to stop
+# Where Kubernetes reads a container's termination message (the default terminationMessagePath), which
+# `kubectl describe pod` and the pod's status show: https://kubernetes.io/docs/tasks/debug/debug-application/determine-reason-pod-failure/
+TERMINATION_LOG = Path("/dev/termination-log")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,15 +80,38 @@ def exit_code(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def run(command: list[str]) -> int:
-    """Run `command`, passing on PASSED_ON signals; its exit code."""
+def run(command: list[str], requests: FailureRequests) -> tuple[int, FailureRequest | None]:
+    """Run `command`, passing on PASSED_ON signals, until it exits; stop it when a job failure request
+    appears. Its exit code, and the request that stopped it (None: it ended on its own)."""
     child = subprocess.Popen(command, env=launcher_env(dict(os.environ), time.time()))
     pass_on_signals(lambda: child)
+    request, kill_at = None, float("inf")
     while True:
-        pid, status = os.waitpid(-1, 0)  # any child: orphans re-parented to PID 1 are reaped too
+        pid, status = os.waitpid(-1, os.WNOHANG)  # any child: orphans re-parented to PID 1 are reaped too
         if pid == child.pid:
             child.returncode = os.waitstatus_to_exitcode(status)
-            return exit_code(child.returncode)
+            return exit_code(child.returncode), request
+        if pid:
+            continue
+        if request is None and (request := requests.new()) is not None:
+            child.send_signal(signal.SIGTERM)
+            kill_at = time.monotonic() + STOP_GRACE_S
+        elif time.monotonic() > kill_at:
+            child.kill()
+            kill_at = float("inf")
+        time.sleep(POLL_S)
+
+
+def fail_the_job(request: FailureRequest, termination_log: Path = TERMINATION_LOG) -> int:
+    """Say why the Job must fail, last on the pod's log and in its termination message; CONFIG_ERROR."""
+    message = f"{request.source} asked for the Job to fail, as no restart can help: {request.cause}"
+    print(f"training.pod.launch: {message}", file=sys.stderr, flush=True)
+    if termination_log.exists():  # in a pod; Kubernetes keeps at most 4096 bytes of it
+        try:
+            termination_log.write_text(message[:4096])
+        except OSError as err:  # the log line above says it all the same
+            print(f"training.pod.launch: no termination message ({err})", file=sys.stderr, flush=True)
+    return CONFIG_ERROR
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     if run_completed(cfg.run_dir, cfg.training.steps):  # e.g. a lost node's replacement, started late
         print(f"training.pod.launch: the run in {cfg.run_dir} has completed: nothing to do", flush=True)
         return 0
-    code = run(args.command)
+    code, request = run(args.command, FailureRequests(cfg.run_dir))
     if run_completed(cfg.run_dir, cfg.training.steps):  # whatever became of this node, the run is done
         return 0
+    if request is not None:
+        return fail_the_job(request)
     if code == 0:
         print(f"training.pod.launch: {args.command[0]} exited 0 but the run in {cfg.run_dir} has not completed "
               f"{cfg.training.steps} steps (a standby left, or the ranks stopped on SIGTERM): exit {INCOMPLETE}, "

@@ -1,5 +1,5 @@
-"""In-process restart (fault_tolerance.restart = inprocess | both): training.train.run under
-nvidia_resiliency_ext.inprocess.Wrapper.
+"""In-process restart (fault_tolerance.restart = both): training.train.run under
+nvidia_resiliency_ext.inprocess.Wrapper, inside ft_launcher.
 
 A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes every rank abort its
 process groups (training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.config import TrainConfig
 from training.contract.events import EventLog
+from training.contract.job_failure import JobMustFail
 from training.train.distributed import choose_device, default_launcher_env
 from training.train.drain import Drained
 from training.train.gloo_abort import ProcessGroupAbort
@@ -280,8 +281,8 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
         n = call_wrapper.iteration
         try:
             train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget))
-        except Drained:  # not a fault: every rank leaves together, the launcher restarts the job
-            raise
+        except (Drained, JobMustFail):  # no fault to restart from: every rank leaves together (a drain, for
+            raise  # the launcher to restart the job), or the rank asked for the Job to fail
         except BaseException as err:
             _handle_failure(report, call_wrapper, err)
             raise

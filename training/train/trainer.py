@@ -32,12 +32,13 @@ from training.contract.events import EventLog, next_attempt, record_attempt
 from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
 from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
 from training.contract.flops import flops_per_token
+from training.contract.job_failure import JobMustFail, request_job_failure
 from training.contract.shapes import PRESETS
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.llama import Transformer, build_model
 from training.train.checkpoint.layout import committed_checkpoints
-from training.train.checkpoint.manager import CheckpointManager, FreshStartRefused
+from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.distributed import DistInfo, init_distributed, teardown
 from training.train.drain import DrainSignal, Drained, agree_on_save
 from training.train.faults import FaultInjector
@@ -202,8 +203,12 @@ def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
 
 
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
-    """One training run; under the in-process Wrapper, one iteration of it (`restart`)."""
-    trainer = Trainer(cfg, restart)
+    """One training run; under the in-process Wrapper, one iteration of it (`restart`). Checkpoints that
+    no restart can load ask for the Job to fail (training/contract/job_failure.py) and raise JobMustFail."""
+    try:
+        trainer = Trainer(cfg, restart)
+    except (FreshStartRefused, CheckpointMismatch) as err:
+        raise request_job_failure(cfg.run_dir, f"rank{os.environ.get('RANK', 0)}", str(err)) from err
     try:
         trainer.train()
     finally:
@@ -471,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             from training.train.inprocess import run_inprocess  # NVRx's Wrapper, only when asked for
 
             run_inprocess(cfg, run)
-    except FreshStartRefused as err:  # no restart can help: the checkpoints need a person
+    except JobMustFail as err:  # no restart can help: the checkpoints need a person
         log.error("%s", err)
         sys.stdout.flush()
         os._exit(CONFIG_ERROR)

@@ -12,8 +12,10 @@ directory: every later save fails too until space is freed.
 
 Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
 evidence of damage (inspection.py) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
-to the previous one; any other load error fails the attempt and leaves it in place. When checkpoints
-exist but none loads, training refuses to start at step 0 unless told to.
+to the previous one. An intact checkpoint that cannot match the state (a changed preset or optimizer,
+fit.py) raises CheckpointMismatch, which no restart can cure; any other load error (I/O, a timeout) fails
+the attempt for a retry; both leave it in place. When checkpoints exist but none loads, training refuses
+to start at step 0 unless told to.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
+from training.train.checkpoint.fit import misfit
 from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
 from training.train.checkpoint.layout import (SaveFenced, clean_up, commit, committed_checkpoints, free_bytes,
                                               out_of_space, prune, remove_older_saves, save_dir_name, set_aside,
@@ -58,8 +61,13 @@ def _describe(err: BaseException) -> str:
 
 
 class CheckpointLoadError(RuntimeError):
-    """An intact checkpoint could not be loaded (an I/O error, a timeout, a key the config no longer
-    has): the attempt fails, the checkpoint stays where it is."""
+    """An intact checkpoint could not be loaded (an I/O error, a timeout): the attempt fails, the checkpoint
+    stays where it is, and a retry may load it."""
+
+
+class CheckpointMismatch(RuntimeError):
+    """An intact checkpoint cannot be loaded into this run's state (a key it lacks, a tensor of another
+    size): every attempt would fail the same way."""
 
 
 class FreshStartRefused(RuntimeError):
@@ -243,13 +251,19 @@ class CheckpointManager:
             if isinstance(found, str):
                 raise CheckpointLoadError(f"checkpoint {path} could not be inspected ({found}); it was left in place")
             missing = tuple(sorted(k for k in optional if k in state and k not in found.keys))
+            loadable = {k: v for k, v in state.items() if k not in missing}
+            mismatch = self._first_found(lambda: misfit(loadable, path))
+            if mismatch is not None:
+                raise CheckpointMismatch(
+                    f"checkpoint {path} is intact but cannot be loaded into this run's model and optimizer "
+                    f"({mismatch}); it was left in place. Restore the config it was written with (model.preset, "
+                    "the optimizer), or train with another checkpoint directory")
             try:
-                dcp.load({k: v for k, v in state.items() if k not in missing}, checkpoint_id=path)
+                dcp.load(loadable, checkpoint_id=path)
             except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
                 raise CheckpointLoadError(
                     f"checkpoint {path} is intact but could not be loaded ({_describe(err)}); it was left in "
-                    "place. An I/O error or timeout may pass on the next attempt; a changed model or optimizer "
-                    "config cannot load it: restore the config it was written with") from None
+                    "place: an I/O error or timeout may pass on the next attempt") from None
             return Loaded(step, path, found.world_size, missing)
         if committed or damaged:
             none = f"no checkpoint in {self.dir} can be loaded (set aside as damaged: {', '.join(damaged)})"
@@ -259,6 +273,15 @@ class CheckpointManager:
                     "checkpoint into that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
             self._log(f"{none}; starting at step 0 as checkpoint.allow_fresh_start=true says")
         return None
+
+    def _first_found(self, compute: Callable[[], T | None]) -> T | None:
+        """`compute()` on every rank; the lowest rank's result that is not None, on every rank."""
+        here = compute()
+        found: list[T | None] = [here]
+        if self.distributed:
+            found = [None] * dist.get_world_size()
+            dist.all_gather_object(found, here)
+        return next((f for f in found if f is not None), None)
 
     def _broadcast(self, compute: Callable[[], T]) -> T:
         """`compute()` on rank 0, its result on every rank (file-system checks are rank 0's)."""
