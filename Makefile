@@ -49,8 +49,11 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The fast tests (synthesis, manifests, units) on both cores; the multi-process training runs (marked slow)
+# one at a time, since their timeouts assume the machine is theirs.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow" -n 2
+	$(PY) -m pytest -q -m slow
 
 synth: setup
 	rm -rf cdk.out
