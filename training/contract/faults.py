@@ -31,6 +31,13 @@ environment variable, comma-separated, added to the config's list at every worke
                                  --netns, which plays the network (and Kubernetes: a node unreachable
                                  for --replacement-delay seconds has its pod replaced on another
                                  machine; its old processes are killed once the link is back)
+    node-hang@50:node=1          node 1 hangs but does not die, as a machine whose kernel or kubelet stops
+                                 responding: halfway through step 50 every process of its pod is stopped
+                                 (SIGSTOP). On EKS its kubelet stops reporting: the node goes NotReady and
+                                 its pod, once evicted, stays Terminating (podReplacementPolicy: Failed)
+                                 until it is force-deleted; training.local's controller plays that kubelet
+                                 and the force delete: a node stopped for --replacement-delay seconds has
+                                 its pod replaced, its stopped processes are left where they are
     ckpt-crash@20:rank=1         rank 1 dies (SIGKILL) inside the first checkpoint save from step 20,
                                  after writing its shards and before the save commits (async mode:
                                  in the background writer); the restart loads the previous checkpoint
@@ -70,7 +77,7 @@ ENV_VAR = "TRAINING_FAULTS"
 # Kinds that destroy data (checkpoints) or take a node's pod or network down. In a pod they need the
 # config's chaos switch (allow_destructive_faults, in the Job's immutable ConfigMap): TRAINING_FAULTS, an
 # environment variable, cannot turn them on by itself. The local cluster and tests run outside a pod.
-DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "node-loss", "partition"})
+DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "node-hang", "node-loss", "partition"})
 POD_ENV = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container
 
 
@@ -118,6 +125,8 @@ KINDS: dict[str, FaultKind] = {
     "sigkill": FaultKind("the rank kills itself with SIGKILL", _RANK, _PERSISTENT),
     "hang": FaultKind("the rank stops heartbeating and sleeps; NVRx timeouts detect it", _RANK, _PERSISTENT),
     "node-loss": FaultKind("the node's pod is SIGKILLed halfway through the step", _NODE),
+    "node-hang": FaultKind("every process of the node's pod is stopped (SIGSTOP) halfway through the step: the "
+                           "node hangs, it does not die", _NODE),
     "drain": FaultKind("the node is drained: SIGTERM to its launcher, SIGKILL after the grace period", _NODE),
     "partition": FaultKind("the node's network link goes down (for `duration` seconds, or for good); its "
                            "processes keep running", _NODE | {"duration"}),

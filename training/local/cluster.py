@@ -103,13 +103,15 @@ _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a proce
 
 
 @dataclass
-class Partition:
-    """A machine cut off from the network (monotonic times)."""
-    machine: Machine
+class Unreachable:
+    """A node whose kubelet stopped reporting (monotonic times): its machine cut off from the network (a
+    partition), or every process of its pod stopped (a hang)."""
+    machine: Machine | None  # None: a hung node without --netns
     node: int
     since: float
     until: float  # inf: for good
-    evicted: Node | None = None  # the pod that was replaced on another machine: its processes, left running
+    evicted: Node | None = None  # the pod that was replaced on another machine: its processes, left there
+    hung: bool = False
 
 
 @dataclass
@@ -167,7 +169,7 @@ class Cluster:
         self.failure: str | None = None  # why the job failed
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"
-        self.partitions: list[Partition] = []
+        self.partitions: list[Unreachable] = []
         self.new_rendezvous()
         self.store: psutil.Popen | None = None
         # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
@@ -277,6 +279,7 @@ class Cluster:
                 node.refresh_descendants()
                 self.read_output(node, detect=True)
             self.serve_drains()
+            self.serve_hangs()
             self.serve_partitions()
             for node in self.nodes:
                 if node.start_at is not None and time.monotonic() >= node.start_at:
@@ -322,7 +325,8 @@ class Cluster:
         return None
 
     def cut_off(self, node: Node) -> bool:
-        return node.machine is not None and self.partition_of(node.machine) is not None
+        return ((node.machine is not None and self.partition_of(node.machine) is not None)
+                or any(u.hung and u.node == node.index and u.evicted is None for u in self.partitions))
 
     def serve_drains(self) -> None:
         """Play the kubelet for the drains that `drain` faults ask for: SIGTERM to the node's launcher
@@ -360,7 +364,7 @@ class Cluster:
                 continue
             self.network.set_link(node.machine, up=False)
             until = now + float(duration) if duration else float("inf")
-            self.partitions.append(Partition(node.machine, node.index, now, until))
+            self.partitions.append(Unreachable(node.machine, node.index, now, until))
             marker = partitioned_marker(self.run_dir, node.index)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
@@ -375,16 +379,33 @@ class Cluster:
                 self.heal(partition)
         self.partitions = [p for p in self.partitions if p.until > now]
 
-    def partition_of(self, machine: Machine) -> Partition | None:
+    def partition_of(self, machine: Machine) -> Unreachable | None:
+        """The machine's record while it does not report: cut off, or hung."""
         return next((p for p in self.partitions if p.machine is machine), None)
 
-    def evict(self, node: Node, partition: Partition, unreachable_s: float) -> None:
+    def serve_hangs(self) -> None:
+        """Play the kubelet of a node that hangs (a `node-hang` fault stops every process of its pod): it
+        stops reporting, which serve_partitions' node lifecycle then handles as it does an unreachable
+        node. On EKS the node goes NotReady after the node-monitor grace period, the taint manager evicts
+        the pod, which stays Terminating while nobody confirms it stopped; the Job (podReplacementPolicy:
+        Failed) replaces it once it is force-deleted (k8s_delays.KubernetesDelays.hung_pod_force_delete_s)."""
+        for node in self.nodes:
+            if node.proc is None or node.start_at is not None or self.cut_off(node) or not _stopped(node.proc):
+                continue
+            self.partitions.append(Unreachable(node.machine, node.index, time.monotonic(), float("inf"), hung=True))
+            detail = (f"node {node.index} stopped responding (every process of its pod is stopped): its kubelet "
+                      f"stops reporting, its pod is force-deleted and replaced after {self.replacement_delay_s:g} s")
+            self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+            self.say(detail)
+
+    def evict(self, node: Node, partition: Unreachable, unreachable_s: float) -> None:
         """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
         node.refresh_descendants()
         partition.evicted = Node(node.index, node.log_path, proc=node.proc, descendants=node.descendants)
         node.proc, node.descendants, node.active = None, [], False
+        left = "stay stopped on the hung machine" if partition.hung else "run on, cut off"
         detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
-                  "machine; the old pod's processes run on, cut off")
+                  f"machine; the old pod's processes {left}")
         self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         self.say(detail)
         # a disruption, which the Job's rules replace uncounted
@@ -392,7 +413,7 @@ class Cluster:
                           survivor=self.survivor_besides(node))
         self._schedule_replacement(node, 0.0, decision.start_over)  # unreachable for the replacement delay already
 
-    def heal(self, partition: Partition) -> None:
+    def heal(self, partition: Unreachable) -> None:
         assert self.network is not None
         self.network.set_link(partition.machine, up=True)
         partitioned_marker(self.run_dir, partition.node).unlink(missing_ok=True)
@@ -544,6 +565,14 @@ def kill_processes(processes: list[psutil.Process]) -> None:
             if p.is_running():
                 p.kill()
     psutil.wait_procs([p for p in processes if _alive(p)], timeout=5)
+
+
+def _stopped(p: psutil.Process) -> bool:
+    """Stopped by a signal (SIGSTOP): a process that can neither run nor report."""
+    try:
+        return p.status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -61,11 +61,11 @@ def _hang(spec: FaultSpec, ctx: FireContext) -> None:
         time.sleep(1)
 
 
-def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
-    """Halfway through the step (half the previous one's duration from now: a failing node is mostly
-    lost mid-step, not at a step's edge), SIGKILL this node's top process first (the pod's PID 1,
-    training.pod.launch, or else ft_launcher; so that nothing can restart anything), then every process
-    under it, this one last: what a lost machine or a deleted pod leaves behind."""
+def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals) -> None:
+    """Halfway through the step (half the previous one's duration from now: a failing node mostly fails
+    mid-step, not at a step's edge), send `sig` to this node's top process first (the pod's PID 1,
+    training.pod.launch, or else ft_launcher; so that nothing can restart or report anything), then to every
+    process under it, this one last: what a lost or hung machine does to a pod."""
     me = psutil.Process()
     node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
                                             for part in p.cmdline())]
@@ -73,21 +73,35 @@ def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
         raise FaultInjected(f"injected fault {spec.text}: neither training.pod.launch nor ft_launcher among this rank's "
                             "parent processes")
 
-    def lose() -> None:
+    def strike() -> None:
         time.sleep(ctx.step_s / 2)
         top = node[-1]  # the outermost
         others = [p for p in top.children(recursive=True) if p.pid != me.pid]
-        # Inside a container PID 1 ignores SIGKILL sent from inside its own PID namespace; SIGTERM stops
-        # it instead (training.pod.launch passes it on to ft_launcher), and the pod fails all the same.
-        top.send_signal(signal.SIGTERM if top.pid == 1 else signal.SIGKILL)
+        # Inside a container PID 1 ignores SIGKILL (and SIGSTOP) sent from inside its own PID namespace;
+        # SIGTERM stops it instead (training.pod.launch passes it on to ft_launcher): a lost pod fails all the
+        # same. A hung one keeps its PID 1, whose children stop.
+        if top.pid != 1:
+            top.send_signal(sig)
+        elif sig == signal.SIGKILL:
+            top.send_signal(signal.SIGTERM)
         for p in others:
             try:
-                p.kill()
+                p.send_signal(sig)
             except psutil.Error:  # already gone
                 pass
-        _kill_self()
+        os.kill(os.getpid(), sig)
 
-    threading.Thread(target=lose, name=f"fault {spec.text}", daemon=True).start()
+    threading.Thread(target=strike, name=f"fault {spec.text}", daemon=True).start()
+
+
+def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
+    _signal_node(spec, ctx, signal.SIGKILL)
+
+
+def _hang_node(spec: FaultSpec, ctx: FireContext) -> None:
+    """Every process of the node stops, none dies: its sockets stay open and answer nothing, as on a
+    machine whose kernel hangs; only whoever plays the kubelet can tell (training.local's controller)."""
+    _signal_node(spec, ctx, signal.SIGSTOP)
 
 
 def _ask_controller(spec: FaultSpec, ctx: FireContext, done_marker: str | None, what: str, who: str) -> None:
@@ -159,8 +173,8 @@ class FireContext:
 
 # What each kind does: before the step (KINDS' when="step"), or in place of this rank's write of a save.
 AT_STEP: dict[str, Callable[[FaultSpec, FireContext], None]] = {
-    "exception": _raise, "sigkill": _sigkill, "hang": _hang, "node-loss": _lose_node, "drain": _request_drain,
-    "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
+    "exception": _raise, "sigkill": _sigkill, "hang": _hang, "node-loss": _lose_node, "node-hang": _hang_node,
+    "drain": _request_drain, "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
 }
 IN_WRITE: dict[str, Callable[[FaultSpec, Callable[[], T]], T]] = {"ckpt-crash": _crash_mid_save,
                                                                  "disk-full": _disk_full}

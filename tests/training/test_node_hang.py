@@ -1,0 +1,113 @@
+"""A node that hangs, not dies (`node-hang`): every process of its pod stops; the controller plays a kubelet
+that stops reporting, and replaces the pod after --replacement-delay seconds (on EKS: NotReady, then the
+force delete that podReplacementPolicy: Failed waits for), so the time to training again is bounded with or
+without a spare."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from training.contract.config import load_train_config
+from training.contract.events import read_events
+from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_fault
+from training.local.cluster import Cluster
+from training.report.goodput import build_report
+from training_helpers import (COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named, load_final_state,
+                              run_local)
+
+
+def test_a_node_hang_names_its_node_and_is_destructive():
+    assert parse_fault("node-hang@12:node=1").node == 1
+    assert parse_fault("node-hang@12:rank=3").rank == 3  # the node that runs rank 3
+    with pytest.raises(FaultSpecError, match="node-hang needs node=N"):
+        parse_fault("node-hang@12")
+    with pytest.raises(FaultSpecError, match="unknown option 'duration' for node-hang"):
+        parse_fault("node-hang@12:node=1:duration=5")
+    assert "node-hang" in DESTRUCTIVE_KINDS  # a pod needs the chaos switch for it
+
+
+# A node's pod as the rank's fault finds it: a top process named ft_launcher, a rank under it that fires.
+_RANK = ("import sys, time; from pathlib import Path; from training.contract.faults import parse_fault; "
+         "from training.train.faults import AT_STEP, FireContext; "
+         "AT_STEP['node-hang'](parse_fault('node-hang@3:node=0'), FireContext(Path('.'), Path('.'), 0.0)); "
+         "time.sleep(60)")
+_TOP = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {_RANK!r}]); time.sleep(60)"
+
+
+def _wait_until(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def _stopped(p: psutil.Process) -> bool:
+    return p.status() == psutil.STATUS_STOPPED
+
+
+def test_the_fault_stops_every_process_of_the_node_and_kills_none():
+    top = psutil.Popen([sys.executable, "-c", _TOP, "ft_launcher"], cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert _wait_until(lambda: len(top.children()) == 1)
+        [rank] = top.children()
+        assert _wait_until(lambda: _stopped(top) and _stopped(rank))  # stopped, not gone: a hang
+    finally:
+        for p in (*top.children(recursive=True), top):
+            p.kill()
+        top.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    cfg = load_train_config(None, [f"run_dir={tmp_path / 'run'}"])
+    cluster = Cluster(cfg, tmp_path / "config.yaml", nodes=2, nproc_per_node=1, node_retries=3,
+                      replacement_delay_s=1.0)
+    for node in cluster.nodes:
+        node.proc, node.joined, node.active = psutil.Popen(["sleep", "60"], start_new_session=True), True, True  # both training
+    yield cluster
+    cluster.stop_all()
+    for unreachable in cluster.partitions:
+        cluster.kill_node(unreachable.evicted)
+
+
+def test_the_controller_replaces_a_hung_nodes_pod_after_the_replacement_delay_and_leaves_it_stopped(cluster):
+    hung = cluster.nodes[1]
+    process = hung.proc
+    process.send_signal(signal.SIGSTOP)
+    assert _wait_until(lambda: _stopped(process))
+    cluster.serve_hangs()
+    cluster.serve_hangs()  # noticed once
+    cluster.serve_partitions()
+    assert hung.start_at is None  # NotReady, not yet force-deleted
+    [detected] = [e for e in read_events(cluster.run_dir) if e["event"] == "fault_detected"]
+    assert detected["kind"] == "node" and "node 1 stopped responding" in detected["detail"]
+    time.sleep(1.0)
+    cluster.serve_partitions()
+    assert hung.start_at is not None and hung.proc is None  # replaced
+    assert _stopped(process)  # its old processes stay stopped where they are, as on the hung machine
+    assert [e["node"] for e in read_events(cluster.run_dir) if e["event"] == "node_replaced"] == [1]
+    assert cluster.nodes[0].start_at is None  # the node that runs on is left alone
+
+
+HANG_DELAY_S = 5
+
+
+@pytest.mark.slow
+def test_a_hung_node_without_a_spare_is_replaced_and_the_run_resumes_exactly(tmp_path, reference, scratch):
+    run = completed(run_local(tmp_path / "run", *TWO_NODES, *COMMON, "checkpoint.mode=sync",
+                              "fault_tolerance.timeout_safety_factor=15", "--replacement-delay", str(HANG_DELAY_S),
+                              "--faults", "node-hang@12:node=1", timeout=300))
+    [replaced] = events_named(run.run_dir, "node_replaced")
+    assert replaced["node"] == 1
+    [injected] = events_named(run.run_dir, "fault_injected")
+    assert HANG_DELAY_S <= replaced["t"] - injected["t"] < HANG_DELAY_S + 10  # bounded by the delay, not a timeout
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert fault.kind == "node-hang" and fault.resumed_from == 10
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run.run_dir) in " ".join(p.info["cmdline"] or [])]
