@@ -30,6 +30,10 @@ completed step) and steps lost, and the run's training and infra goodput.
                     hot_spare, the cut-off node's pod is replaced on another machine REPLACEMENT_DELAY_S
                     later and becomes the new spare; its old processes run on, cut off. (A partition
                     shorter than the step-section timeout heals with no restart at all.)
+  node_hang         node-hang of the last node, no spare: every process of its pod stops (SIGSTOP), none
+                    dies; NVRx's timeouts stop the survivors' ranks, the controller (the kubelet that
+                    stops reporting) replaces the pod at once here, where on EKS the node is NotReady
+                    and then marked out of service (bench/projection.py adds those delays).
   k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
                     every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
                     restart does; resume from the last checkpoint on disk.
@@ -85,6 +89,8 @@ MECHANISMS = (
     Mechanism("drain", "node drained (SIGTERM), replaced", "injob", "drain", True, "node"),
     Mechanism("partition", "node cut off (network partition), hot spare takes over", "injob", "partition", True,
               "injob", spares=1, netns=True, alternative_restart_kind="node"),
+    Mechanism("node_hang", "node hangs (SIGSTOP), its pod replaced", "injob", "node-hang", True, "injob",
+              alternative_restart_kind="node"),
     Mechanism("k8s_restart", "plain Kubernetes restart (every pod replaced)", "injob", "node-loss", False, "node",
               fault_on_host=True),
 )

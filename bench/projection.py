@@ -42,6 +42,8 @@ def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[
     evict = ("node NotReady, toleration, pod replaced", d.node_not_ready_s + d.toleration_s + d.pod_replacement_s)
     restart = ("workers of every node restart on p5 (AWS post, in-job)", d.gpu_restart_s)
     new_node = ("a new p5 node boots and joins, in parallel with the eviction", max(0.0, d.node_boot_join_s - evict[1]))
+    hung_pod_deleted = ("node NotReady, then out of service: PodGC force-deletes its pod",
+                        d.node_not_ready_s + d.hung_node_out_of_service_s)
     pull = ("image pulled onto a node without it, container started", d.image_pull_cold_s + d.container_start_s)
     scenarios = (
         ("hot spare (spare node and standby pod): this repository's default", "hot_spare",
@@ -51,7 +53,13 @@ def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[
          (detect, evict, pull, restart)),
         ("no spare: the node group replaces the lost instance", "node_replacement",
          (detect, evict, new_node, pull, restart)),
-        ("no spare, node hangs (EKS auto repair after 30 min NotReady)", "node_replacement",
+        ("spare node, no standby pod, node hangs: marked out of service once NotReady for "
+         f"{d.hung_node_out_of_service_s:g} s, its pod replaced on the spare node", "node_hang",
+         (detect, hung_pod_deleted, ("the replacement pod is scheduled", d.pod_replacement_s), pull, restart)),
+        ("no spare, node hangs: marked out of service, a new node started for its pod (a fixed-size node group "
+         "starts none until auto repair)", "node_hang",
+         (detect, hung_pod_deleted, ("a new p5 node boots and joins", d.node_boot_join_s), pull, restart)),
+        ("no spare, node hangs, not marked out of service (EKS auto repair after 30 min NotReady)", "node_replacement",
          (detect, ("EKS node auto repair waits", d.node_repair_wait_s), ("the replacement boots and joins",
           d.node_boot_join_s), pull, restart)),
         ("plain Kubernetes restart (no ft_launcher restarts), spare node", "k8s_restart",

@@ -46,6 +46,7 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "peer_state": ("node-loss@15:rank=3", "node-loss@55:rank=3"),
                      "drain": ("drain@15:node=1", "drain@55:node=1"),
                      "partition": ("partition@15:rank=3", "partition@55:rank=3"),
+                     "node_hang": ("node-hang@15:node=1", "node-hang@55:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@55:node=0")}
 
 

@@ -20,7 +20,23 @@ def test_each_scenario_is_the_sum_of_its_named_parts() -> None:
                                         EKS.node_boot_join_s)
         + EKS.image_pull_cold_s + EKS.container_start_s + EKS.gpu_restart_s + 0.5)
     assert spare.total_s < by_name["spare node, no standby pod"].total_s < no_spare.total_s
-    assert by_name["no spare, node hangs"].total_s > EKS.node_repair_wait_s
+    assert by_name["no spare, node hangs, not marked out of service"].total_s > EKS.node_repair_wait_s
+
+
+def test_a_hung_nodes_pod_is_replaced_within_two_minutes_of_the_hang_plus_a_nodes_start() -> None:
+    recovery = {"injob": mechanism(3.0), "node_hang": mechanism(5.0), "node_replacement": mechanism(3.5)}
+    by_name = {p.scenario.split(":")[0]: p for p in project(EKS, recovery)}
+    assert EKS.node_not_ready_s + EKS.hung_node_out_of_service_s <= 120  # the bound, before a node starts
+    spare_node = by_name["spare node, no standby pod, node hangs"]
+    assert spare_node.mechanism == "node_hang"
+    assert spare_node.total_s == pytest.approx(
+        EKS.lost_peer_detection_s + EKS.node_not_ready_s + EKS.hung_node_out_of_service_s + EKS.pod_replacement_s
+        + EKS.image_pull_cold_s + EKS.container_start_s + EKS.gpu_restart_s + 2.0)  # + measured extra
+    no_spare = by_name["no spare, node hangs"]
+    assert no_spare.total_s - spare_node.total_s == pytest.approx(EKS.node_boot_join_s - EKS.pod_replacement_s)
+    # the threshold is the user's: a shorter one shortens every hung-node scenario by as much
+    quicker = {p.scenario.split(":")[0]: p for p in project(KubernetesDelays(hung_node_out_of_service_s=10), recovery)}
+    assert spare_node.total_s - quicker["spare node, no standby pod, node hangs"].total_s == pytest.approx(50.0)
 
 
 def test_a_spare_takes_over_without_kubernetes_delays() -> None:

@@ -37,6 +37,13 @@ class KubernetesDelays:
     # A node that hangs but keeps running is no lost instance: EKS node auto repair replaces a node that
     # has been NotReady for 30 min (EKS user guide, "Automatically repair nodes in EKS clusters").
     node_repair_wait_s: float = 1800.0
+    # Until then, a hung node's pod, evicted by the taint manager after its toleration, stays Terminating: no
+    # kubelet confirms it stopped, and the Job (podReplacementPolicy: Failed, which a podFailurePolicy
+    # requires) replaces a pod only once it is Failed. A node marked out of service (the taint
+    # node.kubernetes.io/out-of-service) has its terminating pods force-deleted and marked Failed by PodGC
+    # (Kubernetes docs, "Non-graceful node shutdown handling" and "Pod garbage collection"): the time a
+    # node is NotReady before that is done (this repository's choice; with node_not_ready_s, under 2 min).
+    hung_node_out_of_service_s: float = 60.0
     # The survivors' ranks wait in a collective for the lost node until NVRx's rank monitor ends them at
     # the step section timeout, calculated as the longest step x fault_tolerance.timeout_safety_factor
     # (assumption: about 30 s for a multi-second step of a large model on p5; a lost node's EFA peers
