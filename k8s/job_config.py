@@ -62,6 +62,10 @@ class JobConfig:
     # healthy pods whenever a kubelet misses a few updates (restart, API server hiccup). The EKS
     # projection (training/contract/k8s_delays.py) uses the same figure.
     node_failure_toleration_s: int = int(EKS.toleration_s)
+    # A GPU node whose kubelet has been silent this long is marked out of service, so that PodGC deletes its
+    # pod and the Job replaces it (k8s/charts/hung_nodes.py); None: no marker, a hung node's pod waits for
+    # EKS auto repair (30 min). With the node controller's 50 s, the default replaces it within 2 min.
+    hung_node_out_of_service_s: int | None = int(EKS.hung_node_out_of_service_s)
     fault_injection: FaultInjectionConfig | None = None
     # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-loss, partition)
     # fire in the pods; written into the training config's immutable ConfigMap (allow_destructive_faults).
@@ -225,6 +229,10 @@ def _validate(j: JobConfig) -> None:
     if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
         raise JobConfigError(f"node_failure_toleration_s={j.node_failure_toleration_s} is not allowed: 0 to "
                              f"{MAX_NODE_FAILURE_TOLERATION_S} seconds (Kubernetes' default, which it shortens)")
+    if j.hung_node_out_of_service_s is not None and not 0 < j.hung_node_out_of_service_s < EKS.node_repair_wait_s:
+        raise JobConfigError(f"hung_node_out_of_service_s={j.hung_node_out_of_service_s} is not allowed: 1 to "
+                             f"{EKS.node_repair_wait_s - 1:.0f} seconds (EKS auto repair replaces the node after "
+                             f"{EKS.node_repair_wait_s:.0f} s), or None for no hung-node marker")
     minimum_grace = j.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
     if j.termination_grace_s is not None and j.termination_grace_s < minimum_grace:
         raise JobConfigError(

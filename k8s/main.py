@@ -24,6 +24,7 @@ import cdk8s  # noqa: E402  (needs the environment above)
 
 from infra.config import ConfigError, PlatformConfig  # noqa: E402
 from k8s.charts.fault_injection import FaultInjectionChart  # noqa: E402
+from k8s.charts.hung_nodes import HungNodeChart  # noqa: E402
 from k8s.charts.network import NetworkDefaultsChart  # noqa: E402
 from k8s.charts.preflight import build_preflight_app  # noqa: E402
 from k8s.charts.report import ReportChart, report_job_name, timeline_path  # noqa: E402
@@ -52,6 +53,8 @@ def build_app(job: JobConfig, outdir: Path) -> cdk8s.App:
     NetworkDefaultsChart(app, "network-defaults", job)
     ServiceAccountChart(app, "service-account", job)
     TrainingChart(app, "training", job)
+    if job.hung_node_out_of_service_s is not None:
+        HungNodeChart(app, "hung-node-marker", job)
     if job.fault_injection is not None:
         FaultInjectionChart(app, "training-fault-injection", job)
     return app
@@ -89,6 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-failure-toleration", type=int, default=JobConfig.node_failure_toleration_s,
                    help="seconds a pod stays on an unreachable or not-ready node before it is evicted "
                         "and replaced (default: %(default)s)")
+    p.add_argument("--hung-node-out-of-service", type=int, default=JobConfig.hung_node_out_of_service_s,
+                   metavar="SECONDS", help="mark a GPU node whose kubelet is silent this long out of service, so that "
+                   "its pod is replaced (default: %(default)s; 0: no marker, a hung node's pod waits for EKS auto "
+                   "repair, 30 min)")
     p.add_argument("--fault-injection", action="store_true", help="also render the chaos-drill CronJob")
     only.add_argument("--preflight", action="store_true",
                       help="render only the NCCL/EFA preflight MPIJob (nccl-tests all_reduce_perf on every GPU node "
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         infra=load_infra_outputs(platform, args.outputs), name=args.job_name,
                         nodes=args.nodes, spares=args.spares, termination_grace_s=args.grace_period,
                         node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection,
+                        hung_node_out_of_service_s=args.hung_node_out_of_service or None,
                         allow_destructive_faults=args.allow_destructive_faults)
         if args.report:
             return _write_report_job(job, args.outdir or REPO_ROOT / "dist" / "report")

@@ -55,6 +55,12 @@ class Rendered:
         assert len(found) == 1, f"expected one {kind}, got {len(found)}"
         return found[0]
 
+    @property
+    def store(self) -> dict[str, Any]:
+        """The rendezvous store's Deployment (the hung-node marker is the other one)."""
+        (found,) = [o for o in self.objects() if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-rendezvous")]
+        return found
+
     def config_map_object(self, prefix: str) -> dict[str, Any]:
         """The ConfigMap named `<prefix>-<content hash>`, e.g. prefix fsdp-train-config."""
         (found,) = [o for o in self.objects() if o["kind"] == "ConfigMap"

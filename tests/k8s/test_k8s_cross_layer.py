@@ -111,7 +111,7 @@ def test_job_matches_what_the_stacks_create(synthesized, render):
 
     # The rendezvous store: on the system nodes by their label, which carry no taint to tolerate.
     (system_group,) = [g for g in groups if g is not gpu_group]
-    (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
+    store = r.store
     store_pod = store["spec"]["template"]["spec"]
     assert store_pod["nodeSelector"] == {SYSTEM_NODE_LABEL: system_group["Labels"][SYSTEM_NODE_LABEL]}
     assert "Taints" not in system_group

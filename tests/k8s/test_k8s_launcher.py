@@ -81,7 +81,7 @@ def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
 
 def test_installed_nvrx_control_parses_the_store_command_of_the_same_rendezvous(render):
     r = render()
-    (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
+    store = r.store
     (container,) = store["spec"]["template"]["spec"]["containers"]
     # training.pod.store (which starts the store over when the run stalls) around nvrx-control
     assert container["command"][:5] == ["python", "-m", "training.pod.store", "--config", TRAIN_CONFIG_PATH]

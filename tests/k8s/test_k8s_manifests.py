@@ -27,7 +27,8 @@ K8S_VERSION = "1.34.0"
 def test_every_manifest_validates_strictly_against_kubernetes_1_34(render, mode, instance_type):
     r = render("--fault-injection", "--set", f"fault_tolerance.restart={mode}", *fitting(instance_type),
                context={"gpuInstanceType": instance_type})
-    assert sorted(r.files) == ["network-defaults.k8s.yaml", "service-account.k8s.yaml", "training-fault-injection.k8s.yaml", "training.k8s.yaml"]
+    assert sorted(r.files) == ["hung-node-marker.k8s.yaml", "network-defaults.k8s.yaml", "service-account.k8s.yaml",
+                               "training-fault-injection.k8s.yaml", "training.k8s.yaml"]
     for obj in r.objects():
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)  # raises ValidationError
 
@@ -51,7 +52,7 @@ def test_job_is_indexed_one_pod_per_node_and_spare_with_a_per_index_retry_budget
 
 
 def _store(r) -> dict:
-    (store,) = [o for o in r.objects() if o["kind"] == "Deployment"]
+    store = r.store
     return store
 
 
@@ -307,7 +308,9 @@ def test_outputs_file_supplies_image_namespace_and_pvc(render):
     outputs = {"s1": {"ClusterName": "c", "Namespace": "ml", "PvcName": "ckpt"}, "s2": {"ImageUri": IMAGE}}
     r = render(outputs=outputs)
     assert r.container["image"] == IMAGE
-    assert {o["metadata"]["namespace"] for o in r.objects()} == {"ml"}
+    # every namespaced object; the hung-node marker's ClusterRole and its binding are cluster-scoped (nodes are)
+    assert {o["metadata"]["namespace"] for o in r.objects()
+            if o["kind"] not in ("ClusterRole", "ClusterRoleBinding")} == {"ml"}
     # The Namespace (with the PVC in it) is the infra stack's: deleting dist/ must not delete it.
     assert not [o for o in r.objects() if o["kind"] == "Namespace"]
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "ckpt"}} in r.pod["volumes"]

@@ -1,0 +1,71 @@
+"""The hung-node marker (k8s/mark_hung_nodes.py, k8s/charts/hung_nodes.py): a GPU node whose kubelet has been
+silent for the threshold is marked out of service, so that PodGC deletes its pod and the Job replaces it;
+its rights are listing and patching nodes, nothing more."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL
+from k8s.mark_hung_nodes import OUT_OF_SERVICE, TAINT, silent_for_s, taint_patch, to_mark, to_unmark
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+GPU_TAINT = {"key": GPU_TAINT_KEY, "value": "true", "effect": "NoSchedule"}
+
+
+def _node(name: str, ready: str, since_s: float, taints: list[dict] | None = None) -> dict:
+    changed = (NOW - timedelta(seconds=since_s)).isoformat().replace("+00:00", "Z")
+    return {"metadata": {"name": name, "resourceVersion": "42"},
+            "spec": {"taints": [GPU_TAINT, *(taints or [])]},
+            "status": {"conditions": [{"type": "MemoryPressure", "status": "False", "lastTransitionTime": changed},
+                                      {"type": "Ready", "status": ready, "lastTransitionTime": changed}]}}
+
+
+def test_only_a_node_silent_past_the_threshold_is_marked_once():
+    nodes = [_node("hung", "Unknown", 61), _node("just-silent", "Unknown", 59),
+             _node("reports-not-ready", "False", 600),  # its kubelet reports: it can stop its own pods
+             _node("healthy", "True", 600), _node("marked", "Unknown", 600, [TAINT])]
+    assert to_mark(nodes, NOW, threshold_s=60) == ["hung"]
+    assert silent_for_s(nodes[0], NOW) == 61 and silent_for_s(nodes[3], NOW) is None
+
+
+def test_a_marked_node_that_reports_ready_again_is_unmarked_and_nobody_elses_taint_is_touched():
+    someone_elses = {"key": OUT_OF_SERVICE, "value": "nodeshutdown", "effect": "NoExecute"}  # an operator's
+    nodes = [_node("back", "True", 5, [TAINT]), _node("still-hung", "Unknown", 900, [TAINT]),
+             _node("operator", "True", 5, [someone_elses])]
+    assert to_unmark(nodes) == ["back"]
+
+
+def test_the_patch_keeps_the_other_taints_and_applies_only_to_the_node_as_read():
+    node = _node("hung", "Unknown", 61)
+    mark = taint_patch(node, mark=True)
+    assert mark == [{"op": "test", "path": "/metadata/resourceVersion", "value": "42"},
+                    {"op": "add", "path": "/spec/taints", "value": [GPU_TAINT, TAINT]}]
+    node["spec"]["taints"] = mark[1]["value"]
+    assert taint_patch(node, mark=False)[1]["value"] == [GPU_TAINT]
+    assert TAINT == {"key": "node.kubernetes.io/out-of-service", "value": "hung", "effect": "NoExecute"}
+
+
+def test_the_marker_runs_on_the_system_nodes_with_node_list_and_patch_rights_only(render):
+    r = render("--hung-node-out-of-service", "45")
+    marker = [o for o in r.files["hung-node-marker.k8s.yaml"]]
+    role, binding = r.one("ClusterRole"), r.one("ClusterRoleBinding")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "patch"]}]
+    (deployment,) = [o for o in marker if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    assert pod["nodeSelector"] == {SYSTEM_NODE_LABEL: "true"}  # never on a GPU node it may mark
+    python, flag, script, threshold, selector = pod["containers"][0]["command"]
+    assert (python, flag, threshold, selector) == ("python", "-c", "45", f"{GPU_NODE_LABEL}=true")
+    compile(script, "mark_hung_nodes.py", "exec")
+    (policy,) = [o for o in marker if o["kind"] == "NetworkPolicy"]
+    assert not policy["spec"].get("ingress") and [p["port"] for rule in policy["spec"]["egress"]
+                                                   for p in rule["ports"]] == [443, 53, 53]
+
+
+def test_the_marker_is_on_by_default_and_zero_turns_it_off(render, render_error):
+    assert render().one("ClusterRole")["metadata"]["name"] == "fsdp-train-hung-node-marker"  # on by default
+    assert "hung-node-marker.k8s.yaml" not in render("--hung-node-out-of-service", "0").files
+    err = render_error("--hung-node-out-of-service", "1800")
+    assert "hung_node_out_of_service_s=1800 is not allowed: 1 to 1799 seconds" in err
