@@ -67,7 +67,7 @@ class JobConfig:
     # EKS auto repair (30 min). With the node controller's 50 s, the default replaces it within 2 min.
     hung_node_out_of_service_s: int | None = int(EKS.hung_node_out_of_service_s)
     fault_injection: FaultInjectionConfig | None = None
-    # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-loss, partition)
+    # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-hang, node-loss, partition)
     # fire in the pods; written into the training config's immutable ConfigMap (allow_destructive_faults).
     allow_destructive_faults: bool = False
 

@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "of the Job) instead of the training; needs the MPI Operator")
     p.add_argument("--allow-destructive-faults", action="store_true",
                    help="the chaos switch: let the fault kinds that destroy checkpoints or take a node down "
-                        "(corrupt-ckpt, disk-full, node-loss, partition) fire in the pods; without it the pods "
+                        "(corrupt-ckpt, disk-full, node-hang, node-loss, partition) fire in the pods; without it the pods "
                         "refuse them, from the training config and from TRAINING_FAULTS alike")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
     p.add_argument("--fault-target-index", type=int, help="job index whose pod is evicted; default: any, at random")

@@ -35,9 +35,10 @@ environment variable, comma-separated, added to the config's list at every worke
                                  responding: halfway through step 50 every process of its pod is stopped
                                  (SIGSTOP). On EKS its kubelet stops reporting: the node goes NotReady and
                                  its pod, once evicted, stays Terminating (podReplacementPolicy: Failed)
-                                 until it is force-deleted; training.local's controller plays that kubelet
-                                 and the force delete: a node stopped for --replacement-delay seconds has
-                                 its pod replaced, its stopped processes are left where they are
+                                 until PodGC deletes it (k8s/mark_hung_nodes.py marks the node out of
+                                 service); training.local's controller plays that kubelet and the marker:
+                                 a node stopped for --replacement-delay seconds has its pod replaced, its
+                                 stopped processes are left where they are
     ckpt-crash@20:rank=1         rank 1 dies (SIGKILL) inside the first checkpoint save from step 20,
                                  after writing its shards and before the save commits (async mode:
                                  in the background writer); the restart loads the previous checkpoint

@@ -33,6 +33,9 @@ chart renders):
   recorded (e.g. a persistent fault).
 - drained (a `drain` fault: the controller plays the kubelet, with the drain marker, SIGTERM and the
   grace period): the node is started again, not counted against --node-retries.
+- hung (a `node-hang` fault stopped every process of its pod): the controller plays the kubelet that stops
+  reporting and, --replacement-delay seconds later, the hung-node marker and PodGC: the pod is replaced,
+  not counted, its stopped processes left where they are until the run ends.
 It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
 "worker failed") and records them as fault_detected, so the report measures detection time.
 With --netns every node runs on its own emulated machine (training/local/netns.py: a network namespace
@@ -388,7 +391,8 @@ class Cluster:
         stops reporting, which serve_partitions' node lifecycle then handles as it does an unreachable
         node. On EKS the node goes NotReady after the node-monitor grace period, the taint manager evicts
         the pod, which stays Terminating while nobody confirms it stopped; the Job (podReplacementPolicy:
-        Failed) replaces it once it is force-deleted (k8s_delays.KubernetesDelays.hung_pod_force_delete_s)."""
+        Failed) replaces it once PodGC deletes it as Failed, when the hung-node marker (k8s/mark_hung_nodes.py)
+        has marked the node out of service (k8s_delays.KubernetesDelays.hung_node_out_of_service_s)."""
         for node in self.nodes:
             if node.proc is None or node.start_at is not None or self.cut_off(node) or not _stopped(node.proc):
                 continue
