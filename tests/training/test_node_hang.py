@@ -95,13 +95,16 @@ def test_the_controller_replaces_a_hung_nodes_pod_after_the_replacement_delay_an
 
 
 HANG_DELAY_S = 5
+HANG_OVERRIDES = ("checkpoint.mode=sync", "fault_tolerance.timeout_safety_factor=15")  # as test_partition.py's
+
+
+def _hang_run(run_dir: Path, *args: str):
+    return completed(run_local(run_dir, *TWO_NODES, *COMMON, *HANG_OVERRIDES, *args, timeout=300))
 
 
 @pytest.mark.slow
 def test_a_hung_node_without_a_spare_is_replaced_and_the_run_resumes_exactly(tmp_path, reference, scratch):
-    run = completed(run_local(tmp_path / "run", *TWO_NODES, *COMMON, "checkpoint.mode=sync",
-                              "fault_tolerance.timeout_safety_factor=15", "--replacement-delay", str(HANG_DELAY_S),
-                              "--faults", "node-hang@12:node=1", timeout=300))
+    run = _hang_run(tmp_path / "run", "--replacement-delay", str(HANG_DELAY_S), "--faults", "node-hang@12:node=1")
     [replaced] = events_named(run.run_dir, "node_replaced")
     assert replaced["node"] == 1
     [injected] = events_named(run.run_dir, "fault_injected")
@@ -110,3 +113,15 @@ def test_a_hung_node_without_a_spare_is_replaced_and_the_run_resumes_exactly(tmp
     assert fault.kind == "node-hang" and fault.resumed_from == 10
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run.run_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.slow
+def test_with_a_spare_a_hung_node_costs_nvrx_detection_not_the_replacement_delay(tmp_path, reference, scratch):
+    slow_replacement_s = 120
+    run = _hang_run(tmp_path / "run", "--spares", "1", "--replacement-delay", str(slow_replacement_s),
+                    "--faults", "node-hang@12:node=1")
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert fault.kind == "node-hang" and fault.resumed_from == 10
+    assert fault.recovery_s < slow_replacement_s  # the spare (node 2) took node 1's place
+    assert "Assigned active rank" in (run.run_dir / "logs" / "node2.log").read_text()
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))

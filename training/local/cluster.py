@@ -398,7 +398,8 @@ class Cluster:
                 continue
             self.partitions.append(Unreachable(node.machine, node.index, time.monotonic(), float("inf"), hung=True))
             detail = (f"node {node.index} stopped responding (every process of its pod is stopped): its kubelet "
-                      f"stops reporting, its pod is force-deleted and replaced after {self.replacement_delay_s:g} s")
+                      f"stops reporting; marked out of service after {self.replacement_delay_s:g} s, its pod is "
+                      "deleted (PodGC) and replaced")
             self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
             self.say(detail)
 
@@ -496,7 +497,8 @@ class Cluster:
         self.say(self.failure)
 
     def stop_all(self) -> None:
-        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        # a hung node's processes cannot act on SIGTERM (stopped): they are killed below, without the grace wait
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None and not _stopped(n.proc)]
         for node in live:
             node.refresh_descendants()
             with contextlib.suppress(*_GONE):
