@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from training.contract.config import TrainConfig
 from training.contract.flops import flops_per_token
 from training.contract.k8s_delays import EKS, KubernetesDelays
-from training.contract.shapes import PEER_STATE_SLOTS, STATE_BYTES_PER_PARAMETER, node_memory_bytes, parameter_count
+from training.contract.shapes import STATE_BYTES_PER_PARAMETER, node_memory_bytes, parameter_count
 
 GB = 1e9
 GIB = 2**30
@@ -54,9 +54,9 @@ GLOO_TCP_EFFICIENCY = 0.5
 # Assumption: NCCL over EFA reaches this share of the EFA line rate: the NCCL preflight's all_reduce floor
 # (infra/instances.py BUSBW_FLOOR_FRACTIONS), which a healthy p5 fabric passes.
 NCCL_EFA_EFFICIENCY = 0.75
-# Assumption: one GPU's copy of its shard to pinned host memory (async staging, peer state's copy), GB/s; H100
-# SXM sits on PCIe Gen5 x16 (64 GB/s each way, NVIDIA H100 datasheet), of which about 40% is assumed reached
-# while eight GPUs copy at once through one host's memory.
+# Assumption: one GPU's copy of its shard to pinned host memory (async staging, peer state's copy), GB/s: p5's
+# hosts are 3rd-generation AMD EPYC (PCIe Gen4, 32 GB/s each way per x16 link) and eight GPUs copy at once
+# through one host's memory (README, "In-memory rollback at 8b on p5": the same figure).
 HOST_COPY_GBS = 25.0
 # "The Llama 3 Herd of Models" (2024), Table 4: 38-43% BF16 model FLOPs utilization on 8,192-16,384 H100s. The
 # projected step time assumes the low end of that, rounded.
@@ -438,7 +438,7 @@ def format_capacity(c: Capacity) -> str:
                        f"{c.peer_steps_lost if s.peer_state else '-'}; drain {c.drain_steps_lost}"),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = [f"Capacity (projected; constants and their sources: training/contract/capacity.py):"]
+    lines = ["Capacity (projected; constants and their sources: training/contract/capacity.py):"]
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     problems = c.problems()
     lines += [f"  REFUSED: {p}" for p in problems] or ["  every promise holds at this size"]
