@@ -5,7 +5,7 @@ the file system (FSx for Lustre storage and throughput per TiB), the node (GPUs,
 and the schedule (interval, keep, drain grace, peer state), it computes the save to FSx and whether it
 finishes within the interval, the drain's commit against its grace, the peer copy and send and the interval
 they allow, restores from FSx and from peers, the footprint of `keep` checkpoints, the steps each mechanism
-loses, and, beside them, HSDP with replica groups (`hsdp`). The chart refuses a config that fails it
+loses, and, beside them, HSDP with replica groups (`HsdpCase`). The chart refuses a config that fails it
 (k8s/job_config.py), `python -m training.plan --config` prints it, and the README's tables are its output.
 
 Every figure is a projection: p5 has not been measured here. Each constant names its source; those without
@@ -105,9 +105,11 @@ class NodeSpec:
     gpu_peak_tflops: float  # dense bf16
     efa_gbs: float  # EFA line rate, GB/s (0: none)
     shm_bytes: int  # the pod's /dev/shm, where peer state lives
-    # The primary ENA interface's bandwidth, GB/s: the pods' TCP traffic and the Lustre client (a file system
-    # without EFA) both use it. Assumption: 100 Gbps, p5's primary network card (DescribeInstanceTypes'
-    # per-card figure, not read here); no figure at the sizes the README tabulates depends on it.
+    # The primary ENA interface's bandwidth, GB/s: the pods' TCP traffic and the Lustre client both use it. FSx for
+    # Lustre User Guide, "Throughput to individual client instances": what one client drives depends on the file
+    # system type (ours has no EFA) and the client's network interface; its table of per-client limits was not
+    # readable here. Assumption: 100 Gbps, p5's primary network card (DescribeInstanceTypes' per-card figure,
+    # not read here either); no figure at the sizes the README tabulates depends on it.
     ena_gbs: float = 12.5
 
     @property
@@ -294,7 +296,8 @@ class Capacity:
     @property
     def fsx_steps_lost(self) -> int:
         """A restart from FSx: the steps since the newest committed checkpoint, which commits a save after its step."""
-        return self.schedule.interval + self.min_interval_steps if self.schedule.mode == "async" else self.schedule.interval
+        commit_steps = self.min_interval_steps if self.schedule.mode == "async" else 0
+        return self.schedule.interval + commit_steps
 
     @property
     def peer_steps_lost(self) -> int:
