@@ -55,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--save-mode", choices=("async", "sync"), default="async",
                         help="which blocking time of --from-bench to use (default async)")
     parser.add_argument("--config", type=Path, metavar="FILE",
-                        help="a training config: S, the step time and R from the capacity model")
+                        help="a training config on --nodes p5.48xlarge nodes: S, the step time and R from the "
+                             "capacity model")
     parser.add_argument("--cdk-json", type=Path, default=Path("cdk.json"),
                         help="where --config reads the provisioned FSx (default: %(default)s)")
     parser.add_argument("--fsx-storage-gib", type=positive_int_arg, help="FSx storage (default: cdk.json's)")
