@@ -13,11 +13,11 @@ activation recomputation is counted, so figures compare across codebases.
 """
 from __future__ import annotations
 
-from training.contract.shapes import PRESETS, parameter_count
+from training.contract.shapes import parameter_count, shape
 
 
 def flops_per_token(preset: str, seq_len: int) -> int:
-    a = PRESETS[preset]
+    a = shape(preset)
     non_embedding = parameter_count(preset) - a.vocab_size * a.dim
     return 6 * non_embedding + 12 * a.n_layers * a.n_heads * (a.dim // a.n_heads) * seq_len
 
