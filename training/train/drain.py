@@ -23,7 +23,7 @@ the same step, from whichever node got the signal. Then all ranks together keep 
               training/train/peer_state.py); the drained node's replacement restores it from them. Only
               where every drained node has a partner that is not drained. The in-flight save is
               abandoned (never committed; the next worker group removes it).
-A path never measured yet (no save so far) is tried only when the other is not possible. Every rank
+A way never measured yet (no save so far) is tried only when no measured way fits. Every rank
 learns the outcome (a commit by rank 0, every partner's copy) before any rank leaves, and leaves
 with TERMINATED, an exit code that ft_launcher and the Job retry (ft_launcher exits 0 when every
 rank exits cleanly after a signal, which the Job would take for a completed index).
@@ -31,9 +31,9 @@ rank exits cleanly after a signal, which the Job would take for a completed inde
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
-import math
 import threading
 import time
 from dataclasses import dataclass
