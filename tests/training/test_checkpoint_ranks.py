@@ -51,11 +51,10 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process DCP load
-def test_skip_when_busy_is_one_decision_of_all_ranks(tmp_path):
-    directory = tmp_path / "ckpt"
+def _run_two_ranks(script: str, *args: str) -> list[str]:
+    """`script ARGS` as ranks 0 and 1 of a gloo world, to completion (both must exit 0); their outputs."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(directory)], cwd=REPO_ROOT, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO_ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "RANK": str(rank), "WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
@@ -66,9 +65,71 @@ def test_skip_when_busy_is_one_decision_of_all_ranks(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process DCP load
+def test_skip_when_busy_is_one_decision_of_all_ranks(tmp_path):
+    directory = tmp_path / "ckpt"
+    _run_two_ranks(_RANK, str(directory))
     # saves 2, 4, 6 skipped on both ranks: rank 1 still had the previous one in flight
     assert [step for step, _ in committed_checkpoints(directory)] == [5, 3, 1]
     for step, path in committed_checkpoints(directory):
         state = {"w0": torch.zeros(4), "w1": torch.zeros(4)}
         dcp.load(state, checkpoint_id=path)
         assert all(torch.equal(t, torch.full((4,), float(step))) for t in state.values())
+
+
+# Rank 0's commit (rename, resume_step, prune) is slowed; after the first save a newer worker group
+# starts (GENERATION moves on), so the second save is fenced. Each rank prints when `wait` returned and
+# what it counts as saved.
+_COMMIT_OUTCOME = r"""
+import sys, time
+from datetime import timedelta
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import training.train.checkpoint.manager as manager
+from training.train.checkpoint.layout import start_generation
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+rank = dist.get_rank()
+real_commit = manager.commit
+
+def slow_commit(*args, **kwargs):
+    time.sleep(1.5)
+    try:
+        return real_commit(*args, **kwargs)
+    finally:
+        print("commit-ended", time.monotonic(), flush=True)
+
+manager.commit = slow_commit
+m = manager.CheckpointManager(sys.argv[1], mode=sys.argv[2], keep=10)
+for step in (1, 2):
+    if step == 2 and rank == 0:
+        start_generation(Path(sys.argv[1]))  # a newer worker group started: this save must not commit
+    dist.barrier()
+    m.save(step, {f"w{rank}": torch.full((4,), float(step))})
+    m.wait()
+    print("wait-returned", time.monotonic(), "saved", m.saved_step, flush=True)
+m.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_rank_learns_the_commits_outcome_before_it_goes_on(tmp_path, mode):
+    """No rank returns from a save (a drain: leaves the process) while rank 0 may still be committing,
+    and a fenced save is not counted as saved on any rank."""
+    directory = tmp_path / "ckpt"
+    outputs = _run_two_ranks(_COMMIT_OUTCOME, str(directory), mode)
+    lines = [[line.split() for line in out.splitlines() if line.startswith(("commit-ended", "wait-returned"))]
+             for out in outputs]
+    commits_ended = [float(words[1]) for words in lines[0] if words[0] == "commit-ended"]
+    returned = [[(float(words[1]), words[3]) for words in rank_lines if words[0] == "wait-returned"]
+                for rank_lines in lines]
+    for rank_returned in returned:  # after rank 0's commit of that save ended, on every rank
+        assert all(at >= ended for (at, _), ended in zip(rank_returned, commits_ended, strict=True))
+    for rank_returned in returned:  # step 2 was fenced: still step 1 on every rank
+        assert [saved for _, saved in rank_returned] == ["1", "1"]
+    assert [step for step, _ in committed_checkpoints(directory)] == [1]

@@ -409,3 +409,49 @@ def test_a_drained_node_commits_the_step_reached_and_loses_none(reference, tmp_p
     assert fault.restart_kind == "node" and math.isfinite(fault.recovery_s)
     assert "outlived its grace period" not in run.output  # left on its own, well within it
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+
+
+@pytest.mark.slow
+def test_a_drain_at_size_under_the_wrapper_leaves_the_step_with_the_partners(tmp_path):
+    """The `small` preset (~58M parameters, 0.7 GB of fp32 weights and AdamW moments: the largest state
+    whose steps fit this test's time here; seq_len 16 keeps its steps short, not its state small), under
+    the in-process Wrapper, with peer state and no checkpoint saved yet: the drain keeps the step reached
+    in the partner's memory, not on disk, and the replacement node restores it from there."""
+    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", "4", "model.preset=small", "training.seq_len=16",
+                    "training.batch_size=1", "checkpoint.mode=async", "checkpoint.interval=100",
+                    "peer_state.enabled=true", "fault_tolerance.restart=both", "logging.log_interval=1",
+                    f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "fault_tolerance.timeout_safety_factor=50",
+                    "--faults", "drain@2:node=1", timeout=600)
+    assert run.returncode == 0, run.output[-4000:]
+    [drained] = events_named(run.run_dir, "drained")
+    assert (drained["path"], drained["saved_step"]) == ("peers", drained["step"])
+    assert drained["checkpoint_s"] is None and drained["peers_s"] is not None  # no save measured: peers fit
+    resumes = events_named(run.run_dir, "resume")
+    assert [(e["step"], e["source_kind"]) for e in resumes] == [(0, "none"), (drained["step"], "peer")]
+    assert not committed_checkpoints(run.run_dir / "checkpoints")  # no FSx save needed
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert (fault.kind, fault.drain_path, fault.steps_lost) == ("drain", "peers", 0)
+    assert not [e for e in events_named(run.run_dir, "restart") if e["restart_kind"] == "inprocess"]
+    assert "drain (peers)" in run.output  # the goodput report says which way
+
+
+@pytest.mark.slow
+def test_a_drain_under_the_wrapper_waits_through_slow_saves_without_tripping_its_timeouts(tmp_path):
+    """restart=both, each checkpoint write held back 8 s (FSx at size): the drain waits for the in-flight
+    save, then saves the step reached, far longer than the Wrapper's soft timeout (3 s) with no progress
+    to report. Neither it nor the rank that leaves first interrupts the commit: the step reached is
+    committed on every rank's word, and the restart resumes there."""
+    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", "11", "--save-delay", "8", "checkpoint.mode=async",
+                    "checkpoint.interval=4", "checkpoint.when_busy=skip", "fault_tolerance.restart=both",
+                    "fault_tolerance.inprocess_soft_timeout=3", "fault_tolerance.inprocess_hard_timeout=8",
+                    "logging.log_interval=1", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+                    "fault_tolerance.timeout_safety_factor=50", "--faults", "drain@10:node=1", timeout=420)
+    assert run.returncode == 0, run.output[-4000:]
+    [drained] = events_named(run.run_dir, "drained")
+    assert (drained["path"], drained["saved_step"]) == ("checkpoint", drained["step"])
+    assert drained["seconds"] > 3 * 2  # waited through two saves' worth of the delay
+    assert not [e for e in events_named(run.run_dir, "fault_detected") if "inprocess" in e["by"]]
+    assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, drained["step"]]
+    assert drained["step"] in [step for step, _ in committed_checkpoints(run.run_dir / "checkpoints")]
+    [fault] = build_report(read_events(run.run_dir)).faults
+    assert (fault.kind, fault.drain_path, fault.steps_lost) == ("drain", "checkpoint", 0)

@@ -138,8 +138,8 @@ class FaultToleranceConfig:
     timeout_safety_factor: float = _doc(5.0, "the longest observed timings times this make the recomputed timeouts "
                                              "(ft_launcher --ft-safety-factor)")
     drain_timeout_s: float = _doc(120.0, "SIGTERM (a drain, an eviction, a capacity block's end): the ranks have this "
-                                         "long to commit the in-flight save, and the step reached if a save fits, "
-                                         "before ft_launcher (--term-timeout) and then Kubernetes (the pod's grace "
+                                         "long to keep the step reached, by a checkpoint or in the partners' memory "
+                                         "(peer state), whichever is cheaper and fits, before ft_launcher (--term-timeout) and then Kubernetes (the pod's grace "
                                          "period, this plus a margin) kill them (training/train/drain.py).")
     rendezvous_join_timeout_s: float = _doc(1800.0, "How long a rendezvous round may gather its nodes (NVRx's join "
                                                     "timeout, launchers and store alike). Without a hot spare the "

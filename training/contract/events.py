@@ -45,8 +45,12 @@ depend on the event:
   peer_state      interval, replicas,              rank 0, once per attempt when peer state settled its interval
                   bytes_per_rank                   (training/train/peer_state.py): node memory per rank
   node_replaced   node, attempt                    the local controller
-  drained         step, saved_step                 rank 0: every rank left at `step` after a SIGTERM;
-                                                   saved_step: the newest step saved, where the restart resumes
+  drained         step, saved_step, path,          rank 0: every rank left at `step` after a SIGTERM;
+                  checkpoint_s, peers_s,           saved_step: the newest step kept, where the restart resumes;
+                  time_left_s, seconds             path: how the step reached was kept (committed already,
+                                                   checkpoint, peers, none: training/train/drain.py), chosen from
+                                                   the estimated checkpoint_s and peers_s (null: never measured,
+                                                   or impossible) against time_left_s; seconds: its duration
   run_end         step, status                     rank 0 (status: completed) or controller (failed)
 """
 from __future__ import annotations

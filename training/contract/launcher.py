@@ -23,6 +23,9 @@ SECTIONS = ("setup", "step", "checkpoint")
 RESUME_STEP_FILE = "resume_step"
 # The path of a node's drain marker (training/train/drain.py): present when SIGTERM means a drain.
 DRAIN_MARKER_ENV = "TRAINING_DRAIN_MARKER"
+# Seconds each rank's checkpoint write is held back (training.local --save-delay): a checkpoint file system
+# as slow as FSx is at the size we ship, on a machine whose disk is fast and whose model is small.
+SAVE_DELAY_ENV = "TRAINING_EMULATED_SAVE_DELAY_S"
 # After its --term-timeout (drain_timeout_s) ft_launcher needs a moment to SIGKILL its ranks and exit
 # before the kubelet's (or the local controller's) SIGKILL: the grace period is the sum.
 LAUNCHER_EXIT_MARGIN_S = 30

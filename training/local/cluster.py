@@ -71,8 +71,8 @@ from training.contract.faults import (FaultSpecError, controller_requests_dir, p
                                       with_env_faults)
 from training.contract.job_failure import FailureRequests
 from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
-from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain_grace_period_s, free_port,
-                                        launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
+from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, SAVE_DELAY_ENV, drain_grace_period_s,
+                                        free_port, launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
                                         resume_step_file, store_command, worker_entrypoint)
 from training.data.token_file import DataError, check_token_file
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
@@ -638,6 +638,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
                    help="from a node's loss to its replacement's start: Kubernetes' part of a node replacement "
                    "(default 0; bench/projection.py has EKS's)")
+    p.add_argument("--save-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="each rank's checkpoint write is held back this long: a checkpoint file system as slow as "
+                        "FSx is at the size we ship (a save of 8b state takes minutes there)")
     p.add_argument("--netns", action="store_true", help="each node on its own emulated machine: a network "
                    "namespace with its own address and hostname (needs root and iproute2); partition faults need it")
     p.add_argument("--nproc-per-node", type=int, default=2)
@@ -655,8 +658,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.nodes < 1 or args.nproc_per_node < 1:
         p.error("--nodes and --nproc-per-node must be at least 1")
-    if args.spares < 0 or args.replacement_delay < 0:
-        p.error("--spares and --replacement-delay must be 0 or more")
+    if args.spares < 0 or args.replacement_delay < 0 or args.save_delay < 0:
+        p.error("--spares, --replacement-delay and --save-delay must be 0 or more")
     if args.demo:
         args.steps = args.steps or 200
         if args.faults is None:
@@ -677,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     except NetworkUnavailable as err:
         print(f"training.local: --netns: {err}", file=sys.stderr)
         return CONFIG_ERROR
+    if args.save_delay:
+        os.environ[SAVE_DELAY_ENV] = str(args.save_delay)  # every rank's environment (Cluster.env)
     cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
                       args.replacement_delay, network)
     signal.signal(signal.SIGINT, cluster.request_stop)

@@ -27,7 +27,7 @@ fault nobody injected); it is open until the first step completed after its rest
                     injected disk-full: a failed save; or a fault nobody injected).
                     None when training never went on.
   steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
-                    the step every rank left at, `drained`) minus the step
+                    the step every rank left at, `drained`, whose path says how it was kept) minus the step
                     training resumed from: resume.step, i.e. the last step held in the restored state
                     (without a resume event, the first step completed afterwards minus one).
   time lost         fault -> the next step after the one reached at the fault is completed, less one
@@ -92,6 +92,7 @@ class Fault:
     resumed_from: int | None
     steps_lost: int | None
     time_lost_s: float | None
+    drain_path: str | None = None  # a drain: how the step reached was kept (the `drained` event's path)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,7 @@ class _OpenFault:
     resumed: Event | None = None
     recovered: Event | None = None  # first step after the restart, or started after the fault
     regained: Event | None = None  # first step past the one reached at the fault
+    drain_path: str | None = None
 
     @property
     def outlived(self) -> bool:
@@ -261,6 +263,7 @@ class _OpenFault:
             steps_lost=max(self.position - resumed_from, 0) if resumed_from is not None else None,
             time_lost_s=(max(self.regained["t"] - self.onset["t"] - typical_step_s, 0.0)
                          if self.regained else None),
+            drain_path=self.drain_path,
         )
 
 
@@ -286,6 +289,7 @@ def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Faul
                 fault.resumed = fault.resumed or r
             if name == "drained" and fault.restarted is None:  # the step the drain committed and left at
                 fault.position = int(_number(r, "step"))
+                fault.drain_path = r.get("path")
             # A step completed after the restart recovers the fault, and so does one that started
             # after the fault without a restart (training went on: a step needs every rank) if the
             # fault is one training can outlive. An injected crash, drain or hang may let a few more
@@ -354,7 +358,8 @@ def format_report(report: GoodputReport) -> str:
     for i, f in enumerate(report.faults, 1):
         detected = f"{_s(f.detection_s)} s ({f.detected_by})" if f.detection_s is not None else "-"
         lost = f"{f.steps_lost} (back to {f.resumed_from})" if f.steps_lost is not None else "-"
-        lines.append(f"  {i:>2}  {f.kind:<16}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
+        kind = f"{f.kind} ({f.drain_path})" if f.drain_path else f.kind  # drain (peers): how the step was kept
+        lines.append(f"  {i:>2}  {kind:<16}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
                      f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>11}{_s(f.time_lost_s):>12}  {lost}")
     return "\n".join(lines)
 

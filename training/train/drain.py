@@ -14,19 +14,31 @@ makes the interpreter write the signal number to a pipe (`signal.set_wakeup_fd`,
 whichever thread the signal lands in), and a watcher thread reads it. Without the marker the watcher
 ends the process (TERMINATED). With it, it notes the drain; the train loop carries the note in the
 all-reduce it already does for the loss (no extra collective), so every rank learns of the drain at
-the same step, from whichever node got the signal. Then all ranks together let the in-flight async
-save commit, save the step reached if the time left covers a save (twice the last one's duration),
-and leave with TERMINATED, an exit code that ft_launcher and the Job retry (ft_launcher exits 0
-when every rank exits cleanly after a signal, which the Job would take for a completed index).
+the same step, from whichever node got the signal. Then all ranks together keep the step reached
+(`plan_drain`), one of two ways, the one whose measured cost is lower, if it fits the time left
+(SAVE_TIME_MARGIN times the cost):
+  checkpoint  let the in-flight async save commit, then save the step reached to the checkpoint
+              directory (FSx), unless the in-flight save was of that step;
+  peers       copy the step reached into node memory and send it to the partner nodes (peer state,
+              training/train/peer_state.py); the drained node's replacement restores it from them. Only
+              where every drained node has a partner that is not drained. The in-flight save is
+              abandoned (never committed; the next worker group removes it).
+A way never measured yet (no save so far) is tried only when no measured way fits. Every rank
+learns the outcome (a commit by rank 0, every partner's copy) before any rank leaves, and leaves
+with TERMINATED, an exit code that ft_launcher and the Job retry (ft_launcher exits 0 when every
+rank exits cleanly after a signal, which the Job would take for a completed index).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -36,7 +48,7 @@ from training.contract.launcher import DRAIN_MARKER_ENV
 
 log = logging.getLogger(__name__)
 
-SAVE_TIME_MARGIN = 2.0  # a save of the step reached needs this many times the last save's duration
+SAVE_TIME_MARGIN = 2.0  # a way to keep the step reached needs this many times its estimated cost
 _STOP = 0  # not a signal number: tells the watcher to end
 
 
@@ -114,3 +126,98 @@ def agree_on_save(time_left: float, save_seconds: float | None, distributed: boo
     if distributed:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the least time left, the longest save
     return float(values[0]) > -float(values[1])
+
+
+DrainPath = Literal["committed", "checkpoint", "peers", "none"]
+UNKNOWN, IMPOSSIBLE = math.nan, math.inf  # a cost never measured; a way this rank cannot take
+
+
+@dataclass(frozen=True)
+class DrainView:
+    """One rank's view of the ways to keep the step reached: their estimated costs in seconds, UNKNOWN or
+    IMPOSSIBLE."""
+    time_left_s: float
+    checkpoint_s: float
+    peers_s: float
+    signalled: bool  # this rank got the SIGTERM: its node is being drained
+    committed: bool = False  # the step reached is committed already (every rank knows it alike)
+
+    def row(self) -> list[float]:
+        return [self.time_left_s, self.checkpoint_s, self.peers_s, float(self.signalled), float(self.committed)]
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    """The way every rank takes, and the costs it was chosen from (the slowest rank's)."""
+    path: DrainPath
+    time_left_s: float
+    checkpoint_s: float
+    peers_s: float
+
+
+def replicas_survive(drained_nodes: set[int], nodes: int, replicas: int) -> bool:
+    """Whether every drained node's shards have a copy on a node that is not drained: peer state copies a
+    node's shards to the next `replicas` nodes of the ring (training/train/peer_state.py)."""
+    return all(any((n + j) % nodes not in drained_nodes for j in range(1, replicas + 1)) for n in drained_nodes)
+
+
+def _slowest(costs: list[float]) -> float:
+    """The cost of a way for all ranks: IMPOSSIBLE if any rank cannot, UNKNOWN if any never measured it."""
+    if any(math.isinf(c) for c in costs):
+        return IMPOSSIBLE
+    return UNKNOWN if any(math.isnan(c) for c in costs) else max(costs)
+
+
+def plan_drain(views: list[DrainView], ranks_per_node: int, replicas: int) -> DrainPlan:
+    """The drain's way, from every rank's view (the same on every rank: module doc)."""
+    time_left = min(v.time_left_s for v in views)
+    checkpoint = _slowest([v.checkpoint_s for v in views])
+    drained = {rank // ranks_per_node for rank, v in enumerate(views) if v.signalled}
+    covered = replicas_survive(drained, len(views) // ranks_per_node, replicas)
+    peers = _slowest([v.peers_s for v in views]) if covered else IMPOSSIBLE
+    if all(v.committed for v in views):
+        return DrainPlan("committed", time_left, checkpoint, peers)
+    return DrainPlan(_choose(checkpoint, peers, time_left), time_left, checkpoint, peers)
+
+
+def _choose(checkpoint: float, peers: float, time_left: float) -> DrainPath:
+    ways: tuple[tuple[float, DrainPath], ...] = ((checkpoint, "checkpoint"), (peers, "peers"))
+    fitting = [(cost, path) for cost, path in ways if math.isfinite(cost) and cost * SAVE_TIME_MARGIN <= time_left]
+    if fitting:
+        return min(fitting)[1]  # on a tie the checkpoint: it survives any later loss
+    return next((path for cost, path in ways if math.isnan(cost)), "none")  # never measured: try
+
+
+def checkpoint_cost(step: int, *, enabled: bool, saved_step: int | None, in_flight: tuple[int, float] | None,
+                    last_save_s: float | None) -> float:
+    """Seconds until `step` is committed by the checkpoint path (DrainView.checkpoint_s): what is left of
+    the in-flight save (`in_flight`: its step and seconds since it started), then a save of `step`
+    unless that was the in-flight one; each save as long as the last one measured. 0.0: committed."""
+    if not enabled:
+        return IMPOSSIBLE
+    if saved_step == step and in_flight is None:
+        return 0.0
+    if last_save_s is None:
+        return UNKNOWN
+    left = 0.0 if in_flight is None else max(last_save_s - in_flight[1], 0.0)
+    return left + (0.0 if in_flight is not None and in_flight[0] == step else last_save_s)
+
+
+def peers_cost(step: int, *, partners: bool, newest_step: int | None, copy_s: float, send_s: float) -> float:
+    """Seconds until every partner holds `step` (DrainView.peers_s): a copy into node memory unless the
+    step reached was copied already, then its send, each as long as the last one measured."""
+    if not partners:
+        return IMPOSSIBLE
+    if newest_step is None:
+        return UNKNOWN
+    return (0.0 if newest_step == step else copy_s) + send_s
+
+
+def agree_on_plan(view: DrainView, ranks_per_node: int, replicas: int, distributed: bool) -> DrainPlan:
+    """`plan_drain` over every rank's view: one all-gather, then the same decision on every rank."""
+    rows = [torch.tensor(view.row(), dtype=torch.float64)]
+    if distributed:
+        mine, rows = rows[0], [torch.empty_like(rows[0]) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, mine)
+    views = [DrainView(*row[:3].tolist(), signalled=bool(row[3]), committed=bool(row[4])) for row in rows]
+    return plan_drain(views, ranks_per_node, replicas)

@@ -7,6 +7,12 @@ from the in-memory copy of the last completed step (training/train/rollback.py),
 What the Wrapper cannot handle ends it and falls back to ft_launcher: a lost process or node (the
 world would shrink, and FSDP shards no longer fit), or a spent restart budget (restarts in a row without progress: a persistent fault).
 
+A drain (training/train/drain.py) is no fault: every rank leaves the Wrapper at the same step as from a
+completed run, and raises Drained only once out of it (a rank leaving with an exception would make the
+Wrapper interrupt the others, mid-commit). Its hang timeouts are off while the drain waits for saves
+(`Iteration.unwatched`), and the SIGTERM watcher is the process's, started before the Wrapper, so a
+signal that lands between two iterations reaches the next.
+
 Stores, all on MASTER_ADDR and hosted by global rank 0's process only (so emulated nodes on one
 host never collide): MASTER_PORT is the launcher's (c10d rendezvous), MASTER_PORT+1 the Wrapper's,
 MASTER_PORT+2 the application's (process groups under `iteration<N>/`, the fault log).
@@ -44,7 +50,7 @@ from training.contract.config import TrainConfig
 from training.contract.events import EventLog
 from training.contract.job_failure import JobMustFail
 from training.train.distributed import choose_device, default_launcher_env
-from training.train.drain import Drained
+from training.train.drain import DrainSignal, Drained
 from training.train.gloo_abort import ProcessGroupAbort
 from training.train.rollback import MemoryRollback
 
@@ -81,6 +87,12 @@ class Iteration:
     rollback: MemoryRollback
     call_wrapper: inprocess.CallWrapper
     budget: "RestartBudget"
+    drain_signal: DrainSignal  # the process's: a SIGTERM between two iterations is seen by the next
+
+    def unwatched(self) -> contextlib.AbstractContextManager[None]:
+        """The Wrapper's soft and hard timeouts off (a drain: it waits through whole saves, with no
+        progress to report, and the launcher's grace period bounds it)."""
+        return self.call_wrapper.disable_hang_protection()
 
     def restore(self, state: dict[str, Stateful]) -> int | None:
         """Load the in-memory copy of the last step every rank completed (None: there is none), and
@@ -276,19 +288,30 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
     budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults)
     wrapper = make_wrapper(cfg, budget)
 
+    drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
+
     @wrapper
-    def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
+    def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> Drained | None:
         n = call_wrapper.iteration
         try:
-            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget))
-        except (Drained, JobMustFail):  # no fault to restart from: every rank leaves together (a drain, for
-            raise  # the launcher to restart the job), or the rank asked for the Job to fail
+            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget,
+                                 drain_signal))
+        except Drained as drained:  # every rank drains at the same step: for the Wrapper the run completed
+            return drained  # (an exception would interrupt the ranks still committing); raised once out of it
+        except JobMustFail:  # no fault to restart from: the rank asked for the Job to fail
+            raise
         except BaseException as err:
             _handle_failure(report, call_wrapper, err)
             raise
+        return None
 
+    drain_signal.start()  # before the Wrapper: no iteration's start or end leaves SIGTERM unwatched
     try:
-        wrapped()
+        drained = wrapped()
     except inprocess.exception.RestartAbort as err:
         log.error("in-process restart gave up: %s", err)
         raise
+    finally:
+        drain_signal.stop()
+    if drained is not None:
+        raise drained

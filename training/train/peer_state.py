@@ -221,6 +221,10 @@ class PeerState:
         self._saves = 0
         self._costs: list[float] = []
         self.chosen_at: int | None = None  # the step at which the interval was settled
+        # What a drain weighs (training/train/drain.py): the newest step copied, and the last copy's measured
+        # costs, on the training thread and on the replication thread (0: nothing sent yet).
+        self.newest_step: int | None = None
+        self.copy_s = self.send_s = 0.0
         self.bytes_per_rank = 0  # node memory per rank: a copy of its state per slot, own and replicas
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # collective
         self._slot = 0
@@ -234,10 +238,11 @@ class PeerState:
         self._thread.start()
 
     # ---- save ------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Stateful], step_time_s: float) -> float | None:
+    def save(self, step: int, state: dict[str, Stateful], step_time_s: float, *, force: bool = False) -> float | None:
         """Copy this rank's state at `step` into node memory and queue it for the partners, if `step`
-        is one the interval saves; the seconds it took the training thread, or None if not saved."""
-        if step % self.interval:
+        is one the interval saves (or `force`: a drain); the seconds it took the training thread, or None
+        if not saved."""
+        if step % self.interval and not force:
             return None
         started = time.perf_counter()
         slot = self._slot
@@ -264,6 +269,7 @@ class PeerState:
             self._queue.put((step, slot, data, meta))
         self._slot = (slot + 1) % PEER_STATE_SLOTS
         cost = time.perf_counter() - started
+        self.newest_step, self.copy_s = step, cost
         self._saves += 1
         self.bytes_per_rank = PEER_STATE_SLOTS * (1 + self.replicas) * nbytes
         if self._calibrate(cost, step_time_s) and self.chosen_at is None:
@@ -334,7 +340,9 @@ class PeerState:
         while (item := self._queue.get()) is not None:
             step, slot, data, meta = item
             try:
+                started = time.perf_counter()
                 self._replicate(step, slot, data, meta)
+                self.send_s = time.perf_counter() - started
             except BaseException as err:  # noqa: BLE001 - a dead peer: the training thread fails next
                 self.error = err
                 self._sent[slot].set()
@@ -365,9 +373,11 @@ class PeerState:
                                     meta_buffer.numel()), _as_bytes(meta_buffer))
 
     def settle(self) -> None:
-        """Wait until every queued copy has reached the partners."""
+        """Wait until every queued copy has reached the partners; raises if replication failed."""
         for event in self._sent:
             event.wait()
+        if self.error is not None:
+            raise RuntimeError(f"peer state: replication failed: {self.error}") from self.error
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, state: dict[str, Stateful], not_older_than: int) -> int | None:

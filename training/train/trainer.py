@@ -8,6 +8,7 @@ restarts. `train_step` is one optimizer step, apart from all of that.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -37,10 +38,12 @@ from training.contract.shapes import PRESETS
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.llama import Transformer, build_model
-from training.train.checkpoint.layout import committed_checkpoints
+from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
+from training.train.checkpoint.writers import with_emulated_delay
 from training.train.distributed import DistInfo, init_distributed, teardown
-from training.train.drain import DrainSignal, Drained, agree_on_save
+from training.train.drain import (IMPOSSIBLE, DrainPlan, DrainSignal, DrainView, Drained, agree_on_plan,
+                                  agree_on_save, checkpoint_cost, peers_cost)
 from training.train.faults import FaultInjector
 from training.train.metrics import TrainingMetrics
 from training.train.monitor import RankMonitor
@@ -251,8 +254,11 @@ class Trainer:
         t = cfg.training
         self.cfg, self.restart = cfg, restart
         self.monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
-        self.drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
-        self.drain_signal.start()
+        if restart is not None:  # the process's, watching between the Wrapper's iterations too
+            self.drain_signal = restart.drain_signal
+        else:
+            self.drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
+            self.drain_signal.start()
         self.info = init_distributed(t.device, t.collective_timeout_s,
                                      store=restart.store if restart is not None else None)
         self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
@@ -275,7 +281,8 @@ class Trainer:
                                           cfg.checkpoint_dir)
             self.ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
                                           when_busy=cfg.checkpoint.when_busy, events=self.events,
-                                          device=self.info.device, write_hook=self.injector.around_write)
+                                          device=self.info.device,
+                                          write_hook=with_emulated_delay(self.injector.around_write))
             self.peer = _peer_state(cfg, self.info)
             self.resume()
             self._open_reporting()
@@ -367,7 +374,7 @@ class Trainer:
                 self.after_step(step, batch, mean_loss, step_time)
                 if drain:
                     with monitor.section("checkpoint"):
-                        self.drain(step)
+                        self.drain(step, step_time)
                 ckpt.poll()
                 if step % self.cfg.checkpoint.interval == 0:
                     with monitor.section("checkpoint"):
@@ -409,22 +416,78 @@ class Trainer:
             self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
         self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
 
-    def drain(self, step: int) -> None:
-        """Every rank, at the same step: commit what can be committed in the time the launcher gives,
-        then leave (training/train/drain.py)."""
+    def drain(self, step: int, step_time: float) -> None:
+        """Every rank, at the same step: keep the step reached the cheaper way that fits the time the
+        launcher gives, then leave (training/train/drain.py). Under the in-process Wrapper its hang
+        timeouts are off meanwhile: a drain waits through whole saves, bounded by the launcher's grace."""
+        started = time.monotonic()
+        with self.restart.unwatched() if self.restart is not None else contextlib.nullcontext():
+            plan = self._plan_drain(step)
+            if plan.path == "peers":
+                kept = self._drain_to_peers(step, step_time)
+            elif plan.path == "checkpoint":
+                kept = self._drain_to_checkpoint(step)
+            else:  # committed already, or no way fits: the in-flight save's outcome, before anyone leaves
+                self.ckpt.wait()
+                kept = self.ckpt.saved_step == step
+        resumes_at = step if kept else self.ckpt.saved_step
+        if self.lead:
+            self.events.emit("drained", step=step, saved_step=resumes_at, path=plan.path,
+                             checkpoint_s=_finite(plan.checkpoint_s), peers_s=_finite(plan.peers_s),
+                             time_left_s=round(plan.time_left_s, 3), seconds=round(time.monotonic() - started, 3))
+            way = {"committed": "already committed", "checkpoint": "committed to the checkpoint directory",
+                   "peers": "held by the partner nodes' memory, where the replacement restores it from",
+                   "none": "not kept"}[plan.path]
+            log.warning("drain (SIGTERM) at step %d, way: %s (estimated: checkpoint %s, peers %s; %.0f s left): %s; "
+                        "the restart resumes at step %s; leaving with exit code %d", step, plan.path,
+                        _estimate(plan.checkpoint_s), _estimate(plan.peers_s), plan.time_left_s,
+                        f"step {step} {way}" if kept else f"step {step} not kept", resumes_at, TERMINATED)
+        raise Drained(f"drained at step {step}")
+
+    def _plan_drain(self, step: int) -> DrainPlan:
+        ckpt, peer = self.ckpt, self.peer
+        view = DrainView(
+            time_left_s=self.drain_signal.time_left(),
+            checkpoint_s=checkpoint_cost(step, enabled=ckpt.mode != "off", saved_step=ckpt.saved_step,
+                                         in_flight=ckpt.in_flight(), last_save_s=ckpt.last_save_s),
+            peers_s=(peers_cost(step, partners=bool(peer.partners), newest_step=peer.newest_step, copy_s=peer.copy_s,
+                                send_s=peer.send_s) if peer is not None else IMPOSSIBLE),
+            signalled=self.drain_signal.flag > 0,
+            committed=ckpt.saved_step == step and ckpt.in_flight() is None)
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
+        return agree_on_plan(view, ranks_per_node, peer.replicas if peer else 0, self.info.world_size > 1)
+
+    def _drain_to_checkpoint(self, step: int) -> bool:
+        """Let the in-flight save commit; then save the step reached if it was not that one and the time
+        left still covers a save. Whether the step reached is committed (every rank knows rank 0's outcome)."""
         ckpt = self.ckpt
         ckpt.wait()
-        saved = ckpt.saved_step == step or ckpt.mode == "off"
-        if not saved and agree_on_save(self.drain_signal.time_left(), ckpt.last_save_s, ckpt.distributed):
+        if ckpt.saved_step != step and agree_on_save(self.drain_signal.time_left(), ckpt.last_save_s,
+                                                     ckpt.distributed):
             ckpt.save(step, self.state)
             ckpt.wait()
-            saved = ckpt.saved_step == step
-        if self.lead:
-            self.events.emit("drained", step=step, saved_step=ckpt.saved_step)
-            log.warning("drain (SIGTERM): %s; leaving with exit code %d for the restart to resume",
-                        f"step {step} is committed" if saved else
-                        f"no time to save step {step}, the restart resumes from step {ckpt.saved_step}", TERMINATED)
-        raise Drained(f"drained at step {step}")
+        return ckpt.saved_step == step
+
+    def _drain_to_peers(self, step: int, step_time: float) -> bool:
+        """Copy the step reached into node memory, unless it is there, and wait until every partner holds
+        it; then rank 0 writes it as the step a restart resumes at (the launcher's progress counter), once
+        every rank's copy arrived. The in-flight save is abandoned, uncommitted."""
+        assert self.peer is not None
+        self.ckpt.abort()
+        try:
+            if self.peer.newest_step != step:
+                self.peer.save(step, self.state, step_time, force=True)
+            self.peer.settle()
+            held = True
+        except RuntimeError as err:  # a partner lost meanwhile: the restart resumes from what is left
+            log.error("drain: peer state could not send step %d: %s", step, err)
+            held = False
+        everywhere = torch.tensor([1 if held else 0])
+        if self.info.world_size > 1:
+            dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+        if everywhere.item() and self.lead:
+            write_resume_step(Path(self.cfg.checkpoint_dir), step + 1)
+        return bool(everywhere.item())
 
     # ---- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -440,10 +503,21 @@ class Trainer:
     def _close_setup(self) -> None:
         if self.peer is not None:  # after a failure its thread is still running; the next iteration starts its own
             self.peer.abort()
-        self.drain_signal.stop()
+        if self.restart is None:
+            self.drain_signal.stop()
         self.monitor.shutdown()
         teardown()
         self.events.close()
+
+
+def _finite(seconds: float) -> float | None:
+    """A cost for the event log: None where never measured or impossible."""
+    return round(seconds, 3) if math.isfinite(seconds) else None
+
+
+def _estimate(seconds: float) -> str:
+    """A cost for the log line."""
+    return f"{seconds:.1f} s" if math.isfinite(seconds) else "not measured" if math.isnan(seconds) else "not possible"
 
 
 def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:

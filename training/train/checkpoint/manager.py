@@ -88,6 +88,7 @@ class _InFlight:
     tmp: Path
     started: float
     settled: bool = False  # this rank saw it end; rank 0 has committed it or reported its failure
+    committed: bool = False  # rank 0: the commit succeeded (other ranks learn it in `wait`)
 
 
 class CheckpointManager:
@@ -105,8 +106,10 @@ class CheckpointManager:
         self.rank = dist.get_rank() if self.distributed else 0
         self._inflight: _InFlight | None = None
         self._writer: AsyncWriter | None = None
-        self.saved_step: int | None = None  # the newest step this manager saved (every rank knows it)
-        self.last_save_s: float | None = None  # how long that save took, start to durable
+        # The newest step this manager committed: every rank learns rank 0's outcome in `wait` (async) or
+        # `save` (sync), so it never counts a save that was fenced or failed to commit.
+        self.saved_step: int | None = None
+        self.last_save_s: float | None = None  # how long the last save that was written took, start to durable
         self.generation = 0  # see layout.py, Fencing; every rank learns rank 0's number below
         if self.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -148,8 +151,8 @@ class CheckpointManager:
             return
         self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
         if self.mode == "sync":
-            self._saved(step, t0)
-            self._commit(step, tmp, t0)
+            self.last_save_s = time.monotonic() - t0
+            self._agree_on_commit(step, self._commit(step, tmp, t0))
 
     def poll(self) -> None:
         """Commit the in-flight async save if this rank sees it finished (non-blocking). It still
@@ -158,11 +161,20 @@ class CheckpointManager:
             self._settle(blocking=False)
 
     def wait(self) -> None:
-        """Block until the in-flight async save is committed or has failed."""
+        """Block until the in-flight async save is committed or has failed, and every rank knows which
+        (collective: every rank calls it at the same point, as it calls `save`)."""
         if self._inflight is not None:
-            if not self._inflight.settled:
+            inflight = self._inflight
+            if not inflight.settled:
                 self._settle(blocking=True)
             self._inflight = None
+            self._agree_on_commit(inflight.step, inflight.committed)
+
+    def in_flight(self) -> tuple[int, float] | None:
+        """The in-flight async save's step and the seconds since it started (None: none in flight)."""
+        if self._inflight is None:
+            return None
+        return self._inflight.step, time.monotonic() - self._inflight.started
 
     def _all_done(self) -> bool:
         assert self._writer is not None and self._inflight is not None
@@ -187,28 +199,38 @@ class CheckpointManager:
             self._failed(inflight.step, inflight.tmp, err)
             return
         inflight.settled = True
-        self._saved(inflight.step, inflight.started)
+        self.last_save_s = time.monotonic() - inflight.started
         # Rank 0's save returns only after every rank's write result reached it and .metadata is
         # written: the save is durable whatever the other ranks have seen.
-        self._commit(inflight.step, inflight.tmp, inflight.started)
+        inflight.committed = self._commit(inflight.step, inflight.tmp, inflight.started)
 
-    def _saved(self, step: int, started: float) -> None:
-        self.saved_step, self.last_save_s = step, time.monotonic() - started
+    def _agree_on_commit(self, step: int, committed: bool) -> None:
+        """Every rank learns whether rank 0 committed `step` (a broadcast): no rank goes on (a drain: leaves
+        the process) while rank 0 may still be renaming, writing resume_step or pruning, and `saved_step`
+        names only a committed step."""
+        outcome = torch.tensor([step if committed else -1], dtype=torch.int64)
+        if self.distributed:
+            dist.broadcast(outcome, src=0)
+        if int(outcome.item()) == step:
+            self.saved_step = step
 
-    def _commit(self, step: int, tmp: Path, started: float) -> None:
+    def _commit(self, step: int, tmp: Path, started: float) -> bool:
+        """Rank 0: make the save of `step` a checkpoint; whether it did (other ranks: False, see
+        `_agree_on_commit`)."""
         if self.rank != 0:
-            return
+            return False
         try:
             final = commit(self.dir, tmp, step, generation=self.generation,
                            world_size=dist.get_world_size() if self.distributed else 1)
         except (SaveFenced, OSError) as err:
             self._failed(step, tmp, err)
-            return
+            return False
         self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4),
                    generation=self.generation)
         prune(self.dir, self.keep)
         remove_older_saves(self.dir, self.generation)
         clean_up(self.dir)
+        return True
 
     def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
         if self.rank != 0:
@@ -303,6 +325,7 @@ class CheckpointManager:
         self._inflight = None
         if self._writer is not None:
             self._writer.close(abort=True)
+            self._writer = None  # closed once: a drain that abandoned its save aborts before the run's end does
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:

@@ -8,12 +8,14 @@ training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + A
 Fault injection (training/train/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
 rank's write of its shards inside DCP (in async mode, in the background thread), so an injected
 error fails the save on every rank as a real one would. NVRx's CUDA async writer writes in its own
-worker process and is not hooked.
+worker process and is not hooked. The local cluster's --save-delay holds each hooked write back the same way.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -23,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_map_only
+
+from training.contract.launcher import SAVE_DELAY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,19 @@ class _HookedFileSystemWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 (DCP's signature)
         return self._hook(self._step, functools.partial(super().write_data, plan, planner))
+
+
+def with_emulated_delay(hook: WriteHook) -> WriteHook:
+    """`hook`, each write first held back for $TRAINING_EMULATED_SAVE_DELAY_S seconds when set (training.local
+    --save-delay; training.contract.launcher.SAVE_DELAY_ENV)."""
+    delay = float(os.environ.get(SAVE_DELAY_ENV) or 0)
+    if delay <= 0:
+        return hook
+
+    def delayed(step: int, write: Callable[[], T]) -> T:
+        time.sleep(delay)
+        return hook(step, write)
+    return delayed
 
 
 def file_writer(path: Path, step: int, hook: WriteHook | None) -> dcp.FileSystemWriter:
