@@ -14,7 +14,7 @@ from pathlib import PurePosixPath
 from infra.config import CHECKPOINT_MOUNT_PATH, RENDEZVOUS_PORT, PlatformConfig
 from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
-from training.contract.config import TrainConfig
+from training.contract.config import TrainConfig, TrainConfigError
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
 from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
 from training.contract.capacity import (GIB, SHM_RESERVE, Capacity, FsxSpec, ModelFootprint, NodeSpec, Schedule,
@@ -220,6 +220,7 @@ def _validate(j: JobConfig) -> None:
                              f"inside run_dir={j.train.run_dir!r}, the Job's own directory, the only part of FSx "
                              "its pods can write")
     _validate_faults(j)
+    _validate_global_batch(j)
     if j.backoff_limit_per_index < 0:
         raise JobConfigError(f"backoff_limit_per_index={j.backoff_limit_per_index} is not allowed: 0 or more")
     if j.ttl_seconds_after_finished < 0:
@@ -273,6 +274,18 @@ def _validate_faults(j: JobConfig) -> None:
         raise JobConfigError(f"faults={destructive} are not allowed without the chaos switch: "
                              f"{sorted(DESTRUCTIVE_KINDS)} destroy checkpoints or take a node down; render with "
                              "--allow-destructive-faults to let them fire in the pods")
+
+
+def _validate_global_batch(j: JobConfig) -> None:
+    """The training nodes' GPUs must reach training.global_batch_size: say which node counts can."""
+    t, gpus = j.train.training, j.instance.gpus
+    try:
+        t.accumulation_steps(j.nodes * gpus)
+    except TrainConfigError as err:
+        nodes = [w // gpus for w in t.reachable_world_sizes() if w % gpus == 0]
+        raise JobConfigError(f"nodes={j.nodes} x {gpus} GPUs: {err}; with {gpus} GPUs per node, allowed nodes: "
+                             f"{nodes or 'none (global_batch_size / batch_size is no multiple of the GPUs per node)'}"
+                             ) from None
 
 
 def _validate_drill_interval(j: JobConfig, schedule: str) -> None:

@@ -29,6 +29,13 @@ import pytest
      "initial_rank_heartbeat_timeout (30.0) must be at least rank_heartbeat_timeout"),
     (["--set", "run_dir=/tmp/run"], {}, "run_dir='/tmp/run' is not allowed on the cluster"),
     (["--job-name", "Train_1"], {}, "job name 'Train_1' is not allowed"),
+    # 64 sequences of batch_size 2: 32 micro-batches, which 24 GPUs cannot share evenly
+    (["--nodes", "3", "--spares", "0", "--set", "training.global_batch_size=64"], {},
+     "nodes=3 x 8 GPUs: training.global_batch_size=64 cannot be reached by world size 24: the global batch is world "
+     "size x batch_size (2) x micro-batches per rank, so the world size must divide 32; allowed world sizes: "
+     "[1, 2, 4, 8, 16, 32]; with 8 GPUs per node, allowed nodes: [1, 2, 4]"),
+    (["--set", "training.global_batch_size=5"], {}, "training.global_batch_size=5 is not allowed: a positive multiple "
+                                                    "of training.batch_size (2)"),
     # peer state of the 8b model on one 24 GiB-memory node cannot fit the pod's /dev/shm
     (["-c", "gpuInstanceType=g6.xlarge", "-c", "gpuNodesMin=1", "-c", "gpuNodesDesired=1"], {},
      "peer_state.enabled=true needs 179 GiB of each node's /dev/shm for 8b on 1 nodes"),

@@ -4,7 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from training.train.distributed import DistInfo
 from training_helpers import COMMON, ONE_NODE, completed, run_local
 
 
@@ -17,3 +20,11 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """The uninterrupted run that every fault run of the COMMON shape must end equal to, bit for bit."""
     return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
+
+
+@pytest.fixture()
+def one_rank_group():
+    """A one-rank gloo process group in this process, for FSDP2 and DCP without the local cluster."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    dist.destroy_process_group()

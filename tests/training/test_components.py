@@ -22,7 +22,7 @@ from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.faults import FaultInjected
-from training.train.trainer import run
+from training.train.trainer import build, run, train_step
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -49,21 +49,49 @@ def _stream(rank, world=2, **kw):
 
 def test_stream_slices_are_disjoint_deterministic_and_resumable():
     a, b = _stream(0), _stream(1)
-    first = [a.next_batch(), b.next_batch()]
-    assert first[0].indices == [0, 1, 2] and first[1].indices == [3, 4, 5]
-    assert torch.equal(first[0].inputs[:, 1:], first[0].targets[:, :-1])
+    [first_a], [first_b] = a.next_step(), b.next_step()
+    assert first_a.indices == [0, 1, 2] and first_b.indices == [3, 4, 5]
+    assert torch.equal(first_a.inputs[:, 1:], first_a.targets[:, :-1])
     again = _stream(0)
-    assert torch.equal(again.next_batch().inputs, first[0].inputs)
+    assert torch.equal(again.next_step()[0].inputs, first_a.inputs)
     resumed = _stream(1)
     resumed.load_state_dict(b.state_dict())
-    assert resumed.next_batch().indices == [9, 10, 11] == b.next_batch().indices
+    assert resumed.next_step()[0].indices == [9, 10, 11] == b.next_step()[0].indices
+
+
+def _steps(world: int, accumulation_steps: int, steps: int, position: dict[str, int]) -> list[list[int]]:
+    """The sample ids of each of `steps` optimizer steps (all ranks, all micro-batches) from `position`."""
+    streams = [_stream(r, world, accumulation_steps=accumulation_steps) for r in range(world)]
+    for s in streams:
+        s.load_state_dict(position)
+    held = [[i for s in streams for batch in s.next_step() for i in batch.indices] for _ in range(steps)]
+    position.update(streams[0].state_dict())
+    assert all(s.state_dict() == position for s in streams)  # every rank agrees on the global position
+    return held
+
+
+def test_a_global_batch_kept_across_4_2_6_ranks_holds_the_same_samples_each_step_and_each_once():
+    """Global batch 36 = 4 ranks x 3 x 3 = 2 x 6 x 3 = 6 x 2 x 3 (ranks x micro-batches x batch_size)."""
+    position = {"consumed_samples": 0}
+    resized = _steps(4, 3, 2, position) + _steps(2, 6, 2, position) + _steps(6, 2, 2, position)
+    unresized = _steps(2, 6, 6, {"consumed_samples": 0})
+    assert [sorted(step) for step in resized] == [sorted(step) for step in unresized]
+    assert [len(step) for step in resized] == [36] * 6
+    assert sorted(i for step in resized for i in step) == list(range(6 * 36))  # each sample exactly once
+    assert position == {"consumed_samples": 6 * 36}
+
+
+def test_a_ranks_micro_batches_are_its_contiguous_share_of_the_step():
+    s = _stream(1, world=2, accumulation_steps=2)
+    assert [b.indices for b in s.next_step()] == [[6, 7, 8], [9, 10, 11]]
+    assert [b.indices for b in s.next_step()] == [[18, 19, 20], [21, 22, 23]]
 
 
 def test_stream_from_token_file(tmp_path):
     path = write_token_file(tmp_path / "corpus.bin", n_tokens=2000, vocab_size=256)
     assert np.fromfile(path, dtype=np.uint16).size == 2000
     s = _stream(0, path=str(path))
-    batch = s.next_batch()
+    [batch] = s.next_step()
     tokens = np.fromfile(path, dtype=np.uint16).astype(np.int64)
     assert batch.inputs[1].tolist() == tokens[16:32].tolist()
 
@@ -248,3 +276,22 @@ def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx,
         assert [s for s, _ in committed_checkpoints(cfg.checkpoint_dir)] == [4, 2]
     [queue] = queues
     assert queue.closed == closed
+
+
+def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one_rank_group):
+    """Gradient accumulation: two micro-batches of 2 take the optimizer step that one batch of the same 4
+    samples takes, up to rounding (the sums are taken in another order: bitwise equality is not promised),
+    and report the same mean loss. Plain SGD with lr 1, so that a parameter moves by its (clipped) gradient."""
+    cfg = load_train_config(None, ["training.seq_len=16"])
+    results = []
+    for batch_size, accumulation_steps in ((4, 1), (2, 2)):
+        torch.manual_seed(0)
+        model, _ = build(cfg, one_rank_group)
+        stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1, accumulation_steps=accumulation_steps,
+                             vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+        loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group)
+        results.append((loss, {k: v.full_tensor() for k, v in model.state_dict().items()}))
+    (whole_loss, whole), (accumulated_loss, accumulated) = results
+    assert accumulated_loss == pytest.approx(whole_loss, rel=1e-6)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(accumulated[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

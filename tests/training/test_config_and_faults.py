@@ -23,6 +23,12 @@ from training.contract.faults import KINDS, FaultSpecError, parse_fault, parse_f
     (["model.preset=70b"], "one of ['tiny', 'small', '1b', '8b']"),
     (["fault_tolerance.rendezvous_join_timeout_s=10"],
      "fault_tolerance.rendezvous_join_timeout_s=10.0 is not allowed: at least 60 seconds"),
+    (["training.global_batch_size=0"], "training.global_batch_size=0 is not allowed: a positive multiple of "
+                                       "training.batch_size (4)"),
+    (["training.global_batch_size=-8"], "training.global_batch_size=-8 is not allowed: a positive multiple"),
+    (["training.global_batch_size=10"], "training.global_batch_size=10 is not allowed: a positive multiple of "
+                                        "training.batch_size (4), which each rank's micro-batches fill, e.g. 8 or 12"),
+    (["training.global_batch_size=many"], "training.global_batch_size='many': expected a whole number"),
 ])
 def test_bad_config_values_are_named(overrides, message):
     with pytest.raises(TrainConfigError) as err:
@@ -133,6 +139,28 @@ def test_local_cli_exits_with_config_error_before_starting_anything(tmp_path, ca
                        "--faults", "sigkill@3:rank=2"]) == CONFIG_ERROR
     assert "rank 2 does not exist (world size 2)" in capsys.readouterr().err
     assert not (run_dir / "logs").exists()
+
+
+def test_a_global_batch_is_filled_by_micro_batches_at_every_world_size_that_divides_it():
+    t = load_train_config(None, ["training.batch_size=2", "training.global_batch_size=24"]).training
+    assert [(w, t.accumulation_steps(w)) for w in (1, 2, 3, 4, 6, 12)] == [(1, 12), (2, 6), (3, 4), (4, 3), (6, 2),
+                                                                            (12, 1)]
+    assert {t.global_batch(w) for w in (1, 2, 3, 4, 6, 12)} == {24}
+    with pytest.raises(TrainConfigError) as err:
+        t.accumulation_steps(5)
+    assert str(err.value) == ("training.global_batch_size=24 cannot be reached by world size 5: the global batch is "
+                              "world size x batch_size (2) x micro-batches per rank, so the world size must divide 12; "
+                              "allowed world sizes: [1, 2, 3, 4, 6, 12]")
+    default = load_train_config(None, ["training.batch_size=2"]).training  # as before: one micro-batch per rank
+    assert [(default.accumulation_steps(w), default.global_batch(w)) for w in (2, 5)] == [(1, 4), (1, 10)]
+
+
+def test_local_cli_refuses_a_world_that_cannot_reach_the_global_batch_before_starting_anything(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert local.main(["--run-dir", str(run_dir), "--nodes", "5", "--nproc-per-node", "1", "training.batch_size=2",
+                       "training.global_batch_size=24"]) == CONFIG_ERROR
+    assert ("training.global_batch_size=24 cannot be reached by world size 5" in capsys.readouterr().err)
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize("main, argv", [(train.main, ["--bogus"]), (local.main, ["--nodes", "0"]),

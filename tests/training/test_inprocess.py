@@ -25,7 +25,6 @@ from training.contract.launcher import HANG_FLOOR_MARGIN_S, launcher_ft_args, se
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
 from training.report.goodput import build_report
-from training.train.distributed import DistInfo
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
@@ -134,26 +133,20 @@ def test_a_collective_broken_by_a_peer_counts_as_a_lost_peer(message, peers):
 # ---- the in-memory rollback ---------------------------------------------------------------------
 
 
-@pytest.fixture()
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    dist.destroy_process_group()
-
-
 def _training_state(info, seed=0):
     """A fresh FSDP2 model, optimizer, data stream and RNG, as each restart iteration builds them."""
     cfg = load_train_config(None, ["training.seq_len=16", "training.batch_size=2"])
     torch.manual_seed(seed)
     model, optimizer = build(cfg, info)
-    stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+    stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7,
+                         accumulation_steps=2)  # gradients accumulated over two micro-batches, as global_batch_size does
     train = TrainState(stream, RankMonitor(cfg.fault_tolerance))
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train,
              "rng_rank0": RngState(info.device)}
 
     def step():
         train.step += 1
-        train_step(model, optimizer, stream.next_batch(), 1e-3 * train.step, 1.0, info)  # lr changes, as in warm-up
+        train_step(model, optimizer, stream.next_step(), 1e-3 * train.step, 1.0, info)  # lr changes, as in warm-up
         torch.rand(1)  # advance the RNG, as dropout would
     return state, step
 
@@ -172,7 +165,7 @@ def test_rollback_restores_the_newest_step_into_a_fresh_build(one_rank_group):
     step()  # training goes on, then the fault: the restart builds everything anew
     fresh, step_fresh = _training_state(one_rank_group, seed=1)
     assert rollback.restore(fresh) == 3
-    assert fresh["train"].step == 3 and fresh["train"].stream.consumed_samples == 6
+    assert fresh["train"].step == 3 and fresh["train"].stream.consumed_samples == 3 * 2 * 2  # 2 micro-batches of 2
     assert_bitwise_equal(_host(fresh), expected)  # model and optimizer shards, data position, RNG
     step_fresh()  # the restored state trains in place: it must not share the snapshot's buffers
     again, _ = _training_state(one_rank_group, seed=2)

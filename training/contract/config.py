@@ -68,7 +68,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     steps: int = _doc(200, "optimizer steps of the whole run")
-    batch_size: int = _doc(4, "sequences per data-parallel rank per step")
+    batch_size: int = _doc(4, "sequences per data-parallel rank per forward and backward pass (a micro-batch)")
+    global_batch_size: int | None = _doc(None, "Sequences per optimizer step, kept at any world size that can reach "
+                                               "it: each rank accumulates gradients over global_batch_size / (world "
+                                               "size x batch_size) micro-batches, so a resume on fewer or more ranks "
+                                               "keeps the training dynamics and the data order. A multiple of "
+                                               "batch_size; a world size that cannot reach it is refused before any "
+                                               "rank trains. null: world size x batch_size, one micro-batch per step "
+                                               "(the global batch then changes with the world size).")
     seq_len: int = _doc(64, "tokens per sequence")
     lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the last step")
     warmup_steps: int = _doc(10, "steps of linear learning-rate warmup")
@@ -79,6 +86,30 @@ class TrainingConfig:
     collective_timeout_s: float = _doc(60.0, "Off the GPU, a gloo collective cannot be aborted: a short timeout "
                                              "bounds how long peers of a failed rank wait. On CUDA the NCCL timeout "
                                              "is the watchdog's.")
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step at `world_size` (1 without global_batch_size); a world
+        size that cannot reach global_batch_size is a TrainConfigError naming the sizes that can."""
+        if self.global_batch_size is None:
+            return 1
+        per_micro_batch = world_size * self.batch_size
+        if self.global_batch_size % per_micro_batch:
+            raise TrainConfigError(
+                f"training.global_batch_size={self.global_batch_size} cannot be reached by world size {world_size}: "
+                f"the global batch is world size x batch_size ({self.batch_size}) x micro-batches per rank, so the "
+                f"world size must divide {self.global_batch_size // self.batch_size}; allowed world sizes: "
+                f"{self.reachable_world_sizes()}")
+        return self.global_batch_size // per_micro_batch
+
+    def reachable_world_sizes(self) -> list[int]:
+        """Every world size at which global_batch_size is a whole number of micro-batches per rank."""
+        assert self.global_batch_size is not None
+        micro_batches = self.global_batch_size // self.batch_size
+        return [w for w in range(1, micro_batches + 1) if micro_batches % w == 0]
+
+    def global_batch(self, world_size: int) -> int:
+        """Sequences per optimizer step at `world_size`."""
+        return world_size * self.batch_size * self.accumulation_steps(world_size)
 
 
 @dataclass(frozen=True)
@@ -396,6 +427,11 @@ def _validate(c: TrainConfig) -> None:
     for key in ("steps", "batch_size", "seq_len"):
         if getattr(t, key) < 1:
             fail(f"training.{key}", getattr(t, key), "at least 1")
+    if t.global_batch_size is not None and (t.global_batch_size < 1 or t.global_batch_size % t.batch_size):
+        below = t.batch_size * max(t.global_batch_size // t.batch_size, 1)
+        fail("training.global_batch_size", t.global_batch_size,
+             f"a positive multiple of training.batch_size ({t.batch_size}), which each rank's micro-batches fill, "
+             f"e.g. {below} or {below + t.batch_size}; or null (world size x batch_size)")
     if not t.lr > 0:
         fail("training.lr", t.lr, "greater than 0")
     if t.warmup_steps < 0:

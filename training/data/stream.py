@@ -2,10 +2,12 @@
 
 Sample `i` is a pure function of (source, seed, i): from a pre-tokenized file (sample i is the
 window of `seq_len + 1` tokens at i * seq_len, wrapping around the file) or synthetic (a noisy
-affine recurrence over the vocabulary, learnable so the loss drops). At step `s` (1-based) the
-global batch holds samples [(s-1)·B·W, s·B·W); data-parallel rank `r` reads the contiguous slice
-[(s-1)·B·W + r·B, … + B). The position (`consumed_samples`) is part of the checkpoint, so a
-resumed run neither skips nor repeats a sample.
+affine recurrence over the vocabulary, learnable so the loss drops). The position
+(`consumed_samples`, part of the checkpoint) counts samples in that global order, whatever the
+world size: an optimizer step of G = W·A·B samples (W ranks, A micro-batches of B each) holds samples
+[consumed, consumed + G), of which rank `r` reads the contiguous A·B from consumed + r·A·B, micro-batch
+by micro-batch. So a run resumed at another world size continues at the same sample, neither skipping
+nor repeating one, and with the same G (training.global_batch_size) its steps hold the same samples.
 
 A token file (token_file.py) is read through its sidecar: the loader takes the width from it, and
 refuses a model whose vocabulary is smaller than the tokenizer's.
@@ -34,8 +36,8 @@ class Batch:
 
 class TokenStream:
     def __init__(self, *, seq_len: int, batch_size: int, rank: int, world_size: int, vocab_size: int,
-                 seed: int, path: str | None = None, dtype: str | None = None) -> None:
-        self.seq_len, self.batch_size = seq_len, batch_size
+                 seed: int, accumulation_steps: int = 1, path: str | None = None, dtype: str | None = None) -> None:
+        self.seq_len, self.batch_size, self.accumulation_steps = seq_len, batch_size, accumulation_steps
         self.rank, self.world_size = rank, world_size
         self.vocab_size, self.seed = vocab_size, seed
         self.consumed_samples = 0  # global: samples of all ranks in all completed steps
@@ -62,12 +64,21 @@ class TokenStream:
             out[t] = random_tokens[t] if noise[t] else (_MULT * out[t - 1] + _ADD) % self.vocab_size
         return out
 
-    def next_batch(self) -> Batch:
-        first = self.consumed_samples + self.rank * self.batch_size
-        indices = list(range(first, first + self.batch_size))
+    @property
+    def global_batch_size(self) -> int:
+        return self.world_size * self.accumulation_steps * self.batch_size
+
+    def next_step(self) -> list[Batch]:
+        """This rank's micro-batches of the next optimizer step."""
+        first = self.consumed_samples + self.rank * self.accumulation_steps * self.batch_size
+        batches = [self._batch(range(start, start + self.batch_size))
+                   for start in range(first, first + self.accumulation_steps * self.batch_size, self.batch_size)]
+        self.consumed_samples += self.global_batch_size
+        return batches
+
+    def _batch(self, indices: range) -> Batch:
         rows = torch.from_numpy(np.stack([self.sample(i) for i in indices]))
-        self.consumed_samples += self.batch_size * self.world_size
-        return Batch(inputs=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous(), indices=indices)
+        return Batch(inputs=rows[:, :-1].contiguous(), targets=rows[:, 1:].contiguous(), indices=list(indices))
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

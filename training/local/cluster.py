@@ -617,7 +617,9 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
         overrides.append("faults=[" + ",".join(specs) + "]")
     cfg = with_env_faults(load_train_config(args.config, overrides))
-    specs = parse_faults(cfg.faults, world_size=args.nodes * args.nproc_per_node, nodes=args.nodes + args.spares)
+    world_size = args.nodes * args.nproc_per_node
+    cfg.training.accumulation_steps(world_size)  # a world that cannot reach global_batch_size starts nothing
+    specs = parse_faults(cfg.faults, world_size=world_size, nodes=args.nodes + args.spares)
     if not args.netns and any(spec.kind == "partition" for spec in specs):
         raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
     check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)

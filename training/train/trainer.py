@@ -175,20 +175,32 @@ def build(cfg: TrainConfig, info: DistInfo) -> tuple[Transformer, torch.optim.Op
     return model, optimizer
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, lr: float,
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], lr: float,
                grad_clip: float, info: DistInfo, drain_flag: float = 0.0) -> tuple[float, bool]:
-    """One optimizer step; returns the loss averaged over all ranks and whether any rank was told
-    to drain (`drain_flag` > 0 on it): both from the step's one all-reduce."""
+    """One optimizer step over this rank's micro-batches (gradient accumulation); returns the loss averaged
+    over the global batch and whether any rank was told to drain (`drain_flag` > 0 on it): both from the
+    step's one all-reduce.
+
+    Each micro-batch's loss is scaled by 1/len(micro_batches), and FSDP averages over the ranks: the
+    gradient is the mean over the global batch, whatever its split into ranks and micro-batches. FSDP2
+    reduce-scatters only after the last micro-batch (`set_requires_gradient_sync`, FSDP2's documented
+    gradient accumulation without communication, https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html):
+    until then each rank accumulates its unsharded gradients in the reduce dtype (fp32), 4 bytes per
+    parameter of the whole model on every rank."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    logits = model(batch.inputs.to(info.device))
-    loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten())
-    loss.backward()
+    loss = torch.zeros((), device=info.device)
+    for i, batch in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        logits = model(batch.inputs.to(info.device))
+        micro_loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten()) / len(micro_batches)
+        micro_loss.backward()
+        loss += micro_loss.detach()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    reduced = torch.cat([loss.detach().reshape(1), loss.new_tensor([drain_flag])])
+    reduced = torch.cat([loss.reshape(1), loss.new_tensor([drain_flag])])
     dist.all_reduce(reduced)
     total_loss, drain = reduced.tolist()
     return total_loss / info.world_size, drain > 0
@@ -200,17 +212,18 @@ def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
         return None
     t = cfg.training
     # copies made for another world size, model or data layout cannot be loaded here
-    fingerprint = f"{cfg.model.preset}:{info.world_size}:{t.batch_size}:{t.seq_len}:{t.seed}"
+    fingerprint = f"{cfg.model.preset}:{info.world_size}:{t.batch_size}:{t.global_batch(info.world_size)}:{t.seq_len}:{t.seed}"
     return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
                      t.collective_timeout_s)
 
 
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
     """One training run; under the in-process Wrapper, one iteration of it (`restart`). Checkpoints that
-    no restart can load ask for the Job to fail (training/contract/job_failure.py) and raise JobMustFail."""
+    no restart can load, and a world size that cannot reach training.global_batch_size, ask for the Job to
+    fail (training/contract/job_failure.py) and raise JobMustFail."""
     try:
         trainer = Trainer(cfg, restart)
-    except (FreshStartRefused, CheckpointMismatch) as err:
+    except (FreshStartRefused, CheckpointMismatch, TrainConfigError) as err:
         raise request_job_failure(cfg.run_dir, f"rank{os.environ.get('RANK', 0)}", str(err)) from err
     try:
         trainer.train()
@@ -265,12 +278,13 @@ class Trainer:
         self.lead = self.info.rank == 0
         self.peer = None  # before anything can fail: closing the setup stops its thread
         try:  # the setup is open: a failure from here on closes it, so that another iteration can start
+            accumulation_steps = t.accumulation_steps(self.info.world_size)  # before anything trains
             if self.lead:
                 self._announce_attempt()
             torch.manual_seed(t.seed)
             self.model, self.optimizer = build(cfg, self.info)
             self.stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=self.info.rank,
-                                      world_size=self.info.world_size,
+                                      world_size=self.info.world_size, accumulation_steps=accumulation_steps,
                                       vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
                                       path=cfg.data.path, dtype=cfg.data.dtype)
             self.train_state = TrainState(self.stream, self.monitor)
@@ -303,7 +317,7 @@ class Trainer:
 
     def _open_reporting(self) -> None:
         cfg, info = self.cfg, self.info
-        self.tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * info.world_size
+        self.tokens_per_step = self.stream.global_batch_size * cfg.training.seq_len  # every rank's micro-batches
         per_token = flops_per_token(cfg.model.preset, cfg.training.seq_len)
         gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
         self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=self.lead,
@@ -341,16 +355,22 @@ class Trainer:
         self.events.emit("resume", step=step, source_kind=restored.source_kind if restored else "none",
                          path=str(restored.path) if restored and restored.path else None,
                          saved_world_size=restored.saved_world_size if restored else None)
-        log.info("world size %d, %s, preset %s; %s", info.world_size, info.backend, self.cfg.model.preset,
+        log.info("world size %d, %s, preset %s, global batch %d (%d micro-batch(es) of %d per rank); %s",
+                 info.world_size, info.backend, self.cfg.model.preset, self.stream.global_batch_size,
+                 self.stream.accumulation_steps, self.stream.batch_size,
                  f"resumed from {restored.origin} at step {step}" if restored else "starting at step 0")
         if restored is None or restored.saved_world_size in (None, info.world_size):
             return
         saved = restored.saved_world_size
         derived = [r for r in range(info.world_size) if r >= saved]
-        batch = self.cfg.training.batch_size
-        log.warning("checkpoint written by %d ranks, resharded to %d: global batch %d -> %d samples per step, "
-                    "data position kept (no sample skipped or repeated)%s", saved, info.world_size,
-                    batch * saved, batch * info.world_size,
+        t, stream = self.cfg.training, self.stream
+        if t.global_batch_size is None:
+            batch = f"global batch {t.batch_size * saved} -> {stream.global_batch_size} samples per step"
+        else:
+            batch = (f"global batch kept at {stream.global_batch_size} samples per step (training.global_batch_size): "
+                     f"{stream.accumulation_steps} micro-batch(es) of {t.batch_size} per rank")
+        log.warning("checkpoint written by %d ranks, resharded to %d: %s, data position kept (no sample skipped or "
+                    "repeated)%s", saved, info.world_size, batch,
                     f"; RNG of ranks {derived} derived from (seed, step, rank)" if derived else "")
         self.events.emit("state_derived", step=restored.step, saved_world_size=saved, world_size=info.world_size,
                          keys=[rng_key(r) for r in derived])
@@ -366,12 +386,12 @@ class Trainer:
                 self.injector.maybe_fire(step)
                 with monitor.section("step"):
                     t0 = time.perf_counter()
-                    batch = self.stream.next_batch()
-                    mean_loss, drain = train_step(self.model, self.optimizer, batch, lr_at(step, self.cfg),
+                    micro_batches = self.stream.next_step()
+                    mean_loss, drain = train_step(self.model, self.optimizer, micro_batches, lr_at(step, self.cfg),
                                                   t.grad_clip, self.info, self.drain_signal.flag)
                     step_time = time.perf_counter() - t0
                 self.train_state.step = step
-                self.after_step(step, batch, mean_loss, step_time)
+                self.after_step(step, micro_batches, mean_loss, step_time)
                 if drain:
                     with monitor.section("checkpoint"):
                         self.drain(step, step_time)
@@ -394,7 +414,7 @@ class Trainer:
             self.events.emit("run_end", step=self.train_state.step, status="completed")
             log.info("done: %d steps", self.train_state.step)
 
-    def after_step(self, step: int, batch: Batch, mean_loss: float, step_time: float) -> None:
+    def after_step(self, step: int, micro_batches: list[Batch], mean_loss: float, step_time: float) -> None:
         """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for
         in-process restarts, the copy in node memory for the partner nodes, rank 0's step event, the
         sample log, metrics and progress line."""
@@ -410,7 +430,8 @@ class Trainer:
                 self.events.emit("peer_state", interval=self.peer.interval, replicas=self.peer.replicas,
                                  bytes_per_rank=self.peer.bytes_per_rank)
         if self.samples is not None:
-            self.samples.write(json.dumps({"step": step, "indices": batch.indices}) + "\n")
+            indices = [i for batch in micro_batches for i in batch.indices]
+            self.samples.write(json.dumps({"step": step, "indices": indices}) + "\n")
             self.samples.flush()
         if self.metrics is not None:
             self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
