@@ -170,10 +170,14 @@ def test_resume_step_file_follows_commits(tmp_path):
 
 # ---- runs at another world size (local cluster) ----------------------------------------------------
 
-BATCH, FIRST, THEN = 2, 20, 30
+BATCH, GLOBAL_BATCH, FIRST, THEN, LAST = 2, 24, 20, 30, 40
+REL_LOSS_TOLERANCE = 1e-4
+# The global batch is kept at 24 sequences per step at every world size here: 4 ranks x 3 micro-batches of 2,
+# 2 x 6 x 2, 6 x 2 x 2. Warm-up to the last step: the learning rate then depends on the step alone, not on
+# training.steps, which each part of a resized run sets to where it stops (the cosine decay would follow it).
 COMMON = ("checkpoint.mode=sync", "checkpoint.interval=10", "logging.sample_log=true", "logging.log_interval=10",
-          f"training.batch_size={BATCH}", "training.collective_timeout_s=30",
-          "fault_tolerance.timeout_safety_factor=50")
+          f"training.batch_size={BATCH}", f"training.global_batch_size={GLOBAL_BATCH}", f"training.warmup_steps={LAST}",
+          "training.collective_timeout_s=30", "fault_tolerance.timeout_safety_factor=50")
 
 
 @pytest.fixture(scope="module")
@@ -183,31 +187,48 @@ def four_ranks(tmp_path_factory):
                          "--steps", str(FIRST), *COMMON))
 
 
-def _consumed(run_dir: Path) -> list[int]:
-    return [i for path in sorted((run_dir / "samples").glob("rank*.jsonl"))
-            for line in path.read_text().splitlines() for i in json.loads(line)["indices"]]
+def _samples_by_step(run_dir: Path) -> dict[int, list[int]]:
+    """The sample ids every rank logged, by step (each step trained once here: no fault)."""
+    held: dict[int, list[int]] = {}
+    for path in sorted((run_dir / "samples").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            held.setdefault(record["step"], []).extend(record["indices"])
+    return held
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [e["loss"] for e in events_named(run_dir, "step")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, per_node", [(1, 2), (3, 2)], ids=["4-to-2-ranks", "2-to-3-nodes-6-ranks"])
-def test_resume_at_another_world_size_keeps_every_step_and_sample(four_ranks, tmp_path, nodes, per_node):
+def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_sample_once(four_ranks, tmp_path):
+    """4 ranks to step 20, 2 ranks to 30, 6 ranks to 40, against 2 ranks all the way: each step holds the same
+    24 samples, every sample is taken exactly once, and the loss curves agree to float tolerance. Not bitwise:
+    the gradient sums are taken in another order (micro-batches, ranks) at each world size."""
     run_dir = tmp_path / "run"
     shutil.copytree(four_ranks.run_dir, run_dir)
-    run = completed(run_local(run_dir, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
-                        "--steps", str(THEN), *COMMON))
-    world = nodes * per_node
-    [_, resume] = events_named(run_dir, "resume")
-    assert (resume["step"], resume["source_kind"], resume["saved_world_size"]) == (FIRST, "disk", 4)
-    [derived] = events_named(run_dir, "state_derived")
-    assert derived["keys"] == [f"rng_rank{r}" for r in range(4, world)]  # none when shrinking
-    assert f"checkpoint written by 4 ranks, resharded to {world}" in run.output
-    # every sample exactly once across the change, none skipped
-    consumed = _consumed(run_dir)
-    assert sorted(consumed) == list(range(FIRST * 4 * BATCH + (THEN - FIRST) * world * BATCH))
-    assert [e["step"] for e in events_named(run_dir, "step")][-(THEN - FIRST):] == list(range(FIRST + 1, THEN + 1))
+    shrunk = completed(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON))
+    grown = completed(run_local(run_dir, "--nodes", "3", "--nproc-per-node", "2", "--steps", str(LAST), *COMMON))
+    unresized = completed(run_local(tmp_path / "unresized", "--nodes", "1", "--nproc-per-node", "2",
+                                    "--steps", str(LAST), *COMMON))
+    resumes = [(e["step"], e["source_kind"], e["saved_world_size"]) for e in events_named(run_dir, "resume")]
+    assert resumes[1:] == [(FIRST, "disk", 4), (THEN, "disk", 2)]
+    assert [e["keys"] for e in events_named(run_dir, "state_derived")] == [[], [f"rng_rank{r}" for r in range(2, 6)]]
+    for run, world, micro_batches in ((shrunk, 2, 6), (grown, 6, 2)):
+        assert (f"resharded to {world}: global batch kept at {GLOBAL_BATCH} samples per step "
+                f"(training.global_batch_size): {micro_batches} micro-batch(es) of {BATCH} per rank") in run.output
+    steps = events_named(run_dir, "step")
+    assert [e["step"] for e in steps] == list(range(1, LAST + 1))
+    assert {e["tokens"] for e in steps} == {GLOBAL_BATCH * 64}  # the whole global batch at every world size
+    # the same samples in each step as without the resizes, every sample exactly once
+    resized, reference = _samples_by_step(run_dir), _samples_by_step(unresized.run_dir)
+    assert {s: sorted(ids) for s, ids in resized.items()} == {s: sorted(ids) for s, ids in reference.items()}
+    assert sorted(i for ids in resized.values() for i in ids) == list(range(LAST * GLOBAL_BATCH))
+    assert _losses(run_dir) == pytest.approx(_losses(unresized.run_dir), rel=REL_LOSS_TOLERANCE)
     checkpoints = run_dir / "checkpoints"
-    assert [s for s, _ in committed_checkpoints(checkpoints)] == [30, 20, 10] and not list(checkpoints.glob("corrupt-*"))
-    assert [e["status"] for e in events_named(run_dir, "run_end")] == ["completed", "completed"]
+    assert [s for s, _ in committed_checkpoints(checkpoints)] == [40, 30, 20] and not list(checkpoints.glob("corrupt-*"))
+    assert [e["status"] for e in events_named(run_dir, "run_end")] == ["completed"] * 3
 
 
 @pytest.mark.slow

@@ -49,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="R of a recovery mechanism; repeat for several (inprocess, peer_state: resume "
                              "from memory)")
     parser.add_argument("--step-s", type=positive_float_arg,
-                        help="training step time: the work in-process recovery loses (default: the capacity "
-                             "model's with --config, else 1.0)")
+                        help="training step time, one optimizer step with every micro-batch of its global batch: "
+                             "the work in-process recovery loses (default: the capacity model's with --config, "
+                             "else 1.0)")
     parser.add_argument("--from-bench", type=Path, metavar="FILE", help="take S and R from a bench result")
     parser.add_argument("--save-mode", choices=("async", "sync"), default="async",
                         help="which blocking time of --from-bench to use (default async)")
