@@ -171,7 +171,9 @@ def test_resume_step_file_follows_commits(tmp_path):
 # ---- runs at another world size (local cluster) ----------------------------------------------------
 
 BATCH, GLOBAL_BATCH, FIRST, THEN, LAST = 2, 24, 20, 30, 40
-REL_LOSS_TOLERANCE = 1e-4
+# Measured here: at most 4.1e-7 apart over the 40 steps (a unit of the event log's sixth decimal), while
+# the loss falls from 5.55 to 2.19.
+REL_LOSS_TOLERANCE = 1e-5
 # The global batch is kept at 24 sequences per step at every world size here: 4 ranks x 3 micro-batches of 2,
 # 2 x 6 x 2, 6 x 2 x 2. Warm-up to the last step: the learning rate then depends on the step alone, not on
 # training.steps, which each part of a resized run sets to where it stops (the cosine decay would follow it).
