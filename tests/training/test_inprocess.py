@@ -466,7 +466,8 @@ STEPS, FAULT_STEP, INTERVAL, GLOO_TIMEOUT_S = 20, 8, 5, 30
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.mode=sync",
           "checkpoint.save_final=true", "logging.log_interval=10", f"training.collective_timeout_s={GLOO_TIMEOUT_S}",
           "fault_tolerance.timeout_safety_factor=50",  # calculated hang timeouts stay loose on 2 busy cores
-          "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15")
+          "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15",
+          "training.batch_size=2", "training.global_batch_size=8")  # 2 ranks x 2 micro-batches of 2
 ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
 TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")  # two launchers, one host: the stores must not collide
 RUNS = {

@@ -19,6 +19,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
           "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+          # each of the 2 ranks accumulates 2 micro-batches of 2 (training.global_batch_size): every exact
+          # resume below covers gradient accumulation, with FSDP2's reduce after the last micro-batch only
+          "training.batch_size=2", "training.global_batch_size=8",
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
           "fault_tolerance.timeout_safety_factor=50")
 # Both shapes have world size 2 with the same shards: one uninterrupted run is the reference of all.
