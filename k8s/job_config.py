@@ -146,7 +146,7 @@ class JobConfig:
                         self.instance.efa_line_rate_gbs, self.shm_gib * GIB)
         return capacity_of(ModelFootprint.from_config(self.train), node, self.nodes,
                            FsxSpec(self.platform.fsx_storage_gib, self.platform.fsx_throughput_per_tib),
-                           Schedule.from_config(self.train))
+                           Schedule.from_config(self.train, self.nodes * self.instance.gpus))
 
     @property
     def peer_state_gib(self) -> float:

@@ -8,6 +8,7 @@ import pytest
 
 from training.contract.capacity import (P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
                                         format_capacity, smallest_storage_gib)
+from training.contract.config import load_train_config
 
 EIGHT_B = ModelFootprint.from_preset("8b", 4096)
 JOB = Schedule(interval=200, keep=3, mode="async", drain_timeout_s=300, peer_state=True)  # k8s/train.yaml's
@@ -21,6 +22,18 @@ def test_8b_state_and_projected_step() -> None:
     c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
     assert c.step_s == pytest.approx(STEP_8B) and c.step_s == pytest.approx(1.066, abs=1e-3)
     assert c.node_bytes == pytest.approx(48.18e9, rel=1e-3) and c.gpu_bytes == pytest.approx(6.02e9, rel=1e-3)
+
+
+def test_a_step_projects_its_whole_global_batch() -> None:
+    """k8s/train.yaml's 2 sequences of 4096 per GPU; with a global batch of 64 on 16 GPUs each GPU runs 2
+    micro-batches of them per optimizer step, and on 32 GPUs one."""
+    base = ["training.batch_size=2", "training.seq_len=4096"]
+    accumulated = load_train_config(None, [*base, "training.global_batch_size=64"])
+    assert Schedule.from_config(load_train_config(None, base), 16).tokens_per_gpu == 8192
+    assert Schedule.from_config(accumulated, 16).tokens_per_gpu == 2 * 8192
+    assert Schedule.from_config(accumulated, 32).tokens_per_gpu == 8192
+    step = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), Schedule.from_config(accumulated, 16)).step_s
+    assert step == pytest.approx(2 * STEP_8B)
 
 
 @pytest.mark.parametrize("gib, tier, gbs, usd", [

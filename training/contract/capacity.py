@@ -166,14 +166,15 @@ class Schedule:
     peer_state: bool
     peer_replicas: int = 1
     peer_interval: int | None = None  # None: chosen from the copy's cost (peer_state.interval null)
-    tokens_per_gpu: int = 8192  # batch_size x seq_len
+    tokens_per_gpu: int = 8192  # of one optimizer step: its micro-batches x batch_size x seq_len
 
     @classmethod
-    def from_config(cls, config: TrainConfig, interval: int | None = None) -> "Schedule":
-        """The config's schedule; `interval` in place of its checkpoint.interval."""
+    def from_config(cls, config: TrainConfig, gpus: int, interval: int | None = None) -> "Schedule":
+        """The config's schedule on `gpus` GPUs (a step's share of training.global_batch_size depends on
+        them); `interval` in place of its checkpoint.interval."""
         ckpt, peer, t = config.checkpoint, config.peer_state, config.training
         return cls(interval or ckpt.interval, ckpt.keep, ckpt.mode, config.fault_tolerance.drain_timeout_s,
-                   peer.enabled, peer.replicas, peer.interval, t.batch_size * t.seq_len)
+                   peer.enabled, peer.replicas, peer.interval, t.global_batch(gpus) // gpus * t.seq_len)
 
 
 @dataclass(frozen=True)

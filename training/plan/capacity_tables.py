@@ -22,12 +22,12 @@ FSX_TIER = 1000  # MBps/TiB: the throughput per dollar is the same at every tier
 
 def _capacity(preset: str, nodes: int, train: TrainConfig) -> Capacity:
     model = ModelFootprint.from_preset(preset, train.training.seq_len)
-    first = capacity_of(model, P5_48XLARGE, nodes, FsxSpec(1200, FSX_TIER), Schedule.from_config(train))
+    first = capacity_of(model, P5_48XLARGE, nodes, FsxSpec(1200, FSX_TIER), Schedule.from_config(train, nodes * P5_48XLARGE.gpus))
     fsx = FsxSpec(smallest_storage_gib(first.footprint_bytes), FSX_TIER)
     sized = capacity_of(model, P5_48XLARGE, nodes, fsx, first.schedule)
     plan = make_plan(nodes, P5_48XLARGE.gpus, 1 / LLAMA3_NODE_FAILURE_RATE, sized.blocking_s, sized.step_s, (),
                      sized.save_s if sized.schedule.mode == "async" else 0.0)
-    return capacity_of(model, P5_48XLARGE, nodes, fsx, Schedule.from_config(train, recommended_steps(plan)))
+    return capacity_of(model, P5_48XLARGE, nodes, fsx, Schedule.from_config(train, nodes * P5_48XLARGE.gpus, recommended_steps(plan)))
 
 
 def _row(cells: list[str]) -> str:

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train = load_train_config(args.config)
             fsx = fsx_from_cdk_json(args.cdk_json, args.fsx_storage_gib, args.fsx_throughput_per_tib)
             capacity = capacity_of(ModelFootprint.from_config(train), P5_48XLARGE, args.nodes, fsx,
-                                   Schedule.from_config(train), step_s)
+                                   Schedule.from_config(train, args.nodes * P5_48XLARGE.gpus), step_s)
             print(format_capacity(capacity))
             save, step_s = save or capacity.blocking_s, capacity.step_s
             mechanisms = mechanisms or list(capacity_mechanisms(capacity))
