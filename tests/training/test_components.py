@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import errno
+import json
 import threading
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from training.contract.config import MODEL_PRESETS, load_train_config
 from training.contract.events import EventLog, read_events
+from training.contract.job_failure import JobMustFail, requests_dir
 from training.contract.launcher import free_port
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream, write_token_file
@@ -20,7 +23,9 @@ from training.models.llama import build_model
 from training.train.checkpoint import manager
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager
+from training.train import trainer
 from training.train.checkpoint.writers import _NvrxAsyncWriter
+from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
 from training.train.trainer import build, run, train_step
 
@@ -295,3 +300,23 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
     assert accumulated_loss == pytest.approx(whole_loss, rel=1e-6)
     for name, tensor in whole.items():
         torch.testing.assert_close(accumulated[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_rank_in_a_world_that_cannot_reach_the_global_batch_fails_the_job_before_training(monkeypatch, tmp_path):
+    """The ranks' own check, behind training.local's and the chart's: here a one-process group that says
+    it has 5 ranks, for a global batch of 24 in micro-batches of 2 (12 of them: 5 ranks cannot share them)."""
+    def five_ranks(device: str, timeout_s: float, store=None) -> DistInfo:  # noqa: ANN001
+        return dataclasses.replace(init_distributed(device, timeout_s, store), world_size=5)
+
+    monkeypatch.setattr(trainer, "init_distributed", five_ranks)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_train_config(None, [f"run_dir={tmp_path}", "training.device=cpu", "training.batch_size=2",
+                                   "training.global_batch_size=24"])
+    with pytest.raises(JobMustFail, match=r"cannot be reached by world size 5: .* allowed world sizes: "
+                                          r"\[1, 2, 3, 4, 6, 12\]"):
+        run(cfg)
+    [request] = requests_dir(tmp_path).glob("*.json")  # every pod's PID 1 fails the Job on it
+    assert "training.global_batch_size=24 cannot be reached by world size 5" in json.loads(request.read_text())["cause"]
+    assert not (tmp_path / "checkpoints").exists()  # nothing built, nothing trained
