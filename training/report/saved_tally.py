@@ -43,7 +43,7 @@ def tally_path(run_dir: str | Path) -> Path:
 def fingerprint(path: Path, offset: int) -> str | None:
     """A hash of `path`'s first bytes and of those before `offset`; None if it is shorter than `offset`."""
     start = max(0, offset - FINGERPRINT_BYTES)
-    with path.open("rb") as f:
+    with path.open("rb", buffering=0) as f:  # unbuffered: these bytes and no more
         head = f.read(min(FINGERPRINT_BYTES, offset))
         f.seek(start)
         before = f.read(offset - start)
