@@ -52,8 +52,8 @@ def test_wrapper_kwargs_fit_the_installed_signature():
     kwargs = wrapper_kwargs(_cfg(), coordination=OFF_NODE, master_port=29500, on_cuda=False, initialize=_budget())
     assert set(kwargs) <= set(inspect.signature(inprocess.Wrapper.__init__).parameters)
     assert kwargs["store_factory"] is WrapperStore
-    assert kwargs["store_kwargs"] == {"host": "store.ns", "port": 29400, "prefix": "training/r/cycle3-node0:29500/wrapper",
-                                      "host_rank": None}
+    assert kwargs["store_kwargs"] == {"host": "store.ns", "port": 29400, "host_rank": None,
+                                      "prefix": "training/r/cycle3-node0:29500/wrapper"}
     assert kwargs["abort"].keep_ports == {29500, 29400}  # the launcher's and the coordination store survive
     assert kwargs["health_check"] is None  # no CUDA/NVML check on a CPU machine
     # the monitor process must poll faster than progress is reported (else it skips its timeout checks)

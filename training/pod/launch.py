@@ -65,9 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def launcher_env(environ: dict[str, str], started_s: float, command: list[str]) -> dict[str, str]:
     """ft_launcher's environment, which its ranks inherit: `command`'s rendezvous endpoint in STORE_ENDPOINT_ENV,
-    where the in-process Wrapper coordinates off the GPU nodes (training/train/coordination.py). NVRx's rendezvous makes the nodes present when it closes a round
-    active in the order of their infrastructure rank (outside SLURM read from GROUP_RANK), the rest
-    standby. That rank is the pod's start time (ms) and then its index (JOB_COMPLETION_INDEX), unique
+    where the in-process Wrapper coordinates off the GPU nodes (training/train/coordination.py). NVRx's
+    rendezvous makes the nodes present when it closes a round active in the order of their infrastructure
+    rank (outside SLURM read from GROUP_RANK), the rest standby. That rank is the pod's start time (ms) and then its index (JOB_COMPLETION_INDEX), unique
     in the Job: the older pods train, a new pod (a replacement, a late spare) stands by. Ranked by index
     alone, a lost node's replacement would take the place of a spare that already trains and holds
     the peer state copies of its partners (training/train/peer_state.py)."""
