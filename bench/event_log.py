@@ -7,11 +7,13 @@ writes over a million step events).
 For each size: a log of that many events (steps of 1 s, a checkpoint every 100 steps, an in-job restart
 every 100,000 steps) in the run directory's events/, written as training.contract.events writes it.
 Then, in this process:
-  catch-up        the first refresh of a metrics endpoint (RunCollector.collect): once per rank 0 process
+  catch-up        the first refresh of the first metrics endpoint (RunCollector.collect): no tally saved yet
   refresh         a refresh after REFRESH_EVENTS more events (a refresh's worth at a step a second)
+  resumed         the first refresh of the next rank 0 process (a new attempt's endpoint), which finds the
+                  tally the first one saved (training/report/saved_tally.py) REFRESH_EVENTS events ago
   attempt start   rank 0's events for a new attempt (Trainer._announce_attempt)
 each as wall seconds and bytes read (/proc/self/io rchar). Only those two entry points are used, so the
-same script measures an older checkout of the code.
+same script measures an older checkout of the code (there `resumed` is a whole catch-up).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class LogCosts:
     log_bytes: int
     catch_up: Cost
     refresh: Cost
+    resumed: Cost
     attempt_start: Cost
 
 
@@ -122,11 +125,12 @@ def measure(run_dir: Path, events: int) -> LogCosts:
         catch_up = measured(lambda: list(collector.collect()))
         run.append(REFRESH_EVENTS)
         refresh = measured(lambda: list(collector.collect()))
+        resumed = measured(lambda: list(RunCollector(run_dir, refresh_s=0.0).collect()))
         attempt = measured(lambda: announce_attempt(run_dir))
     finally:
         run.close()
     size = sum(p.stat().st_size for p in events_dir(run_dir).glob("*.jsonl"))
-    return LogCosts(run.events, size, catch_up, refresh, attempt)
+    return LogCosts(run.events, size, catch_up, refresh, resumed, attempt)
 
 
 def main() -> None:
@@ -134,13 +138,13 @@ def main() -> None:
     p.add_argument("--events", type=int, nargs="+", default=[100_000, 1_000_000, 3_000_000])
     args = p.parse_args()
     print(f"{'events':>10} {'log MB':>8} {'catch-up s':>11} {'refresh s':>10} {'refresh KB':>11} "
-          f"{'attempt s':>10} {'attempt KB':>11}")
+          f"{'resumed s':>10} {'resumed KB':>11} {'attempt s':>10} {'attempt KB':>11}")
     for n in args.events:
         with tempfile.TemporaryDirectory() as tmp:
             c = measure(Path(tmp), n)
         print(f"{c.events:>10} {c.log_bytes / 1e6:>8.1f} {c.catch_up.seconds:>11.3f} {c.refresh.seconds:>10.4f} "
-              f"{c.refresh.bytes_read / 1e3:>11.1f} {c.attempt_start.seconds:>10.4f} "
-              f"{c.attempt_start.bytes_read / 1e3:>11.1f}", flush=True)
+              f"{c.refresh.bytes_read / 1e3:>11.1f} {c.resumed.seconds:>10.4f} {c.resumed.bytes_read / 1e3:>11.1f} "
+              f"{c.attempt_start.seconds:>10.4f} {c.attempt_start.bytes_read / 1e3:>11.1f}", flush=True)
 
 
 if __name__ == "__main__":

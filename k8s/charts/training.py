@@ -363,8 +363,9 @@ def _rendezvous_store(chart: Chart, job: JobConfig) -> None:
 
 def _training_network_policy(chart: Chart, job: JobConfig) -> None:
     """The training pods talk among themselves on any port (the ranks' c10d store, gloo and NCCL
-    bootstrap sockets, the in-process Wrapper's store, peer state), reach the store on the rendezvous
-    port and DNS, and let the Prometheus server in on the metrics port; nothing else in or out."""
+    bootstrap sockets, peer state), reach the store on the rendezvous port (the launchers' rendezvous, and
+    with restart=both the in-process Wrapper's coordination: training/train/coordination.py) and DNS, and
+    let the Prometheus server in on the metrics port; nothing else in or out."""
     labels = _pod_labels(job)
     rules = among_themselves(labels, egress=({"to": [pods(_store_labels(job))],
                                               "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]},))

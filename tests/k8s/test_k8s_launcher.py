@@ -21,7 +21,7 @@ from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s_render import fitting
 from training.contract.config import RESTART_MODES, load_train_config
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
-from training.contract.launcher import RESUME_STEP_FILE
+from training.contract.launcher import RESUME_STEP_FILE, STORE_ENDPOINT_ENV
 from training.pod.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +111,8 @@ def test_without_prefork_ft_launcher_starts_training_train_itself(render, tmp_pa
     assert [args.training_script, *args.training_script_args] == ["training.train", "--config", TRAIN_CONFIG_PATH]
     proc, record = _run_container(r, tmp_path, r.config_map("fsdp-train-config")["config.yaml"])
     assert proc.returncode == INCOMPLETE, proc.stderr
-    assert json.loads(record.read_text()) == {"argv": r.container["args"], "prefork_server": None}
+    assert json.loads(record.read_text()) == {"argv": r.container["args"], "prefork_server": None,
+                                              "store_endpoint": STORE_ENDPOINT}
 
 
 def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkeypatch):
@@ -160,7 +161,8 @@ def _run_container(rendered, tmp_path: Path, config_text: str) -> tuple[subproce
     record = tmp_path / "argv.json"
     fake = bin_dir / "ft_launcher"
     fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                    f"json.dump({{'argv': sys.argv[1:], 'prefork_server': os.environ.get({SERVER_ENV!r})}}, "
+                    f"json.dump({{'argv': sys.argv[1:], 'prefork_server': os.environ.get({SERVER_ENV!r}), "
+                    f"'store_endpoint': os.environ.get({STORE_ENDPOINT_ENV!r})}}, "
                     f"open({str(record)!r}, 'w'))\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     config = tmp_path / "config.yaml"
@@ -179,6 +181,8 @@ def test_pod_runs_ft_launcher_under_training_launch_and_prefork(render, tmp_path
     recorded = json.loads(record.read_text())
     assert recorded["argv"] == r.container["args"]
     assert recorded["prefork_server"], "ft_launcher must run under training.pod.prefork's launcher"
+    # its ranks (which inherit its environment) find the store the in-process Wrapper coordinates in
+    assert recorded["store_endpoint"] == STORE_ENDPOINT
     # ft_launcher exited 0 and the run has not completed (a standby left): the Job runs the index again.
     assert proc.returncode == INCOMPLETE, proc.stderr
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.event_log import SyntheticRun, announce_attempt, measure, measured
+from bench.event_log import STEPS_PER_CHECKPOINT, SyntheticRun, announce_attempt, measure, measured
 from training.contract.events import EventLog, EventTail, events_dir, next_attempt, read_events
+from training.report import saved_tally
 from training.report.goodput import build_report
 from training.train import metrics as train_metrics
 from training.train.metrics import RunCollector
@@ -16,6 +17,17 @@ SIZES = (4_000, 40_000)
 
 def _metrics(collector: RunCollector) -> dict[str, float]:
     return {s.name: s.value for family in collector.collect() for s in family.samples}
+
+
+def test_a_new_rank_0_catches_up_from_the_saved_tally_reading_only_the_tail(tmp_path):
+    """Each attempt's rank 0 starts a new endpoint: it reads the tally the previous one saved and the events
+    since, not the whole log."""
+    small, large = (measure(tmp_path / str(n), n) for n in SIZES)
+    assert large.log_bytes > 9 * small.log_bytes and large.catch_up.bytes_read > 0.99 * large.log_bytes
+    for c in (small, large):
+        assert c.resumed.bytes_read < 32_768, c
+    # the saved tally keeps the steps after the newest checkpoint: at most a checkpoint interval's, 24 bytes each
+    assert abs(large.resumed.bytes_read - small.resumed.bytes_read) < 24 * STEPS_PER_CHECKPOINT + 1_024
 
 
 def test_a_refresh_and_an_attempt_start_read_only_what_is_new(tmp_path):
@@ -91,3 +103,50 @@ def test_a_file_that_cannot_be_read_is_read_later_not_lost(tmp_path):
     EventLog(tmp_path, "rank1").emit("fault_detected", kind="exception", rank=1, detail="x", by="test")
     log.emit("step", step=2, loss=1.0, step_time_s=1.0, tokens=1)
     assert [r["event"] for r in tail.read_new()] == ["fault_detected", "step"] and not tail.unreadable
+
+
+def _figures_match_the_report(metrics: dict[str, float], run_dir) -> None:
+    report = build_report(read_events(run_dir))
+    assert metrics["training_goodput_ratio"] == pytest.approx(report.training_goodput, rel=1e-9)
+    assert metrics["training_infra_goodput_ratio"] == pytest.approx(report.infra_goodput, rel=1e-9)
+    assert metrics["training_checkpoints_committed"] == report.checkpoints.committed
+
+
+def test_a_saved_tally_is_trusted_only_while_the_log_it_read_is_unchanged(tmp_path):
+    run = SyntheticRun(tmp_path)
+    try:
+        run.append(3_000)
+        _metrics(RunCollector(tmp_path, refresh_s=0.0))  # the first read saves the tally
+        assert saved_tally.load(tmp_path) is not None
+        run.append(500)
+        _figures_match_the_report(_metrics(RunCollector(tmp_path, refresh_s=0.0)), tmp_path)  # from the tally
+    finally:
+        run.close()
+    log_file = events_dir(tmp_path) / "rank0.jsonl"
+    log_file.write_bytes(log_file.read_bytes().replace(b'"loss":2.5', b'"loss":2.6', 1))  # rewritten in place
+    assert saved_tally.load(tmp_path) is None
+    saved_tally.tally_path(tmp_path).write_bytes(b"not a tally")
+    assert saved_tally.load(tmp_path) is None
+    _figures_match_the_report(_metrics(RunCollector(tmp_path, refresh_s=0.0)), tmp_path)  # the whole log
+
+
+def test_a_resume_below_the_saved_floor_reads_the_log_whole(tmp_path):
+    """The saved tally folds the steps up to the newest checkpoint; going back before it (the newer
+    checkpoints damaged) needs them: the whole log is read again, and the figures stay the report's."""
+    run = SyntheticRun(tmp_path)
+    try:
+        run.append(3_000)
+        _metrics(RunCollector(tmp_path, refresh_s=0.0))
+        with (events_dir(tmp_path) / "rank0.jsonl").open("a") as f:
+            f.write(f'{{"t":{run.t + 0.5:.6f},"event":"resume","source":"rank0","step":100,"source_kind":"disk",'
+                    '"path":"ckpt/step_00000100","saved_world_size":1}\n')
+        run.t += 1.0
+        run.append(50)
+        collector = RunCollector(tmp_path, refresh_s=0.0)
+        cost = measured(lambda: _metrics(collector))
+        metrics = _metrics(collector)
+    finally:
+        run.close()
+    assert cost.bytes_read > sum(p.stat().st_size for p in events_dir(tmp_path).glob("*.jsonl"))  # read whole
+    _figures_match_the_report(metrics, tmp_path)
+    assert metrics["training_goodput_ratio"] < 0.1  # steps 101-3000 thrown away

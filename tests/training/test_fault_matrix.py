@@ -128,7 +128,6 @@ CASES = {
     "hang": Case(ONE_NODE, "sync", "hang@12:rank=1", 10, ("fault_tolerance.timeout_safety_factor=20",)),
     # sync saves: step 10 is committed before the fault for sure (an async one may still be in flight)
     "node-loss": Case(TWO_NODES, "sync", "node-loss@12:node=1", 10),
-    "node-loss-host": Case(TWO_NODES, "sync", "node-loss@12:node=0", 10),
     # the spare (node 2) takes node 1's place; node 1's replacement starts only after the run's end
     "node-loss-spare": Case((*TWO_NODES, "--spares", "1", "--replacement-delay", str(REPLACEMENT_DELAY_S)), "sync",
                             "node-loss@12:node=1", 10),
@@ -203,20 +202,6 @@ def test_node_loss_replaces_that_node(fault_run):
         "DisruptionTarget)"]
 
 
-def _run_ids(run, node):
-    """The rendezvous ids of every launcher the node started (ft_launcher logs its config once per start)."""
-    return re.findall(r"run_id\s*:\s*(\S+)", (run.run_dir / "logs" / f"node{node}.log").read_text())
-
-
-@pytest.mark.slow
-def test_losing_node_0_replaces_only_node_0(fault_run):
-    run = fault_run("node-loss-host")
-    assert [(e["node"], e["attempt"]) for e in events_named(run.run_dir, "node_replaced")] == [(0, 1)]
-    assert [e["restart_kind"] for e in events_named(run.run_dir, "restart") if e["source"] == "controller"] == ["node"]
-    # the store outlived node 0: node 1's launcher stayed and both joined the one rendezvous
-    assert len(_run_ids(run, 1)) == 1 and set(_run_ids(run, 0)) == set(_run_ids(run, 1))
-
-
 @pytest.mark.slow
 def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_its_replacement(fault_run):
     run = fault_run("node-loss-spare")
@@ -244,17 +229,36 @@ def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(nam
     assert settled["interval"] == 1 and settled["bytes_per_rank"] > 0
 
 
+# Rank 0's node lost, then another rank's, in every restart mode; with neither hot spare nor peer state (the
+# lost node's replacement, the FSx checkpoint) and with both (the spare takes its place, the partner's copy).
+# With restart=both the in-process Wrapper's stores once lived in rank 0's process: losing its node left the
+# survivors' Wrapper without them, and training stalled for good. They live in the rendezvous store now, off
+# the nodes (training/train/coordination.py), and a lost rank 0 is a lost node like any other.
+LOSSES = "node-loss@8:rank=0,node-loss@16:rank=1"
+SHAPES = {"bare": ((), ()), "spare-peer": (("--spares", "1"), PEER_STATE)}  # launcher options, config overrides
+
+
 @pytest.mark.slow
-def test_peer_state_survives_a_second_loss_after_a_spare_took_over(tmp_path, reference, scratch):
-    """Node 0 lost, the spare (node 2) takes its place; then node 1. The spare holds node 1's copies,
-    so the replacements (back at once, no delay) must not push it out: newer pods rank after older ones
-    (test_launch checks the ranking; whether a replacement is back before the round closes is timing)."""
-    specs = "node-loss@8:node=0,node-loss@16:node=1"
-    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync",
-                              *PEER_STATE, "--faults", specs))
-    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == specs.split(",")
-    assert [e["source_kind"] for e in events_named(run.run_dir, "resume")] == ["none", "peer", "peer"]
-    assert all(f.steps_lost == 0 for f in build_report(read_events(run.run_dir)).faults)
+@pytest.mark.parametrize("mode", ["injob", "both"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_losing_rank_0s_node_then_another_resumes_exactly(mode, shape, tmp_path, reference, scratch):
+    """With a spare, the spare holds the copies of the node it replaced, so the replacements (back at once, no
+    delay) must not push it out: newer pods rank after older ones (test_launch checks the ranking)."""
+    options, overrides = SHAPES[shape]
+    run = completed(run_local(tmp_path / "run", *TWO_NODES, *options, *COMMON, "checkpoint.mode=sync", *overrides,
+                              f"fault_tolerance.restart={mode}", "--faults", LOSSES, timeout=300))
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == LOSSES.split(",")
+    [first, second] = build_report(read_events(run.run_dir)).faults
+    assert (first.kind, first.rank, second.kind, second.rank) == ("node-loss", 0, "node-loss", 1)
+    assert (first.restart_kind, second.restart_kind) == ("node", "node")
+    resumes = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
+    if shape == "bare":
+        assert resumes == [(0, "none"), (5, "disk"), (15, "disk")]
+    else:
+        assert [kind for _, kind in resumes] == ["none", "peer", "peer"] and first.steps_lost == second.steps_lost == 0
+    # the store outlived both: every launcher joined the one rendezvous (ft_launcher logs its config as it starts)
+    launchers = "".join(p.read_text() for p in (run.run_dir / "logs").glob("node*.log"))
+    assert len(set(re.findall(r"run_id\s*:\s*(\S+)", launchers))) == 1
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 

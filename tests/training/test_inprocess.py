@@ -25,6 +25,8 @@ from training.contract.launcher import HANG_FLOOR_MARGIN_S, launcher_ft_args, se
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
 from training.report.goodput import build_report
+from training.train.coordination import Coordination, WrapperStore
+from training.train.distributed import DistInfo
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
@@ -43,11 +45,16 @@ def _budget():
     return RestartBudget(3, 2, FaultLog(dist.HashStore()))
 
 
+OFF_NODE = Coordination("store.ns", 29400, "training/r/cycle3-node0:29500", None)
+
+
 def test_wrapper_kwargs_fit_the_installed_signature():
-    kwargs = wrapper_kwargs(_cfg(), master_port=29500, on_cuda=False, initialize=_budget())
+    kwargs = wrapper_kwargs(_cfg(), coordination=OFF_NODE, master_port=29500, on_cuda=False, initialize=_budget())
     assert set(kwargs) <= set(inspect.signature(inprocess.Wrapper.__init__).parameters)
-    assert kwargs["store_kwargs"] == {"port": 29501}
-    assert kwargs["abort"].keep_ports == {29500, 29501, 29502}  # launcher, Wrapper and app stores survive
+    assert kwargs["store_factory"] is WrapperStore
+    assert kwargs["store_kwargs"] == {"host": "store.ns", "port": 29400, "host_rank": None,
+                                      "prefix": "training/r/cycle3-node0:29500/wrapper"}
+    assert kwargs["abort"].keep_ports == {29500, 29400}  # the launcher's and the coordination store survive
     assert kwargs["health_check"] is None  # no CUDA/NVML check on a CPU machine
     # the monitor process must poll faster than progress is reported (else it skips its timeout checks)
     assert kwargs["monitor_process_interval"] < kwargs["progress_watchdog_interval"] < kwargs["soft_timeout"]
@@ -64,7 +71,7 @@ def test_make_wrapper_hides_local_rank_on_cpu(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    make_wrapper(_cfg(f"run_dir={tmp_path}"), _budget(), wrapper_cls=Wrapper070)
+    make_wrapper(_cfg(f"run_dir={tmp_path}"), OFF_NODE, _budget(), wrapper_cls=Wrapper070)
     assert seen["local_rank"] is None  # 0.7.0 would add NVML GPU checks to every restart
     assert seen["pidfile"].endswith("logs/inprocess_monitor_rank{rank}.pid")
     assert os.environ["LOCAL_RANK"] == "1"  # restored

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,6 +15,8 @@ from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
 from training.contract.job_failure import (FailureRequest, FailureRequests, JobMustFail, request_job_failure,
                                            requests_dir)
+from training.contract.launcher import STORE_ENDPOINT_ENV
+from training.pod import launch
 from training.pod.launch import MAX_PODS, fail_the_job, launcher_env
 from training_helpers import REPO_ROOT
 
@@ -94,10 +97,18 @@ def test_the_launchers_infrastructure_rank_is_the_pods_start_then_its_index(conf
     assert rank % MAX_PODS == 5 and before * 1000 - 1 <= rank // MAX_PODS <= time.time() * 1000
     # a replacement of index 0 started later ranks after a spare of index 2 started earlier: the
     # spare, which already trains, keeps its place
-    spare, replacement = (int(launcher_env({"JOB_COMPLETION_INDEX": i}, t)["GROUP_RANK"]) for i, t in (("2", 100.0),
-                                                                                                     ("0", 160.5)))
+    spare, replacement = (int(launcher_env({"JOB_COMPLETION_INDEX": i}, t, [])["GROUP_RANK"])
+                          for i, t in (("2", 100.0), ("0", 160.5)))
     assert spare < replacement
-    assert "GROUP_RANK" not in launcher_env({}, 100.0)  # not a pod of an Indexed Job: NVRx's own ranks
+    assert "GROUP_RANK" not in launcher_env({}, 100.0, [])  # not a pod of an Indexed Job: NVRx's own ranks
+
+
+@pytest.mark.parametrize("command", [["ft_launcher", "--nnodes=2", "--rdzv-endpoint=store.ns:29400", "-m", "x"],
+                                     ["ft_launcher", "--rdzv_endpoint", "store.ns:29400", "-m", "x"]])
+def test_the_ranks_are_told_where_the_rendezvous_store_is(command):
+    """The in-process Wrapper coordinates in the rendezvous store, which outlives every node."""
+    assert launcher_env({}, 100.0, command)[STORE_ENDPOINT_ENV] == "store.ns:29400"
+    assert STORE_ENDPOINT_ENV not in launcher_env({}, 100.0, ["ft_launcher", "--standalone", "-m", "x"])
 
 
 def test_an_invalid_config_fails_before_the_launcher_starts(tmp_path):
@@ -146,3 +157,24 @@ def test_failure_requests_are_read_once_each_and_only_whole_ones(tmp_path):
     assert isinstance(error, JobMustFail) and not isinstance(error, Exception)  # the Wrapper lets it through
     assert requests.new() == FailureRequest("rank3", "after")
     assert requests.new() is None
+
+
+def test_a_launcher_still_running_after_the_runs_completion_is_stopped(config, monkeypatch):
+    """A node that stood by as the run ended may wait for a round that never comes (a store started again after
+    the rendezvous shut down): it is stopped once the run completed, and the pod exits 0."""
+    monkeypatch.setattr(launch, "COMPLETION_POLL_S", 0.2)
+    monkeypatch.setattr(launch, "COMPLETED_GRACE_S", 0.5)
+    monkeypatch.setattr(launch, "POLL_S", 0.05)
+    run_dir = config.parent / "run"
+    _run_end(config, STEPS - 5)  # an earlier run's end, there before the launcher started: not this run's
+    watch = launch.CompletionWatch(str(run_dir), STEPS)
+    saved = {sig: signal.getsignal(sig) for sig in launch.PASSED_ON}
+    started = time.monotonic()
+    try:
+        threading.Timer(1.0, _run_end, (config, STEPS)).start()
+        code, request = launch.run([sys.executable, "-c", "import time; time.sleep(60)"], FailureRequests(run_dir),
+                                   watch)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert (code, request) == (128 + signal.SIGTERM, None) and time.monotonic() - started < 10

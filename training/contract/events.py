@@ -119,6 +119,24 @@ class EventTail:
         self.unreadable: dict[str, str] = {}  # file name -> the error of the last read
         self.behind = False
 
+    @classmethod
+    def from_offsets(cls, run_dir: str | os.PathLike, offsets: dict[str, int]) -> EventTail:
+        """A tail that reads each file from its offset in `offsets` (a line's end), one not named from its start."""
+        tail = cls(run_dir)
+        tail._offsets.update(offsets)
+        return tail
+
+    @classmethod
+    def from_now(cls, run_dir: str | os.PathLike) -> EventTail:
+        """A tail whose first `read_new` returns only what is appended after this call."""
+        directory = events_dir(run_dir)
+        return cls.from_offsets(run_dir, {path.name: path.stat().st_size
+                                          for path in (directory.glob("*.jsonl") if directory.is_dir() else ())})
+
+    def offsets(self) -> dict[str, int]:
+        """How far each file has been read, to the end of its last complete line (`from_offsets` goes on there)."""
+        return {name: offset - len(self._pending.get(name, b"")) for name, offset in self._offsets.items()}
+
     def read_new(self, limit: int = -1) -> list[dict[str, Any]]:
         directory = events_dir(self.run_dir)
         if not directory.is_dir():
@@ -172,10 +190,14 @@ def run_completed(run_dir: str | os.PathLike, steps: int) -> bool:
     directory = events_dir(run_dir)
     for path in sorted(directory.glob("*.jsonl")) if directory.is_dir() else ():
         with path.open("rb") as f:  # a two-week log is large: parse only the run_end lines
-            for r in _parse(line for line in f if b'"run_end"' in line):
-                if r["event"] == "run_end" and r.get("status") == "completed" and r.get("step", 0) >= steps:
-                    return True
+            if any(completes(r, steps) for r in _parse(line for line in f if b'"run_end"' in line)):
+                return True
     return False
+
+
+def completes(record: dict[str, Any], steps: int) -> bool:
+    """Whether `record` is a run's completion at `steps` or beyond."""
+    return record["event"] == "run_end" and record.get("status") == "completed" and record.get("step", 0) >= steps
 
 
 def _read_lines(path: Path) -> Iterator[dict[str, Any]]:

@@ -78,6 +78,22 @@ def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes:
                 f"store_connect_wait_seconds={ft.rendezvous_join_timeout_s:.0f}"))]
 
 
+# The rendezvous store's HOST:PORT, which training.pod.launch reads off ft_launcher's command line and hands
+# the ranks: with restart=both the in-process Wrapper coordinates there, off the GPU nodes
+# (training/train/coordination.py).
+STORE_ENDPOINT_ENV = "TRAINING_STORE_ENDPOINT"
+_ENDPOINT_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint")  # ft_launcher takes both spellings, as torchrun does
+
+
+def rendezvous_endpoint(command: list[str]) -> str | None:
+    """The --rdzv-endpoint of a launcher command line (`--rdzv-endpoint=E` or `--rdzv-endpoint E`); None without."""
+    for i, arg in enumerate(command):
+        flag, equals, value = arg.partition("=")
+        if flag in _ENDPOINT_FLAGS:
+            return value if equals else (command[i + 1] if i + 1 < len(command) else None)
+    return None
+
+
 def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, spares: int,
                   bin_dir: str = "") -> list[str]:
     """The rendezvous store, off the training nodes: NVRx 0.7.0's `nvrx-control` owns the TCPStore and

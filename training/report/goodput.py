@@ -354,17 +354,17 @@ def format_report(report: GoodputReport) -> str:
     ]
     if report.faults:
         lines.append(f"  {'#':>2}  {'kind':<16}{'rank':>5}{'at s':>9}  {'detected after':<26}"
-                     f"{'restart':<11}{'recovery s':>11}{'time lost s':>12}  steps lost")
+                     f"{'restart':<11}{'recovery s':>14}{'time lost s':>14}  steps lost")
     for i, f in enumerate(report.faults, 1):
         detected = f"{_s(f.detection_s)} s ({f.detected_by})" if f.detection_s is not None else "-"
         lost = f"{f.steps_lost} (back to {f.resumed_from})" if f.steps_lost is not None else "-"
         kind = f"{f.kind} ({f.drain_path})" if f.drain_path else f.kind  # drain (peers): how the step was kept
         lines.append(f"  {i:>2}  {kind:<16}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
-                     f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>11}{_s(f.time_lost_s):>12}  {lost}")
+                     f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>14}{_s(f.time_lost_s):>14}  {lost}")
     return "\n".join(lines)
 
 
-def _s(seconds: float | None) -> str:
+def _s(seconds: float | None) -> str:  # at most 13 characters: the columns are 14 wide
     return "not recovered" if seconds is None else f"{seconds:.1f}"
 
 

@@ -13,9 +13,9 @@ Wrapper interrupt the others, mid-commit). Its hang timeouts are off while the d
 (`Iteration.unwatched`), and the SIGTERM watcher is the process's, started before the Wrapper, so a
 signal that lands between two iterations reaches the next.
 
-Stores, all on MASTER_ADDR and hosted by global rank 0's process only (so emulated nodes on one
-host never collide): MASTER_PORT is the launcher's (c10d rendezvous), MASTER_PORT+1 the Wrapper's,
-MASTER_PORT+2 the application's (process groups under `iteration<N>/`, the fault log).
+Stores: the Wrapper's and the application's (process groups under `iteration<N>/`, the fault log) are
+clients of the rendezvous store, off the GPU nodes, so that losing rank 0's node is handled as any other
+lost node (training/train/coordination.py).
 
 On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: with it, NVRx 0.7.0 adds NVML
 GPU/NIC health checks to every restart, which fail without a GPU.
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from training.contract.config import TrainConfig
 from training.contract.events import EventLog
 from training.contract.job_failure import JobMustFail
+from training.train.coordination import Coordination
 from training.train.distributed import choose_device, default_launcher_env
 from training.train.drain import DrainSignal, Drained
 from training.train.gloo_abort import ProcessGroupAbort
@@ -56,13 +57,12 @@ from training.train.rollback import MemoryRollback
 
 log = logging.getLogger(__name__)
 
-WRAPPER_PORT_OFFSET, APP_PORT_OFFSET = 1, 2
 # Fixed intervals (s). The monitor process must poll faster than the progress watchdog reports:
 # its loop skips the timeout checks while timestamps keep arriving (NVRx 0.7.0).
 MONITOR_PROCESS_INTERVAL = 0.5
 PROGRESS_WATCHDOG_INTERVAL = 1.0
 # Both below add directly to every in-process recovery (0.5 s each made it 1.7 s instead of 0.9 s
-# in `make bench`). Polling every 0.1 s is 10 small requests per rank per second to rank 0's store.
+# in `make bench`). Polling every 0.1 s is 10 small requests per rank per second to the rendezvous store.
 MONITOR_THREAD_INTERVAL = 0.1  # how often a rank polls the store for a peer's fault
 LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before attributing it
 # A rank whose collective broke because a peer's abort shut its sockets waits this long for its own
@@ -159,18 +159,17 @@ class RestartBudget(inprocess.initialize.Initialize):
                 f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(iteration - 1)}")
 
 
-def wrapper_kwargs(cfg: TrainConfig, *, master_port: int, on_cuda: bool,
+def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port: int, on_cuda: bool,
                    initialize: inprocess.initialize.Initialize) -> dict[str, Any]:
-    """The Wrapper's kwargs for this config."""
+    """The Wrapper's kwargs for this config; its store in `coordination`."""
     ft = cfg.fault_tolerance
     hard = timedelta(seconds=ft.inprocess_hard_timeout)
     barrier = hard + timedelta(seconds=BARRIER_MARGIN)
     logs = Path(cfg.run_dir).resolve() / "logs"
     return dict(
-        store_kwargs={"port": master_port + WRAPPER_PORT_OFFSET},
+        **coordination.wrapper_store(),
         initialize=initialize,
-        abort=ProcessGroupAbort({master_port, master_port + WRAPPER_PORT_OFFSET, master_port + APP_PORT_OFFSET},
-                                on_cuda),
+        abort=ProcessGroupAbort({master_port, coordination.port}, on_cuda),
         health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,  # no NVML/CUDA on CPU
         soft_timeout=timedelta(seconds=ft.inprocess_soft_timeout),
         hard_timeout=hard,
@@ -197,10 +196,11 @@ def _hidden_env(name: str, hide: bool) -> Iterator[None]:
             os.environ[name] = saved
 
 
-def make_wrapper(cfg: TrainConfig, initialize: inprocess.initialize.Initialize,
+def make_wrapper(cfg: TrainConfig, coordination: Coordination, initialize: inprocess.initialize.Initialize,
                  wrapper_cls: type = inprocess.Wrapper) -> Any:
     on_cuda = choose_device(cfg.training.device).type == "cuda"
-    kwargs = wrapper_kwargs(cfg, master_port=int(os.environ["MASTER_PORT"]), on_cuda=on_cuda, initialize=initialize)
+    kwargs = wrapper_kwargs(cfg, coordination=coordination, master_port=int(os.environ["MASTER_PORT"]),
+                            on_cuda=on_cuda, initialize=initialize)
     Path(cfg.run_dir, "logs").mkdir(parents=True, exist_ok=True)
     with _hidden_env("LOCAL_RANK", hide=not on_cuda):
         return wrapper_cls(**kwargs)
@@ -277,16 +277,16 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
     """`train(cfg, iteration)` under the Wrapper until it returns; raises RestartAbort when the
     Wrapper gives up. Called with torch.distributed uninitialised (the Wrapper requires it)."""
     default_launcher_env()
-    master_port, world_size = int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    coordination = Coordination.from_env(os.environ)
+    server = coordination.serve(int(os.environ["RANK"]))  # noqa: F841 (kept alive while the Wrapper runs)
     # Created once, outside the Wrapper: it outlives every iteration's process group.
-    app_store = dist.TCPStore(os.environ["MASTER_ADDR"], master_port + APP_PORT_OFFSET, world_size,
-                              is_master=int(os.environ["RANK"]) == 0, timeout=timedelta(minutes=5),
-                              wait_for_workers=False)
+    app_store = coordination.app_store()
     faults = FaultLog(app_store)
     report = _FaultReporter(cfg, faults)
     rollback = MemoryRollback()
     budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults)
-    wrapper = make_wrapper(cfg, budget)
+    wrapper = make_wrapper(cfg, coordination, budget)
 
     drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
 

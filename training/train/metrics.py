@@ -9,7 +9,8 @@ Two sources, so that nothing is counted twice:
   metrics.event_log_refresh_s seconds, in the HTTP server's thread, never in the training loop's, and
   only what was appended since the last read (a two-week log holds millions of events): a refresh costs
   the events since the previous one, whatever the log's length. The first read of a process (after each
-  restart of rank 0) catches up on the whole log once.
+  restart of rank 0) catches up from the tally saved beside the log (training/report/saved_tally.py, at most
+  every TALLY_SAVE_S), reading only what was appended since; without one it reads the whole log once.
 
 The server binds in the background: a rank 0 restarted in-job may find the port still held for a moment
 by the process it replaces (being killed), and retries until it is free; training never waits for it.
@@ -28,24 +29,30 @@ from prometheus_client.registry import Collector
 
 from training.contract.events import EventTail
 from training.contract.flops import mfu
-from training.report.tally import RunTally
+from training.report import saved_tally
+from training.report.tally import BelowFloor, RunTally
 
 log = logging.getLogger("training.train.metrics")
 PREFIX = "training_"
 BIND_RETRY_S = 1.0
 READ_CHUNK_BYTES = 4 << 20  # of each event file per fold: a new process catches up on a long log in pieces
+TALLY_SAVE_S = 300.0  # a new rank 0 reads at most this long's events beyond the saved tally
 
 
 class RunCollector(Collector):
     """The run-so-far figures, from the event log of `run_dir`."""
 
     def __init__(self, run_dir: str | os.PathLike, refresh_s: float) -> None:
-        self.refresh_s = refresh_s
-        self._log = EventTail(run_dir)
-        self._tally = RunTally()
+        self.run_dir, self.refresh_s = run_dir, refresh_s
+        saved = saved_tally.load(run_dir)
+        self._tally, self._log = (saved[0], EventTail.from_offsets(run_dir, saved[1])) if saved else self._whole_log()
         self._families: list[GaugeMetricFamily | CounterMetricFamily] = []
         self._read_at = -float("inf")
+        self._saved_at = -float("inf")
         self._lock = threading.Lock()
+
+    def _whole_log(self) -> tuple[RunTally, EventTail]:
+        return RunTally(), EventTail(self.run_dir)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self._lock:
@@ -62,11 +69,14 @@ class RunCollector(Collector):
 
     def _read(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         try:
-            self._tally.add(self._log.read_new(READ_CHUNK_BYTES))
-            while self._log.behind:
-                self._tally.add(self._log.read_new(READ_CHUNK_BYTES))
+            self._fold_new()
+        except BelowFloor as err:  # the saved tally cannot say: the whole log, once
+            log.info("metrics tally: %s; reading the whole event log", err)
+            self._tally, self._log = self._whole_log()
+            self._fold_new()
         except FileNotFoundError:  # before the first event: nothing to say yet
             return []
+        self._save()
         if self._log.unreadable:  # e.g. an FSx client eviction: those files are read on a later refresh
             log.warning("event log: %s; the run figures leave them out until they can be read",
                         "; ".join(self._log.unreadable.values()))
@@ -95,6 +105,22 @@ class RunCollector(Collector):
         }
         return [restarts, *(GaugeMetricFamily(PREFIX + name, text, value=value)
                             for name, (text, value) in gauges.items())]
+
+
+    def _fold_new(self) -> None:
+        self._tally.add(self._log.read_new(READ_CHUNK_BYTES))
+        while self._log.behind:
+            self._tally.add(self._log.read_new(READ_CHUNK_BYTES))
+
+    def _save(self) -> None:
+        """The tally, for the next process's catch-up, at most every TALLY_SAVE_S (and after the first read)."""
+        if time.monotonic() - self._saved_at < TALLY_SAVE_S or not self._tally.steps:
+            return
+        self._saved_at = time.monotonic()
+        try:
+            saved_tally.save(self.run_dir, self._tally, self._log.offsets())
+        except OSError as err:  # the next process reads more of the log, nothing worse
+            log.warning("metrics tally not saved (%s: %s)", type(err).__name__, err)
 
 
 class TrainingMetrics:

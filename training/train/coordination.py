@@ -1,0 +1,84 @@
+"""Where the ranks coordinate in-process restarts (fault_tolerance.restart = both): the Wrapper's store (its
+barriers, heartbeats, interruption records) and the application's (each iteration's process-group rendezvous,
+the fault log).
+
+Both live in the rendezvous store, whose endpoint training.pod.launch hands the ranks (STORE_ENDPOINT_ENV):
+nvrx-control in the store pod on the system nodes (training.local: its store process). It outlives every GPU
+node, so losing any node, rank 0's too, leaves the survivors' Wrapper standing: it sees the lost ranks'
+heartbeats stop and, the world shrunk, hands over to the launcher's in-job restart, as for any lost node.
+Hosted in global rank 0's process (NVRx's default), they died with rank 0's node: the survivors' monitor
+threads failed on the dead store ("Broken pipe") and nothing escalated.
+
+Each launcher cycle starts new ranks, with a new Wrapper whose keys must start empty: they go under the
+cycle's prefix (TORCHELASTIC_RESTART_COUNT is NVRx 0.7.0's global cycle number, the rendezvous round, the
+same on every node; MASTER_ADDR:MASTER_PORT, which rank 0 picks anew each round, besides). A store started
+over is empty anyway.
+
+Without the endpoint (ft_launcher started by hand, not under training.pod.launch) global rank 0's process
+hosts one store for both, at MASTER_PORT+1, and waits for every rank before it leaves (the Wrapper's
+critical rank); losing rank 0 there ends the cycle's coordination.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from nvidia_resiliency_ext.inprocess.store import StoreMixin
+
+from training.contract.launcher import STORE_ENDPOINT_ENV
+
+HOSTED_PORT_OFFSET = 1  # without an endpoint: rank 0's store, at MASTER_PORT + this
+STORE_TIMEOUT = timedelta(minutes=5)  # one store request (a wait's own timeout is shorter)
+
+
+class WrapperStore(dist.PrefixStore, StoreMixin):
+    """The Wrapper's store (its store_factory): a client of the coordination store, under a prefix.
+    `host_rank`: the rank whose process serves it (None: off the nodes), which the Wrapper keeps until
+    every rank has left."""
+
+    def __init__(self, host: str, port: int, prefix: str, host_rank: int | None = None) -> None:
+        super().__init__(prefix, dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT,
+                                               wait_for_workers=False))
+        self._critical_ranks = () if host_rank is None else (host_rank,)
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        return self._critical_ranks
+
+
+@dataclass(frozen=True)
+class Coordination:
+    """The store this launcher cycle's ranks coordinate in, and their prefix in it."""
+    host: str
+    port: int
+    prefix: str
+    host_rank: int | None  # the rank whose process serves it; None: the rendezvous store, off the nodes
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | os._Environ) -> Coordination:
+        cycle = f"cycle{environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+        prefix = f"training/{environ.get('TORCHELASTIC_RUN_ID', 'none')}/{cycle}"
+        endpoint = environ.get(STORE_ENDPOINT_ENV)
+        if endpoint:
+            host, _, port = endpoint.rpartition(":")
+            return cls(host.strip("[]"), int(port), prefix, None)
+        return cls(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]) + HOSTED_PORT_OFFSET, prefix, 0)
+
+    def serve(self, rank: int) -> dist.TCPStore | None:
+        """The store's server, when this rank's process hosts it (kept for the life of the process)."""
+        if rank != self.host_rank:
+            return None
+        return dist.TCPStore(self.host, self.port, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+
+    def app_store(self) -> dist.Store:
+        """The application's store: a client, under the cycle's prefix."""
+        client = dist.TCPStore(self.host, self.port, is_master=False, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        return dist.PrefixStore(f"{self.prefix}/app", client)
+
+    def wrapper_store(self) -> dict:
+        """The Wrapper's store_factory and store_kwargs."""
+        return dict(store_factory=WrapperStore, store_kwargs=dict(host=self.host, port=self.port,
+                                                                  prefix=f"{self.prefix}/wrapper",
+                                                                  host_rank=self.host_rank))
