@@ -26,7 +26,6 @@ from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
 from training.report.goodput import build_report
 from training.train.coordination import Coordination, WrapperStore
-from training.train.distributed import DistInfo
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
