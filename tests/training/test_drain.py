@@ -115,7 +115,7 @@ class Call:
 def train(cfg, iteration):
     print(f"iteration {iteration.number}: drain flag {iteration.drain_signal.flag}", flush=True)
 
-inprocess_module.make_wrapper = lambda cfg, budget: Restarting
+inprocess_module.make_wrapper = lambda cfg, coordination, budget: Restarting
 inprocess_module.run_inprocess(load_train_config(None, [f"run_dir={sys.argv[3]}", "fault_tolerance.restart=both"]),
                                train)
 print("left the Wrapper", flush=True)
