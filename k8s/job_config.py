@@ -17,7 +17,8 @@ from k8s.outputs import InfraOutputs
 from training.contract.config import TrainConfig
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
 from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
-from training.contract.shapes import node_memory_bytes, parameter_count
+from training.contract.model_source import model_shape
+from training.contract.shapes import node_memory_bytes
 from training.contract.k8s_delays import EKS
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
@@ -144,7 +145,7 @@ class JobConfig:
         peer = self.train.peer_state
         if not peer.enabled:
             return 0.0
-        return node_memory_bytes(parameter_count(self.train.model.preset), self.nodes, peer.replicas) / 2**30
+        return node_memory_bytes(model_shape(self.train.model).parameters, self.nodes, peer.replicas) / 2**30
 
     @property
     def shm_gib(self) -> int:
@@ -223,7 +224,7 @@ def _validate(j: JobConfig) -> None:
     if j.peer_state_gib > j.shm_gib * (1 - SHM_RESERVE):
         raise JobConfigError(
             f"peer_state.enabled=true needs {j.peer_state_gib:.0f} GiB of each node's /dev/shm for "
-            f"{j.train.model.preset} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
+            f"{model_shape(j.train.model).name} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
             f"{1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
             f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction, or turn peer state off")
     if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
