@@ -19,6 +19,7 @@ ALLOWED = {
     "train": {"contract", "models", "data", "report", "train"},
     "pod": {"contract", "pod"},
     "local": {"contract", "data", "pod", "report", "local"},
+    "export": {"contract", "models", "train", "export"},
 }
 
 

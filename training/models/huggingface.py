@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from training.contract.model_source import HF_CONFIG, ModelSourceError, hf_shape, read_hf_config
 from training.contract.shapes import ModelShape
-from training.models.spec import counted_shape, layout_fingerprint, units_of_classes
+from training.models.spec import counted_shape, layout_fingerprint, units_of_classes, untied_state
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class HuggingFaceSpec:
         for file in files:
             with safe_open(file, framework="pt") as f:
                 found |= {name: (list(f.get_slice(name).get_shape()), file) for name in f.keys()}
-        expected = self._loadable_state(self.build("meta"))
+        model = self.build("meta")
+        expected = untied_state(model, get_model_state_dict(model))
         missing = sorted(set(expected) - set(found))
         misshaped = [f"{name}: {found[name][0]} in {found[name][1].name}, the config makes {list(t.shape)}"
                      for name, t in expected.items() if name in found and found[name][0] != list(t.shape)]
@@ -106,19 +107,10 @@ class HuggingFaceSpec:
         if unused:
             log.warning("%s: %d tensor(s) the model does not use are ignored: %s", self.path, len(unused), unused[:8])
 
-    def _loadable_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The model's state dict less the weights tied to one kept (lm_head tied to the embedding: the
-        files hold it once, under the embedding's name)."""
-        first: dict[int, str] = {}
-        aliases = set()
-        for name, parameter in model.named_parameters(remove_duplicate=False):
-            (aliases.add(name) if id(parameter) in first else first.setdefault(id(parameter), name))
-        return {name: t for name, t in get_model_state_dict(model).items() if name not in aliases}
-
     def load_pretrained(self, model: nn.Module) -> bool:
         if not self.weight_files:
             return False
-        state = self._loadable_state(model)
+        state = untied_state(model, get_model_state_dict(model))
         # in place: the state dict's tensors are the model's (sharded) parameters; each rank reads its slices
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(self.path)))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))

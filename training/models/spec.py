@@ -91,6 +91,18 @@ def layout_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
 
 
+def untied_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the model's state dict) less the names of parameters tied to one named before them (a Hugging
+    Face lm_head tied to the embedding): the safetensors files hold such a weight once, under the first name."""
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases.add(name)
+        first.setdefault(id(parameter), name)
+    return {name: tensor for name, tensor in state.items() if name not in aliases}
+
+
 def counted_shape(shape: ModelShape, model: nn.Module, embedding: nn.Module) -> ModelShape:
     """`shape` with the parameters counted on the built model (tied weights once)."""
     return replace(shape, parameters=sum(p.numel() for p in model.parameters()),
