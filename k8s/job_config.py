@@ -17,8 +17,8 @@ from k8s.outputs import InfraOutputs
 from training.contract.config import TrainConfig
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
 from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
-from training.contract.model_source import model_shape
-from training.contract.shapes import node_memory_bytes
+from training.contract.model_source import ModelSourceError, model_shape
+from training.contract.shapes import ModelShape, node_memory_bytes
 from training.contract.k8s_delays import EKS
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
@@ -71,6 +71,9 @@ class JobConfig:
     # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-hang, node-loss, partition)
     # fire in the pods; written into the training config's immutable ConfigMap (allow_destructive_faults).
     allow_destructive_faults: bool = False
+    # A Hugging Face model's directory lies on FSx, which is not mounted where the chart renders: a local copy
+    # of it (its config.json is enough) sizes what the chart checks (peer state's /dev/shm). None: model.path.
+    model_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes is None:
@@ -140,12 +143,24 @@ class JobConfig:
         return self.termination_grace_s or self.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
 
     @property
+    def model_shape(self) -> ModelShape:
+        """The model's sizes: a preset's from its table, a Hugging Face model's from its config.json."""
+        model = self.train.model
+        if model.source == "huggingface" and self.model_dir is not None:
+            model = replace(model, path=self.model_dir)
+        try:
+            return model_shape(model)
+        except ModelSourceError as err:
+            raise JobConfigError(f"{err}. The chart sizes the Job from the model's config.json: pass --model-dir with a "
+                                 f"local copy of {self.train.model.path} (config.json is enough)") from None
+
+    @property
     def peer_state_gib(self) -> float:
         """/dev/shm that peer state takes on each node (0 when off)."""
         peer = self.train.peer_state
         if not peer.enabled:
             return 0.0
-        return node_memory_bytes(model_shape(self.train.model).parameters, self.nodes, peer.replicas) / 2**30
+        return node_memory_bytes(self.model_shape.parameters, self.nodes, peer.replicas) / 2**30
 
     @property
     def shm_gib(self) -> int:
@@ -176,7 +191,10 @@ def _with_fsx_paths(train: TrainConfig, job_name: str) -> TrainConfig:
     data = train.data
     if data.path is not None and PurePosixPath(data.path).is_absolute():
         data = replace(data, path=posixpath.normpath(data.path))
-    return replace(train, run_dir=run_dir, checkpoint=ckpt, data=data)
+    model = train.model
+    if model.path is not None:
+        model = replace(model, path=posixpath.normpath(model.path))
+    return replace(train, run_dir=run_dir, checkpoint=ckpt, data=data, model=model)
 
 
 def _with_gpu_peak(train: TrainConfig, instance: InstanceFacts) -> TrainConfig:
@@ -213,6 +231,10 @@ def _validate(j: JobConfig) -> None:
         raise JobConfigError(f"checkpoint.dir={j.train.checkpoint_dir!r} is not allowed on the cluster: it must be "
                              f"inside run_dir={j.train.run_dir!r}, the Job's own directory, the only part of FSx "
                              "its pods can write")
+    model = j.train.model
+    if model.source == "huggingface" and not _on_fsx(model.path):
+        raise JobConfigError(f"model.path={model.path!r} is not allowed on the cluster: the pods read the model from "
+                             f"FSx, a directory below {CHECKPOINT_MOUNT_PATH} (e.g. where the S3 import puts it)")
     _validate_faults(j)
     if j.backoff_limit_per_index < 0:
         raise JobConfigError(f"backoff_limit_per_index={j.backoff_limit_per_index} is not allowed: 0 or more")
@@ -224,7 +246,7 @@ def _validate(j: JobConfig) -> None:
     if j.peer_state_gib > j.shm_gib * (1 - SHM_RESERVE):
         raise JobConfigError(
             f"peer_state.enabled=true needs {j.peer_state_gib:.0f} GiB of each node's /dev/shm for "
-            f"{model_shape(j.train.model).name} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
+            f"{j.model_shape.name} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
             f"{1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
             f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction, or turn peer state off")
     if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
