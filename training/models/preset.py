@@ -10,7 +10,7 @@ from torch import nn
 
 from training.contract.shapes import PRESETS, ModelShape, preset_shape
 from training.models.llama import Block, Transformer, build_model
-from training.models.spec import layout_fingerprint, units_of_classes
+from training.models.layout import layout_fingerprint, units_of_classes
 
 # Our names -> transformers' Llama names, per block and outside the blocks.
 _BLOCK_NAMES = {
