@@ -90,7 +90,7 @@ class PlatformConfig:
     system_instance_type: str = "m6i.xlarge"
     system_nodes: int = 2
     fsx_storage_gib: int = 1200
-    fsx_throughput_per_tib: FsxThroughputPerTib = field(default=250, metadata={"choices_note": "MB/s/TiB"})
+    fsx_throughput_per_tib: FsxThroughputPerTib = field(default=1000, metadata={"choices_note": "MB/s/TiB"})
     fsx_export_bucket: bool = False
     # "destroy" is the one way `cdk destroy` deletes the checkpoints
     fsx_removal_policy: FsxRemovalPolicy = field(

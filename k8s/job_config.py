@@ -14,12 +14,14 @@ from pathlib import PurePosixPath
 from infra.config import CHECKPOINT_MOUNT_PATH, RENDEZVOUS_PORT, PlatformConfig
 from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
+from training.contract.capacity import (GIB, SHM_RESERVE, Capacity, FsxSpec, ModelFootprint, NodeSpec, Schedule,
+                                        capacity_of)
 from training.contract.config import TrainConfig
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
+from training.contract.k8s_delays import EKS
 from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
 from training.contract.model_source import ModelSourceError, model_shape
-from training.contract.shapes import ModelShape, node_memory_bytes
-from training.contract.k8s_delays import EKS
+from training.contract.shapes import ModelShape
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
 # the store "<job>-rendezvous" (at most 51).
@@ -27,7 +29,6 @@ _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
 CLUSTER_DOMAIN = "cluster.local"  # the EKS default
 MAX_NODE_FAILURE_TOLERATION_S = 300
-SHM_RESERVE = 1 / 8  # of /dev/shm, left to NCCL and the data loaders beside peer state  # what the DefaultTolerationSeconds admission plugin gives a pod
 
 
 class JobConfigError(ValueError):
@@ -155,12 +156,19 @@ class JobConfig:
                                  f"local copy of {self.train.model.path} (config.json is enough)") from None
 
     @property
+    def capacity(self) -> Capacity:
+        """The config at its size: the model, these nodes, the FSx that cdk.json (or -c) provisions
+        (training/contract/capacity.py)."""
+        node = NodeSpec(self.instance.name, self.instance.gpus, self.instance.gpu_peak_bf16_tflops,
+                        self.instance.efa_line_rate_gbs, self.shm_gib * GIB)
+        return capacity_of(ModelFootprint.from_shape(self.model_shape, self.train.training.seq_len), node, self.nodes,
+                           FsxSpec(self.platform.fsx_storage_gib, self.platform.fsx_throughput_per_tib),
+                           Schedule.from_config(self.train))
+
+    @property
     def peer_state_gib(self) -> float:
         """/dev/shm that peer state takes on each node (0 when off)."""
-        peer = self.train.peer_state
-        if not peer.enabled:
-            return 0.0
-        return node_memory_bytes(self.model_shape.parameters, self.nodes, peer.replicas) / 2**30
+        return self.capacity.peer_shm_bytes / GIB if self.train.peer_state.enabled else 0.0
 
     @property
     def shm_gib(self) -> int:
@@ -249,6 +257,9 @@ def _validate(j: JobConfig) -> None:
             f"{j.model_shape.name} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
             f"{1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
             f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction, or turn peer state off")
+    problems = j.capacity.problems()
+    if problems:
+        raise JobConfigError(f"{j.model_shape.name} on {j.nodes} x {j.instance.name}: " + "; and ".join(problems))
     if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
         raise JobConfigError(f"node_failure_toleration_s={j.node_failure_toleration_s} is not allowed: 0 to "
                              f"{MAX_NODE_FAILURE_TOLERATION_S} seconds (Kubernetes' default, which it shortens)")

@@ -139,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"infra outputs: {job.infra.source}")
     print(f"job {job.name}: {job.nodes} x {job.instance.name} + {job.spares} spare, restart={job.restart_mode}, "
           f"fault injection {'on' if fault_injection else 'off'}")
+    c = job.capacity
+    print(f"capacity (projected, `python -m training.plan --nodes {job.nodes} --config ...` for all of it): "
+          f"{c.state_bytes / 1e9:.1f} GB per save to FSx {c.fsx.describe()} in {c.save_s:.0f} s, interval "
+          f"{c.schedule.interval} steps ~ {c.interval_s:.0f} s, drain grace {c.schedule.drain_timeout_s:g} s")
     for path in sorted(args.outdir.glob("*.k8s.yaml")):
         print(f"wrote {path}")
     return 0

@@ -19,6 +19,7 @@ from bench.rollback import cost_per_step, measure_rollback
 from bench.stall import CALIBRATED_SYNC_COST, StallSpec, analyse, calibrated_interval, spare_cpu_world, step_wall_s
 from bench.table import format_markdown
 from training.plan import planner as plan
+from training.plan.cli import main as plan_main
 
 
 def test_stall_figures_come_from_the_event_logs(tmp_path: Path) -> None:
@@ -151,7 +152,7 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     save, mechanisms = plan.from_bench(path, "async")
     assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {  # a drain is no failure to plan for
         "injob": 7.0, "node_replacement": 20.0, "hot_spare": 10.0, "peer_state": 9.0, "k8s_restart": 13.0}
-    assert plan.main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
+    assert plan_main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
     assert "k8s_restart" in capsys.readouterr().out
 
 

@@ -65,3 +65,53 @@ def test_outputs_disagreeing_between_stacks(render_error):
     outputs = {"a": {"Namespace": "training"}, "b": {"Namespace": "other"}}
     assert "output Namespace differs between stacks" in render_error(outputs=outputs)
 
+
+
+# The chart checks the Job against the FSx it renders for (cdk.json, -c): training/contract/capacity.py.
+@pytest.mark.parametrize("args, expected", [
+    # the FSx this repository provisioned before: 1200 GiB x 250 MBps/TiB, 0.29 GB/s for 96 GB of 8b state
+    (["-c", "fsxThroughputPerTib=250"],
+     ["8b on 2 x p5.48xlarge: an async save of 96.4 GB to FSx (1200 GiB x 250 MBps/TiB = 0.29 GB/s) takes 329 s, "
+      "longer than checkpoint.interval=200 steps (~213 s at a projected 1.07 s per step)",
+      "Raise checkpoint.interval to at least 309, or FSx throughput (fsxThroughputPerTib, fsxStorageGib) to 0.45 GB/s",
+      "a drain cannot commit within its grace", "fault_tolerance.drain_timeout_s=300. Raise drain_timeout_s to at "
+      "least 329 (987 to also save the step reached)"]),
+    (["--set", "checkpoint.interval=50"], ["takes 82 s, longer than checkpoint.interval=50 steps",
+                                           "Raise checkpoint.interval to at least 78"]),
+    (["--set", "fault_tolerance.drain_timeout_s=60"],
+     ["the in-flight save of 96.4 GB takes up to 82 s to FSx (1200 GiB x 1000 MBps/TiB = 1.17 GB/s), more than "
+      "fault_tolerance.drain_timeout_s=60. Raise drain_timeout_s to at least 83 (247 to also save the step reached), "
+      "or FSx throughput (fsxThroughputPerTib, fsxStorageGib)"]),
+    (["--set", "checkpoint.keep=20"], ["checkpoint.keep=20 checkpoints and one in flight take 1885 GiB, more than "
+                                       "FSx's 1200 GiB: lower checkpoint.keep or raise fsxStorageGib to 2400"]),
+])
+def test_a_job_whose_saves_or_drains_cannot_keep_up_is_refused_with_its_numbers_and_knobs(render_error, args, expected):
+    err = render_error(*args)
+    for part in expected:
+        assert part in err
+
+
+def test_larger_fsx_or_a_longer_interval_fix_what_the_old_fsx_refused(render):
+    render("-c", "fsxThroughputPerTib=250", "-c", "fsxStorageGib=2400", "--set", "checkpoint.interval=400",
+           "--set", "fault_tolerance.drain_timeout_s=600")  # 0.59 GB/s: 165 s per save
+
+
+def test_the_default_job_keeps_its_promises_at_its_size():
+    """cdk.json's FSx and k8s/train.yaml's 8b Job on 2 p5 nodes: every save finishes within the interval, a drain
+    commits the in-flight save and the step reached, keep checkpoints fit."""
+    from infra.config import PlatformConfig
+    from k8s.job_config import JobConfig
+    from k8s.main import REPO_ROOT, load_platform
+    from k8s.outputs import load_infra_outputs
+    from training.contract.capacity import P5_48XLARGE
+    from training.contract.config import load_train_config
+
+    platform = load_platform(REPO_ROOT / "cdk.json", [])
+    assert platform == PlatformConfig()  # cdk.json's defaults are the config's
+    job = JobConfig(platform, load_train_config(REPO_ROOT / "k8s" / "train.yaml"),
+                    load_infra_outputs(platform, REPO_ROOT / "absent-outputs.json"))
+    c = job.capacity
+    assert c.node == P5_48XLARGE  # the capacity model's p5 is the instance table's, with the chart's /dev/shm
+    assert (c.model.name, c.nodes, c.fsx.storage_gib, c.fsx.throughput_per_tib) == ("8b", 2, 1200, 1000)
+    assert c.problems() == []
+    assert c.save_s < c.interval_s and c.drain_grace_for_step_s < c.schedule.drain_timeout_s and c.footprint_fits

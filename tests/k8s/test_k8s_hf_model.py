@@ -33,8 +33,9 @@ def test_a_hf_model_job_reads_the_model_from_fsx_and_is_sized_from_its_config(re
     assert model == {"source": "huggingface", "preset": "tiny", "path": "/fsx/datasets/models/Meta-Llama-3.1-8B"}
 
 
-def test_peer_state_of_llama_31_8b_is_sized_as_the_8b_preset(tmp_path):
-    """The same shape, one from config.json, the other from the preset table: the same /dev/shm."""
+def test_llama_31_8b_is_sized_as_the_8b_preset(tmp_path):
+    """The same shape, one from config.json, the other from the preset table: the same /dev/shm, the same
+    capacity figures."""
     platform = PlatformConfig()
     infra = load_infra_outputs(platform, tmp_path / "no-outputs.json")
     hf = JobConfig(platform=platform, train=load_train_config(TRAIN_HF), infra=infra,
@@ -42,6 +43,10 @@ def test_peer_state_of_llama_31_8b_is_sized_as_the_8b_preset(tmp_path):
     preset = JobConfig(platform=platform, train=load_train_config(REPO / "k8s" / "train.yaml"), infra=infra)
     assert hf.model_shape.parameters == preset.model_shape.parameters == 8030261248
     assert hf.peer_state_gib == preset.peer_state_gib > 0
+    # the capacity model (training/contract/capacity.py) is fed the same: state bytes, FLOPs, save times
+    assert (hf.capacity.model.parameters, hf.capacity.model.flops_per_token) == \
+        (preset.capacity.model.parameters, preset.capacity.model.flops_per_token)
+    assert hf.capacity.problems() == preset.capacity.problems()
 
 
 def test_a_hf_model_job_needs_its_config_and_a_path_on_fsx(render_error, tmp_path):

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from training.plan.cli import main
 from training.plan.planner import (LLAMA3_NODE_FAILURE_RATE, Mechanism, daly_interval, expected_goodput, format_scale,
-                                   main, make_plan, optimum_interval, young_interval)
+                                   make_plan, optimum_interval, young_interval)
 
 DISK = Mechanism("injob", 17.0)
 IN_MEMORY = Mechanism("inprocess", 10.0)
@@ -118,7 +120,7 @@ BASE = ["--nodes", "2", "--node-mtbf-hours", "100", "--save-blocking-s", "1", "-
     ({"--save-blocking-s": "fast"}, "argument --save-blocking-s: expected a positive number"),
     ({"--recovery-s": "injob=0"}, "argument --recovery-s: expected a positive number"),
     ({"--recovery-s": "=5"}, "expected NAME=SECONDS"),
-    ({"--save-blocking-s": None}, "give --save-blocking-s and --recovery-s, or --from-bench FILE"),
+    ({"--save-blocking-s": None}, "give --save-blocking-s and --recovery-s, --from-bench FILE or --config FILE"),
 ])
 def test_cli_rejects_bad_inputs(change: dict, message: str, capsys: pytest.CaptureFixture) -> None:
     args = dict(zip(BASE[::2], BASE[1::2])) | change
@@ -186,3 +188,44 @@ def test_goodput_is_a_probability() -> None:
     for tau in (1.0, 100.0, 1e4):
         g = expected_goodput(tau, 5.0, DISK, 9000.0, 1.0)
         assert 0 < g < 1 and math.isfinite(g)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_config_plans_with_the_capacity_models_save_step_and_recoveries(capsys: pytest.CaptureFixture) -> None:
+    """The Job's config on 2 p5 nodes against cdk.json's FSx: the capacity table, then an interval from the
+    modelled save (0.24 s of staging blocks the step) and R from the modelled restores."""
+    assert main(["--nodes", "2", "--config", str(REPO / "k8s" / "train.yaml"),
+                 "--cdk-json", str(REPO / "cdk.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Capacity (projected")
+    assert "save to FSx  82 s; blocks the step 0.24 s (async)" in out
+    assert "every promise holds at this size" in out
+    assert "Save blocking S = 0.240908 s, step time 1.06587 s" in out
+    assert re.search(r"injob\s+R =\s+129.23 s", out) and re.search(r"peer_state\s+R = 56.6363 s", out)
+
+
+def test_an_interval_shorter_than_the_save_is_never_recommended(capsys: pytest.CaptureFixture) -> None:
+    """256 nodes fail often: the optimum for a 0.24 s stall is shorter than the 82 s save, which must finish first."""
+    assert main(["--nodes", "256", "--config", str(REPO / "k8s" / "train.yaml"), "--fsx-storage-gib", "1200",
+                 "--fsx-throughput-per-tib", "1000", "--cdk-json", "/nonexistent"]) == 0
+    out = capsys.readouterr().out
+    assert "an async save's duration      82.2 s  <- use this, the optimum is shorter than a save: " \
+           "checkpoint.interval = 78 steps" in out
+
+
+def test_config_without_fsx_names_the_flags(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--nodes", "2", "--config", str(REPO / "k8s" / "train.yaml"), "--cdk-json", str(tmp_path / "none")])
+    assert exit_.value.code == 2 and "give --fsx-storage-gib and --fsx-throughput-per-tib" in capsys.readouterr().err
+
+
+def test_readme_capacity_tables_are_the_models_output(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--capacity-tables"]) == 0
+    tables = capsys.readouterr().out.strip()
+    readme = (REPO / "README.md").read_text()
+    capacity, hsdp = tables.split("\n\n")
+    assert capacity.startswith("| model | nodes | FSx GiB") and hsdp.startswith("| model | nodes | GPU state GB")
+    for table in (capacity, hsdp):
+        assert table in readme, "README's capacity tables differ from `python -m training.plan --capacity-tables`"

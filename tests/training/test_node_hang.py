@@ -71,7 +71,7 @@ def cluster(tmp_path):
         node.proc, node.joined, node.active = psutil.Popen(["sleep", "60"], start_new_session=True), True, True  # both training
     yield cluster
     cluster.stop_all()
-    for unreachable in cluster.partitions:
+    for unreachable in cluster.unreachable:
         cluster.kill_node(unreachable.evicted)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,7 +21,8 @@ from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, TWO_NODES, assert_bi
 NO_NETNS = unavailable_reason()
 pytestmark = pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces unavailable: {NO_NETNS}")
 
-_SERVE = "import socket; s = socket.create_server(('0.0.0.0', 7000)); c, _ = s.accept(); c.sendall(b'hello'); c.close()"
+_SERVE = ("import socket; s = socket.create_server(('0.0.0.0', 7000)); print('listening', flush=True); "
+          "c, _ = s.accept(); c.sendall(b'hello'); c.close()")
 _RESOLVE = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
 
 
@@ -45,8 +45,8 @@ def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
         assert _on(network, a, _RESOLVE).stdout.split() == ["node0-m0", a.address]  # as in a pod
         assert socket.gethostname() not in ("node0-m0", "node1-m1")  # the host's name is untouched
 
-        server = subprocess.Popen(network.command(a, [sys.executable, "-c", _SERVE]))
-        time.sleep(1)
+        server = subprocess.Popen(network.command(a, [sys.executable, "-c", _SERVE]), stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "listening"  # a fixed sleep lost this race on a loaded machine
         network.set_link(a, up=False)
         assert _fetch(network, b, a.address, timeout=2) == ""  # cut off: the connection times out
         network.set_link(a, up=True)

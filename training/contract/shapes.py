@@ -28,6 +28,17 @@ PRESETS: dict[str, ModelArgs] = {
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=8192),
     "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336),
 }
+# Shapes the capacity model (capacity.py) projects but no config trains: 70b is the Llama-3.1-70B shape
+# (Hugging Face meta-llama/Llama-3.1-70B config.json: hidden_size 8192, 80 layers, 64 heads, 8 KV heads,
+# intermediate_size 28672, vocab 128256).
+PROJECTED: dict[str, ModelArgs] = {
+    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidden=28672),
+}
+
+
+def shape(name: str) -> ModelArgs:
+    """A preset's shape, or a projected one's."""
+    return PRESETS[name] if name in PRESETS else PROJECTED[name]
 
 
 # Bytes per parameter of the training state: fp32 weights, and AdamW's two fp32 moments.
@@ -58,7 +69,8 @@ class ModelShape:
 
 
 def preset_shape(preset: str) -> ModelShape:
-    a = PRESETS[preset]
+    """A preset's shape, or a projected one's."""
+    a = shape(preset)
     return ModelShape(name=preset, vocab_size=a.vocab_size, dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads,
                       head_dim=a.dim // a.n_heads, parameters=parameter_count(preset),
                       embedding_parameters=a.vocab_size * a.dim)
@@ -68,7 +80,7 @@ def parameter_count(preset: str) -> int:
     """The preset's parameters, counted from its shape (the same as summing the built model's: a test
     checks every preset): embedding, per block the attention projections, the SwiGLU feed-forward and two
     norms, then the final norm and the output projection."""
-    a = PRESETS[preset]
+    a = shape(preset)
     head_dim = a.dim // a.n_heads
     attention = 2 * a.dim * a.n_heads * head_dim + 2 * a.dim * a.n_kv_heads * head_dim
     block = attention + 3 * a.dim * a.ffn_hidden + 2 * a.dim

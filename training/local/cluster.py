@@ -174,7 +174,7 @@ class Cluster:
         self.failure: str | None = None  # why the job failed
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"
-        self.partitions: list[Unreachable] = []
+        self.unreachable: list[Unreachable] = []  # nodes that do not report: cut off (partition) or hung (node-hang)
         self.new_rendezvous()
         self.store: psutil.Popen | None = None
         # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
@@ -265,9 +265,9 @@ class Cluster:
         finally:
             self.stop_all()
             self.stop_store()
-            for partition in self.partitions:
-                if partition.evicted is not None:
-                    self.kill_node(partition.evicted)
+            for unreachable in self.unreachable:
+                if unreachable.evicted is not None:
+                    self.kill_node(unreachable.evicted)
             if self.network is not None:
                 self.network.close()
             shutil.rmtree(self.memory_root, ignore_errors=True)
@@ -331,7 +331,7 @@ class Cluster:
 
     def cut_off(self, node: Node) -> bool:
         return ((node.machine is not None and self.partition_of(node.machine) is not None)
-                or any(u.hung and u.node == node.index and u.evicted is None for u in self.partitions))
+                or any(u.hung and u.node == node.index and u.evicted is None for u in self.unreachable))
 
     def serve_drains(self) -> None:
         """Play the kubelet for the drains that `drain` faults ask for: SIGTERM to the node's launcher
@@ -369,24 +369,24 @@ class Cluster:
                 continue
             self.network.set_link(node.machine, up=False)
             until = now + float(duration) if duration else float("inf")
-            self.partitions.append(Unreachable(node.machine, node.index, now, until))
+            self.unreachable.append(Unreachable(node.machine, node.index, now, until))
             marker = partitioned_marker(self.run_dir, node.index)
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
             self.say(f"node {node.index} ({node.machine.hostname}, {node.machine.address}) is cut off from the "
                      f"network {f'for {duration} s' if duration else 'for good'}")
-        for partition in self.partitions:
-            node = self.nodes[partition.node]
-            if (partition.evicted is None and node.machine is partition.machine and node.start_at is None
-                    and now - partition.since >= self.replacement_delay_s and partition.until > now):
-                self.evict(node, partition, unreachable_s=now - partition.since)
-            if partition.until <= now:
-                self.heal(partition)
-        self.partitions = [p for p in self.partitions if p.until > now]
+        for record in self.unreachable:
+            node = self.nodes[record.node]
+            if (record.evicted is None and node.machine is record.machine and node.start_at is None
+                    and now - record.since >= self.replacement_delay_s and record.until > now):
+                self.evict(node, record, unreachable_s=now - record.since)
+            if record.until <= now:
+                self.heal(record)
+        self.unreachable = [p for p in self.unreachable if p.until > now]
 
     def partition_of(self, machine: Machine) -> Unreachable | None:
         """The machine's record while it does not report: cut off, or hung."""
-        return next((p for p in self.partitions if p.machine is machine), None)
+        return next((p for p in self.unreachable if p.machine is machine), None)
 
     def serve_hangs(self) -> None:
         """Play the kubelet of a node that hangs (a `node-hang` fault stops every process of its pod): it
@@ -398,7 +398,7 @@ class Cluster:
         for node in self.nodes:
             if node.proc is None or node.start_at is not None or self.cut_off(node) or not _stopped(node.proc):
                 continue
-            self.partitions.append(Unreachable(node.machine, node.index, time.monotonic(), float("inf"), hung=True))
+            self.unreachable.append(Unreachable(node.machine, node.index, time.monotonic(), float("inf"), hung=True))
             detail = (f"node {node.index} stopped responding (every process of its pod is stopped): its kubelet "
                       f"stops reporting; marked out of service after {self.replacement_delay_s:g} s, its pod is "
                       "deleted (PodGC) and replaced")

@@ -1,6 +1,6 @@
 """`python -m training.plan …`."""
 import sys
 
-from training.plan.planner import main
+from training.plan.cli import main
 
 sys.exit(main())

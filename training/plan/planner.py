@@ -30,6 +30,13 @@ Not modelled: a mechanism is assumed to handle every failure (in reality in-proc
 survive a lost node), failed saves, slowdown from an asynchronous save finishing in the background
 (only its blocking time counts), recovery time growing with the interval.
 
+--config FILE (a training config, e.g. k8s/train.yaml) takes S, the step time and R from the capacity model
+(training/contract/capacity.py) for that config on --nodes p5.48xlarge nodes against the FSx of
+--fsx-storage-gib and --fsx-throughput-per-tib (default: cdk.json's): S is the time a save blocks the step, R the
+recovery of a lost node from FSx (injob) and from peer state, and an async save's modelled duration is the
+shortest interval recommended (a save must finish before the next is due). It prints the capacity table first.
+--capacity-tables prints the README's tables (8b and 70b on 2, 32 and 256 p5 nodes, and HSDP beside them).
+
 --from-bench FILE takes S and R from a benchmark result (JSON):
     {"checkpoint": {"async_blocking_s": 0.4, "sync_blocking_s": 6.2},
      "recovery": {"inprocess": {"median_recovery_s": 9.8}, "injob": {"median_recovery_s": 17.0},
@@ -89,6 +96,11 @@ class Plan:
     daly_s: float
     optimum_s: float
     outcomes: tuple[Outcome, ...]
+    min_interval_s: float = 0.0  # an async save's duration: no interval shorter than it
+
+    @property
+    def recommended_s(self) -> float:
+        return max(self.optimum_s, self.min_interval_s)
 
 
 def young_interval(save_s: float, mtbf_s: float) -> float:
@@ -122,12 +134,13 @@ def expected_goodput(interval_s: float, save_s: float, mechanism: Mechanism, mtb
 
 
 def make_plan(nodes: int, gpus_per_node: int, node_mtbf_h: float, save_s: float, step_s: float,
-              mechanisms: Sequence[Mechanism]) -> Plan:
+              mechanisms: Sequence[Mechanism], min_interval_s: float = 0.0) -> Plan:
     mtbf = node_mtbf_h * 3600 / nodes
     best = optimum_interval(save_s, mtbf)
+    used = max(best, min_interval_s)
     return Plan(nodes, gpus_per_node, mtbf, save_s, step_s, young_interval(save_s, mtbf),
                 daly_interval(save_s, mtbf), best,
-                tuple(Outcome(m, expected_goodput(best, save_s, m, mtbf, step_s)) for m in mechanisms))
+                tuple(Outcome(m, expected_goodput(used, save_s, m, mtbf, step_s)) for m in mechanisms), min_interval_s)
 
 
 def format_plan(plan: Plan) -> str:
@@ -141,10 +154,14 @@ def format_plan(plan: Plan) -> str:
         "Checkpoint interval (training time between saves):",
         f"  Young  sqrt(2 S M)           {_duration(plan.young_s)}",
         f"  Daly   higher order          {_duration(plan.daly_s)}",
-        f"  exact optimum of the model   {_duration(plan.optimum_s)}  <- use this: "
-        f"checkpoint.interval = {max(round(plan.optimum_s / plan.step_s), 1)} steps",
-        f"Expected goodput at {_duration(plan.optimum_s)}:",
+        f"  exact optimum of the model   {_duration(plan.optimum_s)}"
+        + ("" if plan.min_interval_s > plan.optimum_s else
+           f"  <- use this: checkpoint.interval = {recommended_steps(plan)} steps"),
     ]
+    if plan.min_interval_s > plan.optimum_s:
+        lines.append(f"  an async save's duration      {_duration(plan.min_interval_s)}  <- use this, the optimum is "
+                     f"shorter than a save: checkpoint.interval = {recommended_steps(plan)} steps")
+    lines.append(f"Expected goodput at {_duration(plan.recommended_s)}:")
     width = max(len(o.mechanism.name) for o in plan.outcomes)
     for o in plan.outcomes:
         rollback = ("resumes from memory: loses at most the step in flight, not half an interval"
@@ -152,6 +169,11 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {o.mechanism.name:<{width}}  R = {o.mechanism.recovery_s:>7g} s  "
                      f"{o.goodput:7.3%}  ({rollback})")
     return "\n".join(lines)
+
+
+def recommended_steps(plan: Plan) -> int:
+    return max(math.ceil(plan.recommended_s / plan.step_s) if plan.min_interval_s > plan.optimum_s
+               else round(plan.recommended_s / plan.step_s), 1)
 
 
 def format_scale(save_s: float, step_s: float, mechanisms: Sequence[Mechanism]) -> str:
@@ -188,24 +210,24 @@ def positive(value: Any, what: str) -> float:
     return float(value)
 
 
-def _positive_float(text: str) -> float:
+def positive_float_arg(text: str) -> float:
     try:
         return positive(float(text), "value")
     except (ValueError, PlanError):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds or hours, got {text!r}") from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int_arg(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
 
 
-def _mechanism(text: str) -> Mechanism:
+def mechanism_arg(text: str) -> Mechanism:
     name, sep, seconds = text.rpartition("=")
     if sep and not re.fullmatch(r"[A-Za-z][\w-]*", name):
         raise argparse.ArgumentTypeError(f"expected NAME=SECONDS with a name like injob, got {text!r}")
-    return Mechanism(name or "restart", _positive_float(seconds))
+    return Mechanism(name or "restart", positive_float_arg(seconds))
 
 
 def from_bench(path: Path, save_mode: str) -> tuple[float, tuple[Mechanism, ...]]:
@@ -234,38 +256,3 @@ def _lookup(data: Any, path: Path, *keys: str) -> Any:
                             "(the expected layout is in `python -m training.plan --help`)")
         data = data[key]
     return data
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=_positive_int, required=True)
-    parser.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    parser.add_argument("--node-mtbf-hours", type=_positive_float, required=True,
-                        help="mean time between failures of one node")
-    parser.add_argument("--save-blocking-s", type=_positive_float, help="S: seconds one save blocks training")
-    parser.add_argument("--recovery-s", type=_mechanism, action="append", metavar="[NAME=]SECONDS",
-                        help="R of a recovery mechanism; repeat for several (inprocess, peer_state: resume "
-                             "from memory)")
-    parser.add_argument("--step-s", type=_positive_float, default=1.0,
-                        help="training step time: the work in-process recovery loses (default 1.0)")
-    parser.add_argument("--from-bench", type=Path, metavar="FILE", help="take S and R from a bench result")
-    parser.add_argument("--save-mode", choices=("async", "sync"), default="async",
-                        help="which blocking time of --from-bench to use (default async)")
-    args = parser.parse_args(argv)
-    save, mechanisms = args.save_blocking_s, args.recovery_s
-    if args.from_bench and (save is None or not mechanisms):
-        try:
-            bench_save, bench_mechanisms = from_bench(args.from_bench, args.save_mode)
-        except PlanError as err:
-            parser.exit(2, f"error: {err}\n")
-        save, mechanisms = save or bench_save, mechanisms or bench_mechanisms
-    if save is None or not mechanisms:
-        parser.error("give --save-blocking-s and --recovery-s, or --from-bench FILE")
-    names = [m.name for m in mechanisms]
-    if len(set(names)) < len(names):
-        parser.error(f"--recovery-s: each mechanism once, got {names}")
-    print(format_plan(make_plan(args.nodes, args.gpus_per_node, args.node_mtbf_hours, save, args.step_s,
-                                mechanisms)))
-    print(format_scale(save, args.step_s, mechanisms))
-    return 0

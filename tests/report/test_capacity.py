@@ -1,0 +1,115 @@
+"""The capacity model (training/contract/capacity.py) against figures worked out by hand from its sources."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from training.contract.capacity import (P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
+                                        format_capacity, smallest_storage_gib)
+
+EIGHT_B = ModelFootprint.from_preset("8b", 4096)
+JOB = Schedule(interval=200, keep=3, mode="async", drain_timeout_s=300, peer_state=True)  # k8s/train.yaml's
+# 8 192 tokens x 51 471 998 976 FLOPs per token on a 989 TFLOPs GPU at 40% MFU
+STEP_8B = 8192 * 51_471_998_976 / (989e12 * 0.40)
+
+
+def test_8b_state_and_projected_step() -> None:
+    assert EIGHT_B.parameters == 8_030_261_248
+    assert EIGHT_B.state_bytes == 96_363_134_976  # fp32 weights and two AdamW moments: 12 B per parameter
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
+    assert c.step_s == pytest.approx(STEP_8B) and c.step_s == pytest.approx(1.066, abs=1e-3)
+    assert c.node_bytes == pytest.approx(48.18e9, rel=1e-3) and c.gpu_bytes == pytest.approx(6.02e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("gib, tier, gbs, usd", [
+    (1200, 250, 1200 / 1024 * 250e6 / 1e9, 252.0),  # 0.293 GB/s: the issue's "0.29 GB/s"
+    (1200, 1000, 1200 / 1024 * 1000e6 / 1e9, 720.0),
+    (4800, 125, 4.6875 * 125e6 / 1e9, 696.0),
+])
+def test_fsx_throughput_is_storage_times_tier_and_price_is_per_gb_month(gib, tier, gbs, usd) -> None:
+    fsx = FsxSpec(gib, tier)
+    assert fsx.throughput_gbs == pytest.approx(gbs) and fsx.usd_per_month == pytest.approx(usd)
+
+
+@pytest.mark.parametrize("gib, tier, allowed", [(1000, 250, "1200 or a multiple of 2400"),
+                                                (2400, 200, "one of [125, 250, 500, 1000]")])
+def test_fsx_refuses_what_persistent_2_does_not_offer(gib, tier, allowed) -> None:
+    with pytest.raises(ValueError, match=re.escape(allowed)):
+        FsxSpec(gib, tier)
+
+
+def test_the_issues_default_fsx_cannot_keep_the_8b_jobs_promises() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 250), JOB)
+    save = 96_363_134_976 / (1200 / 1024 * 250e6)
+    assert c.save_s == pytest.approx(save) and c.save_s == pytest.approx(329, abs=0.5)
+    assert c.min_interval_steps == math.ceil(save / STEP_8B) == 309
+    assert not c.save_fits_interval and not c.drain_commits
+    interval, drain = c.problems()
+    assert "takes 329 s, longer than checkpoint.interval=200 steps (~213 s" in interval
+    assert "Raise checkpoint.interval to at least 309, or FSx throughput (fsxThroughputPerTib, fsxStorageGib)" in interval
+    assert "up to 329 s" in drain and "fault_tolerance.drain_timeout_s=300" in drain
+    assert "Raise drain_timeout_s to at least 329 (987 to also save the step reached)" in drain
+    assert "REFUSED" in format_capacity(c)
+
+
+def test_the_chosen_fsx_keeps_them() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
+    assert c.save_s == pytest.approx(82.2, abs=0.1) and c.min_interval_steps == 78
+    assert c.save_fits_interval and c.drain_commits and c.problems() == []
+    # the drain also saves the step reached: 82 s for the in-flight save, then twice a save's time (drain.py)
+    assert c.drain_grace_for_step_s == pytest.approx(3 * c.save_s) and c.drain_steps_lost == 0
+    assert c.footprint_bytes == 4 * EIGHT_B.state_bytes and c.footprint_fits  # 359 GiB of 1200
+
+
+def test_peer_copy_send_and_the_interval_they_allow() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
+    assert c.peer_copy_s == pytest.approx(6.02e9 / 25e9, rel=1e-3)  # one GPU's shard at 25 GB/s
+    # 8 gloo flows of 10 Gbps (cluster placement group), at half their line rate: 5 GB/s per node
+    assert P5_48XLARGE.tcp_send_gbs == pytest.approx(5.0)
+    assert c.peer_send_s == pytest.approx(48.18e9 / 5e9, rel=1e-3)
+    assert c.peer_interval_steps == math.ceil(c.peer_send_s / STEP_8B) == 10  # the send, not the copy, sets it
+    assert c.peer_steps_lost == 10 + 10
+    assert c.restore_peer_s == pytest.approx(c.peer_send_s)
+    two_replicas = capacity_of(EIGHT_B, P5_48XLARGE, 4, FsxSpec(1200, 1000),
+                               Schedule(200, 3, "async", 300, True, peer_replicas=2))
+    assert two_replicas.peer_send_s == pytest.approx(2 * 24.09e9 / 5e9, rel=1e-3)
+
+
+def test_steps_lost_per_mechanism() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
+    assert c.fsx_steps_lost == 200 + 78  # the newest checkpoint commits a save's duration after its step
+    short = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), Schedule(200, 3, "async", 200, True))
+    assert short.drain_commits and short.drain_steps_lost == 278  # commits the in-flight save, not the step reached
+    none = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), Schedule(200, 3, "async", 60, True))
+    assert not none.drain_commits and none.drain_steps_lost == 278 + 200
+
+
+def test_keep_beyond_the_file_system_is_refused_with_the_size_that_fits() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), Schedule(200, 20, "async", 300, True))
+    (problem,) = c.problems()
+    assert "checkpoint.keep=20 checkpoints and one in flight take 1885 GiB, more than FSx's 1200 GiB" in problem
+    assert "raise fsxStorageGib to 2400" in problem
+    assert smallest_storage_gib(1200 * 2**30) == 1200 and smallest_storage_gib(1201 * 2**30) == 2400
+    assert smallest_storage_gib(4801 * 2**30) == 7200
+
+
+def test_a_sync_save_blocks_but_never_overlaps_the_next() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 250), Schedule(200, 3, "sync", 600, False))
+    assert c.blocking_s == c.save_s and c.save_fits_interval and c.problems() == []
+
+
+def test_hsdp_memory_step_cost_and_recovery_by_hand() -> None:
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 32, FsxSpec(1200, 1000), JOB)
+    h = HsdpCase(c)
+    assert h.fsdp_gpu_bytes == pytest.approx(16 * 8_030_261_248 / 256)  # weights, grads, two moments, fp32
+    assert h.hsdp_gpu_bytes == pytest.approx(2 * h.fsdp_gpu_bytes)
+    # each GPU all-reduces its fp32 gradient shard (the model over a replica group's 128 GPUs) with its one
+    # replica: a ring of two sends 2(R-1)/R = 1 shard, at 400 GB/s / 8 GPUs x 0.75 = 37.5 GB/s
+    shard = 4 * 8_030_261_248 / 128
+    assert h.step_cost_s == pytest.approx(shard / 37.5e9) and h.step_cost_s == pytest.approx(6.7e-3, abs=1e-4)
+    node_state = 16 * 8_030_261_248 / 16  # the replica group's node holds 1/16 of the model
+    assert h.stream_s == pytest.approx(node_state / 300e9)
+    assert h.recovery_s == pytest.approx(30 + 17 + h.stream_s)  # detection, restart on p5 (k8s_delays), stream
+    assert h.lost_gpu_s == pytest.approx(h.recovery_s * 128)  # only the failed replica group waits
