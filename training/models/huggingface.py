@@ -39,7 +39,10 @@ class HuggingFaceSpec:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         read_hf_config(self.path)  # the torch-free refusals first, with their messages
-        self.config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        try:  # no remote code: a model_type this transformers does not know is refused, not fetched
+            self.config = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        except (ValueError, OSError) as err:
+            raise ModelSourceError(f"{self.path / HF_CONFIG}: transformers cannot read it: {err}") from None
         if type(self.config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
             raise ModelSourceError(f"{self.path / HF_CONFIG}: model_type {self.config.model_type!r} has no causal LM "
                                    "in transformers (AutoModelForCausalLM); only decoder language models train here")
