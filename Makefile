@@ -21,7 +21,7 @@ define console_script
 	chmod +x $(VENV)/bin/$(1)
 endef
 
-.PHONY: setup demo test synth manifests bench clean
+.PHONY: setup demo demo-hf test synth manifests bench clean
 
 setup: $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
 
@@ -64,6 +64,13 @@ manifests: setup
 
 demo: $(VENV)/.installed
 	$(PY) -m training.local --demo
+
+# The demo on a Hugging Face model: a tiny Llama that the command writes itself (config.json and seeded
+# model.safetensors, nothing downloaded), trained from those weights through the same faults.
+HF_DEMO_MODEL := runs/tiny-hf-llama
+demo-hf: $(VENV)/.installed
+	$(PY) -m training.models tiny $(HF_DEMO_MODEL) --family llama
+	$(PY) -m training.local --demo model.source=huggingface model.path=$(HF_DEMO_MODEL)
 
 # make bench BENCH_ARGS=--quick: the short profile (< 3 min)
 bench: $(VENV)/.installed

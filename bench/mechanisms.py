@@ -9,6 +9,9 @@ completed step) and steps lost, and the run's training and infra goodput.
   injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
                     from the last checkpoint on disk. Workers are forked from each node's template
                     process (training/pod/prefork.py, the default).
+  injob_hf          injob's faults on a Hugging Face model: a tiny transformers Llama written from its config
+                    (training/models/tiny.py), trained from its safetensors; every resume loads the run's
+                    own checkpoint. The preset's row beside it says what the model changes.
   injob_fresh       the same with fault_tolerance.prefork_workers=false: every restarted worker is a
                     fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
   node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
@@ -53,6 +56,7 @@ from bench.cluster import ClusterSpec, run_cluster
 from bench.profile import Profile
 from training.contract.faults import KINDS
 from training.local.netns import unavailable_reason as netns_unavailable_reason
+from training.models.tiny import write_tiny_model
 from training.report.goodput import GoodputReport, ReportError, report_run
 
 
@@ -71,12 +75,15 @@ class Mechanism:
     netns: bool = False  # each node on its own emulated machine (training.local --netns)
     # a restart_kind that may have handled a fault instead: whichever of two restarts comes first
     alternative_restart_kind: str | None = None
+    hf_family: str | None = None  # train this family's tiny Hugging Face model instead of the profile's preset
 
 
 MECHANISMS = (
     Mechanism("inprocess", "in-process restart", "both", "exception", True, "inprocess",
               needs_module="training.train.inprocess"),
     Mechanism("injob", "in-job restart (ft_launcher)", "injob", "exception", True, "injob"),
+    Mechanism("injob_hf", "in-job restart, Hugging Face Llama", "injob", "exception", True, "injob",
+              hf_family="llama"),
     Mechanism("injob_fresh", "in-job restart, fresh Python workers", "injob", "exception", True, "injob",
               overrides=("fault_tolerance.prefork_workers=false",)),
     Mechanism("node_replacement", "node lost (SIGKILL), replaced", "injob", "node-loss", True, "node"),
@@ -146,6 +153,16 @@ def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
     return tuple(f"{m.fault}@{step}:{target}" for step in profile.fault_steps())
 
 
+def model_overrides(m: Mechanism, profile: Profile, run_dir: Path) -> tuple[str, ...]:
+    """The profile's preset, or the mechanism's tiny Hugging Face model, written beside the run's directory."""
+    if m.hf_family is None:
+        return (f"model.preset={profile.preset}",)
+    model_dir = run_dir.parent / f"tiny-hf-{m.hf_family}"
+    if not (model_dir / "config.json").is_file():
+        write_tiny_model(model_dir, m.hf_family)
+    return ("model.source=huggingface", f"model.path={model_dir}")
+
+
 def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
     # A budget every mechanism's restarts fit in. Without in-job restarts a fault shuts the rendezvous
     # down and the store restarts: a node's replacement that meets it before then fails once more.
@@ -154,7 +171,7 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
                *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "both" else ()))
     return ClusterSpec(
         run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node, steps=profile.steps,
-        overrides=(*BASE_OVERRIDES, f"model.preset={profile.preset}", f"training.device={profile.device}",
+        overrides=(*BASE_OVERRIDES, *model_overrides(m, profile, run_dir), f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
         faults=fault_specs(m, profile), node_retries=retries, spares=m.spares, netns=m.netns,

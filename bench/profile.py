@@ -50,7 +50,7 @@ class Profile:
         return self.fault_steps()[-1] + self.tail_steps
 
 
-ALL = ("inprocess", "injob", "injob_fresh", "node_replacement", "node_zero", "hot_spare", "peer_state", "drain",
+ALL = ("inprocess", "injob", "injob_hf", "injob_fresh", "node_replacement", "node_zero", "hot_spare", "peer_state", "drain",
        "partition", "node_hang", "k8s_restart")
 # Six saves per mode: on 2 busy cores one async save in three or four can block 4-7x longer than
 # the rest (its staging copy starved of CPU), which moved the median of four from 0.07x to 0.17x.

@@ -14,12 +14,14 @@ from pathlib import PurePosixPath
 from infra.config import CHECKPOINT_MOUNT_PATH, RENDEZVOUS_PORT, PlatformConfig
 from infra.instances import InstanceFacts
 from k8s.outputs import InfraOutputs
-from training.contract.config import TrainConfig, TrainConfigError
-from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
-from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
 from training.contract.capacity import (GIB, SHM_RESERVE, Capacity, FsxSpec, ModelFootprint, NodeSpec, Schedule,
                                         capacity_of)
+from training.contract.config import TrainConfig, TrainConfigError
+from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_faults
 from training.contract.k8s_delays import EKS
+from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
+from training.contract.model_source import ModelSourceError, model_shape
+from training.contract.shapes import ModelShape
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
 # the store "<job>-rendezvous" (at most 51).
@@ -70,6 +72,9 @@ class JobConfig:
     # The chaos switch: lets the destructive fault kinds (corrupt-ckpt, disk-full, node-hang, node-loss, partition)
     # fire in the pods; written into the training config's immutable ConfigMap (allow_destructive_faults).
     allow_destructive_faults: bool = False
+    # A Hugging Face model's directory lies on FSx, which is not mounted where the chart renders: a local copy
+    # of it (its config.json is enough) sizes what the chart checks (peer state's /dev/shm). None: model.path.
+    model_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes is None:
@@ -139,12 +144,24 @@ class JobConfig:
         return self.termination_grace_s or self.term_timeout_s + LAUNCHER_EXIT_MARGIN_S
 
     @property
+    def model_shape(self) -> ModelShape:
+        """The model's sizes: a preset's from its table, a Hugging Face model's from its config.json."""
+        model = self.train.model
+        if model.source == "huggingface" and self.model_dir is not None:
+            model = replace(model, path=self.model_dir)
+        try:
+            return model_shape(model)
+        except ModelSourceError as err:
+            raise JobConfigError(f"{err}. The chart sizes the Job from the model's config.json: pass --model-dir with a "
+                                 f"local copy of {self.train.model.path} (config.json is enough)") from None
+
+    @property
     def capacity(self) -> Capacity:
         """The config at its size: the model, these nodes, the FSx that cdk.json (or -c) provisions
         (training/contract/capacity.py)."""
         node = NodeSpec(self.instance.name, self.instance.gpus, self.instance.gpu_peak_bf16_tflops,
                         self.instance.efa_line_rate_gbs, self.shm_gib * GIB)
-        return capacity_of(ModelFootprint.from_config(self.train), node, self.nodes,
+        return capacity_of(ModelFootprint.from_shape(self.model_shape, self.train.training.seq_len), node, self.nodes,
                            FsxSpec(self.platform.fsx_storage_gib, self.platform.fsx_throughput_per_tib),
                            Schedule.from_config(self.train, self.nodes * self.instance.gpus))
 
@@ -182,7 +199,10 @@ def _with_fsx_paths(train: TrainConfig, job_name: str) -> TrainConfig:
     data = train.data
     if data.path is not None and PurePosixPath(data.path).is_absolute():
         data = replace(data, path=posixpath.normpath(data.path))
-    return replace(train, run_dir=run_dir, checkpoint=ckpt, data=data)
+    model = train.model
+    if model.path is not None:
+        model = replace(model, path=posixpath.normpath(model.path))
+    return replace(train, run_dir=run_dir, checkpoint=ckpt, data=data, model=model)
 
 
 def _with_gpu_peak(train: TrainConfig, instance: InstanceFacts) -> TrainConfig:
@@ -219,6 +239,10 @@ def _validate(j: JobConfig) -> None:
         raise JobConfigError(f"checkpoint.dir={j.train.checkpoint_dir!r} is not allowed on the cluster: it must be "
                              f"inside run_dir={j.train.run_dir!r}, the Job's own directory, the only part of FSx "
                              "its pods can write")
+    model = j.train.model
+    if model.source == "huggingface" and not _on_fsx(model.path):
+        raise JobConfigError(f"model.path={model.path!r} is not allowed on the cluster: the pods read the model from "
+                             f"FSx, a directory below {CHECKPOINT_MOUNT_PATH} (e.g. where the S3 import puts it)")
     _validate_faults(j)
     _validate_global_batch(j)
     if j.backoff_limit_per_index < 0:
@@ -231,12 +255,12 @@ def _validate(j: JobConfig) -> None:
     if j.peer_state_gib > j.shm_gib * (1 - SHM_RESERVE):
         raise JobConfigError(
             f"peer_state.enabled=true needs {j.peer_state_gib:.0f} GiB of each node's /dev/shm for "
-            f"{j.train.model.preset} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
+            f"{j.model_shape.name} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
             f"{1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
             f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction, or turn peer state off")
     problems = j.capacity.problems()
     if problems:
-        raise JobConfigError(f"{j.train.model.preset} on {j.nodes} x {j.instance.name}: " + "; and ".join(problems))
+        raise JobConfigError(f"{j.model_shape.name} on {j.nodes} x {j.instance.name}: " + "; and ".join(problems))
     if not 0 <= j.node_failure_toleration_s <= MAX_NODE_FAILURE_TOLERATION_S:
         raise JobConfigError(f"node_failure_toleration_s={j.node_failure_toleration_s} is not allowed: 0 to "
                              f"{MAX_NODE_FAILURE_TOLERATION_S} seconds (Kubernetes' default, which it shortens)")

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-config", type=Path, default=REPO_ROOT / "k8s" / "train.yaml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="training config override, e.g. fault_tolerance.restart=both")
+    p.add_argument("--model-dir", help="model.source=huggingface: a local copy of the model's directory on FSx (its "
+                   "config.json is enough), which sizes the Job's checks; default: model.path, if readable here")
     p.add_argument("--job-name", default="fsdp-train")
     p.add_argument("--nodes", type=int, help="training pods (= GPU nodes) in the job; default: gpuNodesDesired")
     p.add_argument("--spares", type=int,
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         nodes=args.nodes, spares=args.spares, termination_grace_s=args.grace_period,
                         node_failure_toleration_s=args.node_failure_toleration, fault_injection=fault_injection,
                         hung_node_out_of_service_s=args.hung_node_out_of_service or None,
-                        allow_destructive_faults=args.allow_destructive_faults)
+                        allow_destructive_faults=args.allow_destructive_faults, model_dir=args.model_dir)
         if args.report:
             return _write_report_job(job, args.outdir or REPO_ROOT / "dist" / "report")
         args.outdir = args.outdir or REPO_ROOT / "dist"

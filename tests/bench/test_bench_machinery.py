@@ -2,12 +2,13 @@
 fault runs on the local cluster (plain Kubernetes restart: node 0 lost, every node's pod replaced; a drain)."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.mechanisms import MECHANISMS, Mechanism, Unavailable, fault_specs, measure_mechanism
+from bench.mechanisms import MECHANISMS, Mechanism, Unavailable, cluster_spec, fault_specs, measure_mechanism
 from bench.profile import QUICK
 from bench.stall import StallSpec, measure_stall
 from training.contract.events import read_events
@@ -38,6 +39,7 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
     specs = {m.name: fault_specs(m, replace(QUICK, nodes=2, nproc_per_node=2, faults=2)) for m in MECHANISMS}
     assert specs == {"inprocess": ("exception@15:rank=3", "exception@55:rank=3"),
                      "injob": ("exception@15:rank=3", "exception@55:rank=3"),
+                     "injob_hf": ("exception@15:rank=3", "exception@55:rank=3"),
                      "injob_fresh": ("exception@15:rank=3", "exception@55:rank=3"),
                      "node_replacement": ("node-loss@15:node=1", "node-loss@55:node=1"),
                      "node_zero": ("node-loss@15:node=0", "node-loss@55:node=0"),
@@ -48,6 +50,16 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "partition": ("partition@15:rank=3", "partition@55:rank=3"),
                      "node_hang": ("node-hang@15:node=1", "node-hang@55:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@55:node=0")}
+
+
+def test_the_hugging_face_row_trains_a_tiny_model_it_writes_beside_the_run(tmp_path: Path) -> None:
+    m = next(m for m in MECHANISMS if m.name == "injob_hf")
+    spec = cluster_spec(m, QUICK, tmp_path / "runs" / m.name)
+    model_dir = tmp_path / "runs" / "tiny-hf-llama"
+    assert {"model.source=huggingface", f"model.path={model_dir}"} <= set(spec.overrides)
+    assert not any(o.startswith("model.preset=") for o in spec.overrides)
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (model_dir / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -119,9 +119,9 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(tmp_path):
     tokenizer = _bpe(tmp_path / "bytes.json", vocab_size=300, byte_level=True)
     out = tmp_path / "corpus.bin"
     prepare([TEXT], tokenizer, out)
-    with pytest.raises(DataError, match="vocabulary of 300 .* larger than the model's 256: choose a model.preset"):
-        check_token_file(str(out), None, "tiny")
-    check_token_file(str(out), None, "small")  # 32000 ids: fits
+    with pytest.raises(DataError, match="vocabulary of 300 .* larger than the model's 256: choose a model whose"):
+        check_token_file(str(out), None, PRESETS["tiny"].vocab_size)
+    check_token_file(str(out), None, PRESETS["small"].vocab_size)  # 32000 ids: fits
     # the local cluster (and training.train) refuse it before any rank starts
     run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",
                     f"data.path={out}", timeout=60)
@@ -132,7 +132,7 @@ def test_the_sidecar_fixes_the_dtype_and_catches_a_truncated_file(tmp_path, toke
     out = tmp_path / "corpus.bin"
     prepare([TEXT], tokenizer_json, out)
     with pytest.raises(DataError, match="data.dtype='uint32' contradicts"):
-        check_token_file(str(out), "uint32", "tiny")
+        check_token_file(str(out), "uint32", PRESETS["tiny"].vocab_size)
     out.write_bytes(out.read_bytes()[:-2])
     with pytest.raises(DataError, match="but its sidecar says"):
         TokenStream(seq_len=8, batch_size=1, rank=0, world_size=1, vocab_size=256, seed=0, path=str(out))

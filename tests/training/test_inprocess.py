@@ -24,6 +24,7 @@ from training.contract.events import read_events
 from training.contract.launcher import HANG_FLOOR_MARGIN_S, launcher_ft_args, section_timeout_floor
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
+from training.models.spec import model_spec
 from training.report.goodput import build_report
 from training.train.coordination import Coordination, WrapperStore
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
@@ -143,7 +144,7 @@ def _training_state(info, seed=0):
     """A fresh FSDP2 model, optimizer, data stream and RNG, as each restart iteration builds them."""
     cfg = load_train_config(None, ["training.seq_len=16", "training.batch_size=2"])
     torch.manual_seed(seed)
-    model, optimizer = build(cfg, info)
+    model, optimizer = build(cfg, model_spec(cfg.model), info)
     stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7,
                          accumulation_steps=2)  # gradients accumulated over two micro-batches, as global_batch_size does
     train = TrainState(stream, RankMonitor(cfg.fault_tolerance))

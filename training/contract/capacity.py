@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from training.contract.config import TrainConfig
 from training.contract.flops import flops_per_token
 from training.contract.k8s_delays import EKS, KubernetesDelays
-from training.contract.shapes import STATE_BYTES_PER_PARAMETER, node_memory_bytes, parameter_count
+from training.contract.model_source import model_shape
+from training.contract.shapes import STATE_BYTES_PER_PARAMETER, ModelShape, node_memory_bytes, preset_shape
 
 GB = 1e9
 GIB = 2**30
@@ -83,12 +84,17 @@ class ModelFootprint:
     state_bytes_per_parameter: int = STATE_BYTES_PER_PARAMETER  # fp32 weights and AdamW's two moments
 
     @classmethod
+    def from_shape(cls, shape: ModelShape, seq_len: int) -> "ModelFootprint":
+        return cls(shape.name, shape.parameters, flops_per_token(shape, seq_len))
+
+    @classmethod
     def from_preset(cls, preset: str, seq_len: int) -> "ModelFootprint":
-        return cls(preset, parameter_count(preset), flops_per_token(preset, seq_len))
+        return cls.from_shape(preset_shape(preset), seq_len)
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> "ModelFootprint":
-        return cls.from_preset(config.model.preset, config.training.seq_len)
+        """The config's model: a preset from its table, a Hugging Face model from its config.json."""
+        return cls.from_shape(model_shape(config.model), config.training.seq_len)
 
     @property
     def state_bytes(self) -> int:

@@ -25,6 +25,7 @@ from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.shapes import PRESETS
 
 ModelPreset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the shapes table is the one list
+ModelSource = Literal["preset", "huggingface"]
 CheckpointMode = Literal["sync", "async", "off"]
 RestartMode = Literal["injob", "both"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -61,8 +62,13 @@ def _doc(default: Any, text: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    source: ModelSource = _doc("preset", "preset: a built-in Llama-style model (model.preset); huggingface: a causal "
+                                         "LM from the local directory model.path, built with transformers from its "
+                                         "config.json (never downloaded), trained from its *.safetensors if any")
     preset: ModelPreset = _doc("tiny", "the model's shape (training/contract/shapes.py): tiny runs on a CPU core; 1b "
                                        "and 8b are the Llama-3.2-1B and Llama-3.1-8B shapes")
+    path: str | None = _doc(None, "source=huggingface: the model's directory, e.g. /fsx/models/<name>: config.json, "
+                                  "optional *.safetensors (pretrained weights, loaded at step 0) and tokenizer files")
 
 
 @dataclass(frozen=True)
@@ -423,6 +429,11 @@ def _validate(c: TrainConfig) -> None:
         allowed = _choices(key.hint)
         if allowed and key.value not in allowed:
             fail(key.name, key.value, f"one of {[v for v in allowed if v is not None]}")
+    if c.model.source == "huggingface" and not c.model.path:
+        fail("model.path", c.model.path, "the Hugging Face model's directory (config.json, optional *.safetensors) "
+             "with model.source=huggingface")
+    if c.model.source == "preset" and c.model.path is not None:
+        fail("model.path", c.model.path, "null with model.source=preset (a path is read with source=huggingface)")
     t = c.training
     for key in ("steps", "batch_size", "seq_len"):
         if getattr(t, key) < 1:

@@ -13,13 +13,13 @@ activation recomputation is counted, so figures compare across codebases.
 """
 from __future__ import annotations
 
-from training.contract.shapes import parameter_count, shape
+from training.contract.shapes import ModelShape
 
 
-def flops_per_token(preset: str, seq_len: int) -> int:
-    a = shape(preset)
-    non_embedding = parameter_count(preset) - a.vocab_size * a.dim
-    return 6 * non_embedding + 12 * a.n_layers * a.n_heads * (a.dim // a.n_heads) * seq_len
+def flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """Of any model, preset or Hugging Face: its shape carries the counts (training/models/ spec.shape)."""
+    non_embedding = shape.parameters - shape.embedding_parameters
+    return 6 * non_embedding + 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: int, gpus: int, gpu_peak_tflops: float) -> float:

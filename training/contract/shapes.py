@@ -1,5 +1,6 @@
 """Model shapes and the sizes that follow from them, torch-free: the chart, the planner and the data checks
-read them without building a model. training/models/ builds the modules these shapes describe.
+read them without building a model. training/models/ builds the modules these shapes describe; a Hugging Face
+model's shape comes from its config.json (model_source.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,41 @@ def shape(name: str) -> ModelArgs:
     return PRESETS[name] if name in PRESETS else PROJECTED[name]
 
 
+# Bytes per parameter of the training state: fp32 weights, and AdamW's two fp32 moments.
+PARAMETER_BYTES = 4
+OPTIMIZER_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What every room needs to know of a model, preset or Hugging Face, without building it: FLOPs
+    (flops.py), the data checks (vocabulary), the chart's and the capacity model's sizes."""
+    name: str  # the preset's name, or the model directory
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    parameters: int
+    embedding_parameters: int  # the token embedding table: a lookup, not a matmul
+
+    @property
+    def parameter_bytes(self) -> int:
+        return PARAMETER_BYTES * self.parameters
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return OPTIMIZER_BYTES * self.parameters
+
+
+def preset_shape(preset: str) -> ModelShape:
+    """A preset's shape, or a projected one's."""
+    a = shape(preset)
+    return ModelShape(name=preset, vocab_size=a.vocab_size, dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads,
+                      head_dim=a.dim // a.n_heads, parameters=parameter_count(preset),
+                      embedding_parameters=a.vocab_size * a.dim)
+
+
 def parameter_count(preset: str) -> int:
     """The preset's parameters, counted from its shape (the same as summing the built model's: a test
     checks every preset): embedding, per block the attention projections, the SwiGLU feed-forward and two
@@ -54,7 +90,7 @@ def parameter_count(preset: str) -> int:
 # Peer state (training/train/peer_state.py): a rank's copy holds per parameter of its shard fp32 weights and
 # AdamW's two fp32 moments; each node keeps SLOTS copies (the newest complete step and the one in flight).
 PEER_STATE_SLOTS = 2
-STATE_BYTES_PER_PARAMETER = 12
+STATE_BYTES_PER_PARAMETER = PARAMETER_BYTES + OPTIMIZER_BYTES
 
 
 def node_memory_bytes(parameters: int, nodes: int, replicas: int) -> int:

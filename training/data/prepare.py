@@ -1,5 +1,6 @@
-"""`python -m training.data prepare INPUT… --tokenizer tokenizer.json --out FILE`: text and JSONL files
-to the token file that data.path reads (token_file.py).
+"""`python -m training.data prepare INPUT… --tokenizer tokenizer.json|MODEL_DIR --out FILE`: text and JSONL
+files to the token file that data.path reads (token_file.py). MODEL_DIR: a Hugging Face model directory (the
+model.path a run trains), whose tokenizer.json is used.
 
 Each input is a document source: a .jsonl file gives one document per line (the string in --field,
 `text` by default), any other file is one UTF-8 text document. Documents are tokenized with a Hugging
@@ -25,6 +26,7 @@ from typing import BinaryIO, Iterator, Sequence
 import numpy as np
 
 from training.contract.files import replace_file
+from training.contract.model_source import HF_TOKENIZER
 from training.data.token_file import DataError, sidecar_path
 
 UINT16_VOCAB = 1 << 16
@@ -52,6 +54,11 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def tokenizer_file(path: Path) -> Path:
+    """--tokenizer as given: a tokenizer.json, or a model directory holding one."""
+    return path / HF_TOKENIZER if path.is_dir() else path
 
 
 def load_tokenizer(path: Path):  # -> tokenizers.Tokenizer
@@ -127,6 +134,7 @@ class _Progress:
 def prepare(inputs: Sequence[Path], tokenizer_path: Path, out: Path, field: str = "text",
             eos: str | None = None) -> dict:
     """Tokenize `inputs` into `out` and its sidecar; returns the sidecar's content."""
+    tokenizer_path = tokenizer_file(tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     eos_id = None
@@ -199,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = commands.add_parser("prepare", help="tokenize text / JSONL files into a token file for data.path",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help=".jsonl (one document per line) or text")
-    p.add_argument("--tokenizer", required=True, type=Path, help="a tokenizer.json of the `tokenizers` library")
+    p.add_argument("--tokenizer", required=True, type=Path, help="a tokenizer.json of the `tokenizers` library, or a Hugging Face model "
+                   "directory (model.path) holding one")
     p.add_argument("--out", required=True, type=Path, help="the token file to write (and OUT.json beside it)")
     p.add_argument("--field", default="text", help="the JSONL field holding each document (default: %(default)s)")
     p.add_argument("--eos", help="a token appended after every document, e.g. '<|endoftext|>' (default: none)")

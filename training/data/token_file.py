@@ -12,8 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from training.contract.shapes import PRESETS
-
 
 class DataError(ValueError):
     """A token file cannot serve this run; the message names the file and what is wrong."""
@@ -48,7 +46,7 @@ def token_dtype(token_file: str | Path, configured: str | None, vocab_size: int)
     if info["vocab_size"] > vocab_size:
         raise DataError(f"{token_file} was tokenized with a vocabulary of {info['vocab_size']} "
                         f"({info.get('tokenizer', {}).get('path', 'its tokenizer')}), larger than the model's "
-                        f"{vocab_size}: choose a model.preset whose vocabulary holds at least {info['vocab_size']}")
+                        f"{vocab_size}: choose a model whose vocabulary holds at least {info['vocab_size']}")
     expected = info["tokens"] * np.dtype(info["dtype"]).itemsize
     if Path(token_file).stat().st_size != expected:
         raise DataError(f"{token_file}: {Path(token_file).stat().st_size} bytes, but its sidecar says "
@@ -56,9 +54,10 @@ def token_dtype(token_file: str | Path, configured: str | None, vocab_size: int)
     return info["dtype"]
 
 
-def check_token_file(path: str | None, dtype: str | None, preset: str) -> None:
-    """What `token_dtype` refuses, before any rank starts (training.train, training.local)."""
+def check_token_file(path: str | None, dtype: str | None, vocab_size: int) -> None:
+    """What `token_dtype` refuses, before any rank starts (training.train, training.local), for a model
+    of `vocab_size` ids (its shape: training/contract/model_source.py)."""
     if path is not None:
         if not Path(path).is_file():
             raise DataError(f"data.path={path!r}: no such file (a .bin from `python -m training.data prepare`)")
-        token_dtype(path, dtype, PRESETS[preset].vocab_size)
+        token_dtype(path, dtype, vocab_size)

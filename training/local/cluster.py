@@ -64,7 +64,7 @@ from pathlib import Path
 
 import psutil
 
-from training.contract.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.contract.config import ConfigArgumentParser, ModelConfig, TrainConfig, TrainConfigError, load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.contract.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
@@ -74,6 +74,8 @@ from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, d
 from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, SAVE_DELAY_ENV, drain_grace_period_s,
                                         free_port, launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
                                         resume_step_file, store_command, worker_entrypoint)
+from training.contract.model_source import ModelSourceError, check_model_source
+from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
 from training.pod.prefork import die_with_parent
@@ -606,6 +608,18 @@ def fault_summary(run_dir: Path) -> str:
         for (rank, spec), steps in sorted(fired.items(), key=lambda item: str(item[0])))
 
 
+def check_model(model: ModelConfig) -> ModelShape:
+    """The model's refusals before any rank starts and anything is written: its JSON files here, its weights
+    in a child process (they need torch and transformers, which the controller does not import)."""
+    shape = check_model_source(model)
+    if model.source == "huggingface":
+        check = subprocess.run([sys.executable, "-m", "training.models", "check", model.path], cwd=REPO_ROOT,
+                               capture_output=True, text=True)
+        if check.returncode:
+            raise ModelSourceError(check.stderr.strip() or f"python -m training.models check {model.path} failed")
+    return shape
+
+
 def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     overrides = list(DEMO_OVERRIDES if args.demo else ()) + list(args.overrides)
     overrides.append(f"run_dir={args.run_dir}")
@@ -622,7 +636,7 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     specs = parse_faults(cfg.faults, world_size=world_size, nodes=args.nodes + args.spares)
     if not args.netns and any(spec.kind == "partition" for spec in specs):
         raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
-    check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
+    check_token_file(cfg.data.path, cfg.data.dtype, check_model(cfg.model).vocab_size)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -674,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg, config_path = build_config(args)
-    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
+    except (TrainConfigError, FaultSpecError, DataError, ModelSourceError, OSError) as err:
         print(f"training.local: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     try:

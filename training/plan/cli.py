@@ -9,6 +9,7 @@ from typing import Sequence
 from training.contract.capacity import (P5_48XLARGE, Capacity, FsxSpec, ModelFootprint, Schedule, capacity_of,
                                         format_capacity)
 from training.contract.config import TrainConfigError, load_train_config
+from training.contract.model_source import ModelSourceError
 from training.plan import planner
 from training.plan.capacity_tables import capacity_tables
 from training.plan.planner import (LLAMA3_NODE_FAILURE_RATE, Mechanism, PlanError, mechanism_arg, positive_float_arg,
@@ -84,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.from_bench and (save is None or not mechanisms):
             bench_save, bench_mechanisms = from_bench(args.from_bench, args.save_mode)
             save, mechanisms = save or bench_save, mechanisms or bench_mechanisms
-    except (PlanError, TrainConfigError) as err:
+    except (PlanError, TrainConfigError, ModelSourceError) as err:  # a Hugging Face model's config.json unread
         parser.exit(2, f"error: {err}\n")
     if save is None or not mechanisms:
         parser.error("give --save-blocking-s and --recovery-s, --from-bench FILE or --config FILE")

@@ -34,10 +34,10 @@ from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
 from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
 from training.contract.flops import flops_per_token
 from training.contract.job_failure import JobMustFail, request_job_failure
-from training.contract.shapes import PRESETS
+from training.contract.model_source import ModelSourceError, check_model_source
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
-from training.models.llama import Transformer, build_model
+from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.checkpoint.writers import with_emulated_delay
@@ -160,16 +160,16 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def build(cfg: TrainConfig, info: DistInfo) -> tuple[Transformer, torch.optim.Optimizer]:
+def build(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     on_cuda = info.device.type == "cuda"
     # CPU: materialise whole, init, then shard. CUDA: shard on meta, materialise only the shards.
-    model = build_model(cfg.model.preset, "meta" if on_cuda else "cpu")
+    model = spec.build("meta" if on_cuda else "cpu")
     if not on_cuda:
-        model.init_weights(cfg.training.seed)
-    model = parallelize(model, info)
+        spec.init_weights(model, cfg.training.seed)
+    model = parallelize(model, spec.shard_units(model), info)
     if on_cuda:
         model.to_empty(device=info.device)
-        model.init_weights(cfg.training.seed)
+        spec.init_weights(model, cfg.training.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
                                   foreach=True)
     return model, optimizer
@@ -206,13 +206,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     return total_loss / info.world_size, drain > 0
 
 
-def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
+def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> PeerState | None:
     p = cfg.peer_state
     if not p.enabled:
         return None
     t = cfg.training
-    # copies made for another world size, model or data layout cannot be loaded here
-    fingerprint = f"{cfg.model.preset}:{info.world_size}:{t.batch_size}:{t.global_batch(info.world_size)}:{t.seq_len}:{t.seed}"
+    # copies made for another world size, model layout or data layout cannot be loaded here
+    fingerprint = f"{spec.fingerprint}:{info.world_size}:{t.batch_size}:{t.global_batch(info.world_size)}:{t.seq_len}:{t.seed}"
     return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
                      t.collective_timeout_s)
 
@@ -245,7 +245,9 @@ class Trainer:
     events: EventLog
     lead: bool  # rank 0: writes the run's events and log lines
     # model and optimizer state: what the checkpoints and the other recovery tiers hold
-    model: Transformer
+    spec: ModelSpec  # what the model is: built, sharded, initialised or loaded through it
+    pretrained: bool  # step 0 started from the model's pretrained weights
+    model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     train_state: TrainState
     rng: RngState
@@ -282,10 +284,11 @@ class Trainer:
             if self.lead:
                 self._announce_attempt()
             torch.manual_seed(t.seed)
-            self.model, self.optimizer = build(cfg, self.info)
+            self.spec = model_spec(cfg.model)
+            self.model, self.optimizer = build(cfg, self.spec, self.info)
             self.stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=self.info.rank,
                                       world_size=self.info.world_size, accumulation_steps=accumulation_steps,
-                                      vocab_size=PRESETS[cfg.model.preset].vocab_size, seed=t.seed,
+                                      vocab_size=self.spec.shape.vocab_size, seed=t.seed,
                                       path=cfg.data.path, dtype=cfg.data.dtype)
             self.train_state = TrainState(self.stream, self.monitor)
             self.rng = RngState(self.info.device)
@@ -297,7 +300,7 @@ class Trainer:
                                           when_busy=cfg.checkpoint.when_busy, events=self.events,
                                           device=self.info.device,
                                           write_hook=with_emulated_delay(self.injector.around_write))
-            self.peer = _peer_state(cfg, self.info)
+            self.peer = _peer_state(cfg, self.spec, self.info)
             self.resume()
             self._open_reporting()
         except BaseException:
@@ -318,7 +321,7 @@ class Trainer:
     def _open_reporting(self) -> None:
         cfg, info = self.cfg, self.info
         self.tokens_per_step = self.stream.global_batch_size * cfg.training.seq_len  # every rank's micro-batches
-        per_token = flops_per_token(cfg.model.preset, cfg.training.seq_len)
+        per_token = flops_per_token(self.spec.shape, cfg.training.seq_len)
         gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
         self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=self.lead,
                                  flops_per_token=per_token, gpus=info.world_size, gpu_peak_tflops=gpu_peak)
@@ -339,6 +342,8 @@ class Trainer:
         restored = restore_first(tiers, self.state, not_older_than=self._newest_checkpoint_step())
         if restored is not None and restored.missing:
             self.rng.derive(self.cfg.training.seed, restored.step, self.info.rank)
+        # step 0 only: every resume loads the run's own state, never the pretrained weights again
+        self.pretrained = restored is None and self.spec.load_pretrained(self.model)
         if self.lead:
             self._announce_resume(restored)
 
@@ -355,10 +360,11 @@ class Trainer:
         self.events.emit("resume", step=step, source_kind=restored.source_kind if restored else "none",
                          path=str(restored.path) if restored and restored.path else None,
                          saved_world_size=restored.saved_world_size if restored else None)
-        log.info("world size %d, %s, preset %s, global batch %d (%d micro-batch(es) of %d per rank); %s",
-                 info.world_size, info.backend, self.cfg.model.preset, self.stream.global_batch_size,
+        log.info("world size %d, %s, model %s, global batch %d (%d micro-batch(es) of %d per rank); %s",
+                 info.world_size, info.backend, self.spec.shape.name, self.stream.global_batch_size,
                  self.stream.accumulation_steps, self.stream.batch_size,
-                 f"resumed from {restored.origin} at step {step}" if restored else "starting at step 0")
+                 f"resumed from {restored.origin} at step {step}" if restored else
+                 f"starting at step 0 from {'its pretrained weights' if self.pretrained else 'seeded weights'}")
         if restored is None or restored.saved_world_size in (None, info.world_size):
             return
         saved = restored.saved_world_size
@@ -560,8 +566,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = with_env_faults(load_train_config(args.config, args.overrides))
         check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1))), cfg.allow_destructive_faults)
-        check_token_file(cfg.data.path, cfg.data.dtype, cfg.model.preset)
-    except (TrainConfigError, FaultSpecError, DataError, OSError) as err:
+        check_token_file(cfg.data.path, cfg.data.dtype, check_model_source(cfg.model).vocab_size)
+        if cfg.model.source == "huggingface":
+            from training.models.huggingface import HuggingFaceSpec
+
+            HuggingFaceSpec(cfg.model.path).check_weights()
+    except (TrainConfigError, FaultSpecError, DataError, ModelSourceError, OSError) as err:
         print(f"training.train: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
     try:

@@ -1,0 +1,177 @@
+"""Models as specs (training/models/): a Hugging Face causal LM from a local directory is built, sharded,
+loaded and exported as a preset is, and every room takes its numbers from it. Tiny configs of three
+families, written here (no hub). A bad model directory is refused before any rank starts, nothing written."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM
+
+from training.contract.config import ModelConfig, TrainConfigError, load_train_config
+from training.contract.events import EventLog
+from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.flops import flops_per_token
+from training.contract.model_source import hf_shape, model_shape
+from training.data.prepare import prepare
+from training.export.export import export
+from training.models.spec import model_spec
+from training.models.tiny import FAMILIES, write_tiny_model
+from training.train.distributed import init_distributed, teardown
+from training.train.trainer import build
+from training_helpers import run_local
+
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def hf(path: Path) -> ModelConfig:
+    return ModelConfig(source="huggingface", path=str(path))
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Each family's tiny model with weights; llama with tied embeddings besides."""
+    root = tmp_path_factory.mktemp("models")
+    out = {family: write_tiny_model(root / family, family) for family in FAMILIES}
+    out["llama-tied"] = write_tiny_model(root / "llama-tied", "llama", tie_word_embeddings=True)
+    return out
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied"])
+def test_config_json_gives_the_shape_transformers_builds(tiny_models, name):
+    spec = model_spec(hf(tiny_models[name]))
+    config = json.loads((tiny_models[name] / "config.json").read_text())
+    built = spec.build("meta")
+    assert hf_shape(config, name).parameters == spec.shape.parameters == sum(p.numel() for p in built.parameters())
+    assert model_shape(hf(tiny_models[name])).parameters == spec.shape.parameters  # the chart's torch-free count
+    assert spec.shape.vocab_size == 256 and spec.shape.parameter_bytes == 4 * spec.shape.parameters
+    # FLOPs per token from the config, as the preset's from its table: 6 N + 12 L H Q T
+    non_embedding = spec.shape.parameters - 256 * 64
+    assert flops_per_token(spec.shape, 32) == 6 * non_embedding + 12 * 2 * 4 * 16 * 32
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_decoder_layer_is_sharded_on_its_own(tiny_models, name):
+    spec = model_spec(hf(tiny_models[name]))
+    model = spec.build("meta")
+    units = [getattr(parent, child) for parent, child in spec.shard_units(model)]
+    assert len(units) == 2 and {type(u).__name__ for u in units} == set(model._no_split_modules)
+
+
+def test_the_fingerprint_follows_the_parameter_layout(tmp_path, tiny_models):
+    same = write_tiny_model(tmp_path / "again", "llama", weights=False)
+    wider = write_tiny_model(tmp_path / "wider", "llama", weights=False, intermediate_size=192)
+    fingerprints = [model_spec(hf(p)).fingerprint for p in (tiny_models["llama"], same, wider, tiny_models["qwen2"])]
+    assert fingerprints[0] == fingerprints[1]
+    assert len({fingerprints[0], fingerprints[2], fingerprints[3], model_spec(ModelConfig()).fingerprint}) == 4
+
+
+@pytest.fixture
+def one_rank():
+    info = init_distributed("cpu", 30)
+    yield info
+    teardown()
+
+
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2"])
+def test_pretrained_weights_load_into_the_sharded_model(tiny_models, one_rank, name):
+    cfg = load_train_config(None, ["model.source=huggingface", f"model.path={tiny_models[name]}"])
+    spec = model_spec(cfg.model)
+    model, _ = build(cfg, spec, one_rank)  # seeded weights, sharded
+    assert spec.load_pretrained(model)
+    expected = AutoModelForCausalLM.from_pretrained(tiny_models[name])(TOKENS).logits
+    torch.testing.assert_close(model(TOKENS), expected, rtol=0, atol=1e-6)
+
+
+def _finished_run(run_dir: Path, model_cfg: ModelConfig) -> torch.nn.Module:
+    """A run directory as a finished run leaves it: run_start in its event log, the final state."""
+    cfg = load_train_config(None, [f"run_dir={run_dir}", f"model.source={model_cfg.source}",
+                                   f"model.preset={model_cfg.preset}", f"model.path={model_cfg.path or 'null'}"])
+    spec = model_spec(cfg.model)
+    model = spec.build("cpu")
+    spec.init_weights(model, 7)
+    EventLog(run_dir, "rank0").emit("run_start", world_size=1, nodes=1, config=cfg.to_dict())
+    dcp.save({"model": model.state_dict()}, checkpoint_id=run_dir / "final", no_dist=True)
+    return model
+
+
+@pytest.mark.parametrize("source", ["preset", "qwen2", "llama-tied"])
+def test_export_round_trips_through_from_pretrained(tmp_path, tiny_models, source):
+    model_cfg = ModelConfig() if source == "preset" else hf(tiny_models[source])
+    model = _finished_run(tmp_path / "run", model_cfg)
+    export(tmp_path / "run", tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    # the preset's rotary layout differs from transformers' Llama: its wq/wk rows are permuted on export
+    torch.testing.assert_close(loaded(TOKENS).logits, model(TOKENS), rtol=0, atol=1e-5)
+
+
+def test_model_path_goes_with_the_huggingface_source():
+    with pytest.raises(TrainConfigError, match=r"model.path=None is not allowed: the Hugging Face model's directory"):
+        load_train_config(None, ["model.source=huggingface"])
+    with pytest.raises(TrainConfigError, match=r"model.path='/fsx/m' is not allowed: null with model.source=preset"):
+        load_train_config(None, ["model.path=/fsx/m"])
+
+
+def _vocabulary(path: Path, ids: int) -> Path:
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(ids)}, unk_token="t0")).save(str(path))
+    return path
+
+
+def _no_config(d: Path) -> str:
+    d.mkdir()
+    return "has no config.json"
+
+
+def _not_causal(d: Path) -> str:
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    return "holds no causal LM"
+
+
+def _missing(d: Path) -> str:
+    write_tiny_model(d, "llama")
+    weights = load_file(d / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("model.layers.1.")}, d / "model.safetensors")
+    return "missing 9 tensor(s): ['model.layers.1.input_layernorm.weight'"
+
+
+def _misshaped(d: Path) -> str:
+    write_tiny_model(d, "qwen2")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    return "model.layers.0.mlp.down_proj.weight: [64, 128] in model.safetensors, the config makes [64, 96]"
+
+
+def _big_tokenizer(d: Path) -> str:
+    write_tiny_model(d, "mistral", weights=False)
+    _vocabulary(d / "tokenizer.json", 300)
+    return "emits ids up to 299, beyond the model's vocabulary of 256"
+
+
+@pytest.mark.parametrize("make", [_no_config, _not_causal, _missing, _misshaped, _big_tokenizer])
+def test_a_model_directory_that_cannot_train_is_refused_before_any_rank_starts(tmp_path, make):
+    expected = make(tmp_path / "model")
+    run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",
+                    "model.source=huggingface", f"model.path={tmp_path / 'model'}", timeout=120)
+    assert run.returncode == CONFIG_ERROR and expected in run.output, run.output[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_model_directory_tokenizes_the_data_and_its_vocabulary_bounds_it(tmp_path, tiny_models):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("t1 t2 t299 t3")
+    model = write_tiny_model(tmp_path / "model", "llama", weights=False, vocab_size=320)
+    _vocabulary(model / "tokenizer.json", 300)
+    info = prepare([corpus], model, tmp_path / "tokens.bin")  # the directory, for its tokenizer.json
+    assert info["vocab_size"] == 300 and info["tokenizer"]["path"] == str(model / "tokenizer.json")
+    # the same token file against the 256 ids of another model: refused before any rank starts
+    run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",
+                    "model.source=huggingface", f"model.path={tiny_models['llama']}",
+                    f"data.path={tmp_path / 'tokens.bin'}", timeout=120)
+    assert run.returncode == CONFIG_ERROR and "larger than the model's 256" in run.output
+    assert not (tmp_path / "run").exists()

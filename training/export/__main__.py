@@ -1,0 +1,5 @@
+import sys
+
+from training.export.export import main
+
+sys.exit(main())
