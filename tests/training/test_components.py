@@ -20,6 +20,7 @@ from training.contract.launcher import free_port
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream, write_token_file
 from training.models.llama import build_model
+from training.models.spec import model_spec
 from training.train.checkpoint import manager
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager
@@ -291,7 +292,7 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
     results = []
     for batch_size, accumulation_steps in ((4, 1), (2, 2)):
         torch.manual_seed(0)
-        model, _ = build(cfg, one_rank_group)
+        model, _ = build(cfg, model_spec(cfg.model), one_rank_group)
         stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1, accumulation_steps=accumulation_steps,
                              vocab_size=PRESETS["tiny"].vocab_size, seed=7)
         loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group)
