@@ -191,7 +191,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return total_loss / info.world_size, drain > 0
 
 
-def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
+def _peer_state(cfg: TrainConfig, info: DistInfo, events: EventLog) -> PeerState | None:
     p = cfg.peer_state
     if not p.enabled:
         return None
@@ -199,7 +199,7 @@ def _peer_state(cfg: TrainConfig, info: DistInfo) -> PeerState | None:
     # copies made for another world size, model or data layout cannot be loaded here
     fingerprint = f"{cfg.model.preset}:{info.world_size}:{t.batch_size}:{t.seq_len}:{t.seed}"
     return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
-                     t.collective_timeout_s)
+                     t.collective_timeout_s, events)
 
 
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
@@ -276,7 +276,7 @@ class Trainer:
             self.ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
                                           when_busy=cfg.checkpoint.when_busy, events=self.events,
                                           device=self.info.device, write_hook=self.injector.around_write)
-            self.peer = _peer_state(cfg, self.info)
+            self.peer = _peer_state(cfg, self.info, self.events)
             self.resume()
             self._open_reporting()
         except BaseException:
