@@ -236,6 +236,50 @@ def test_two_replicas_survive_two_lost_nodes(tmp_path):
         assert restored == (4, "peer") and torch.equal(value, _values(rank, 4))
 
 
+def _interval_worker(rank: int, port: int, roots: list[str], results: dict) -> None:
+    """interval=None with steps of 0.1 s: sends slowed to 0.3 s until the interval is first settled, then
+    at full speed; every (step, interval) at which the interval was settled or changed."""
+    import os
+
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
+    from training.train.peer_state import PeerState
+
+    delay = [0.3 if rank == 1 else 0.0]  # rank 1's network is slow; the exchange makes rank 0 wait for it too
+    replicate = PeerState._replicate
+
+    def slow(self, *args):
+        time.sleep(delay[0])
+        replicate(self, *args)
+    PeerState._replicate = slow
+    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=None, replicas=1, timeout_s=30)
+    state = {"model": Weights(torch.zeros(1000))}
+    settled = []
+    for step in range(1, 400):
+        peer.save(step, state, step_time_s=0.1)
+        if peer.chosen_at == step:
+            settled.append((step, peer.interval))
+            delay[0] = 0.0
+            if len(settled) == 2:
+                break
+    peer.settle()
+    results[rank] = settled
+    peer.close()
+    dist.destroy_process_group()
+
+
+def test_the_interval_follows_the_send_as_well_as_the_copy_and_every_rank_agrees(tmp_path):
+    """A copy into node memory costs nothing next to a 0.1 s step, but a send takes 0.3 s: saving every step,
+    each save would wait for the one before. The interval covers the send, the same on every rank; once the
+    network is fast again, a new measurement brings it back to every step."""
+    results = mp.Manager().dict()
+    mp.spawn(_interval_worker, args=(free_port(), [str(tmp_path / "node0"), str(tmp_path / "node1")], results),
+             nprocs=2)
+    assert results[0] == results[1]
+    (_, slow), (_, fast) = results[0]
+    assert slow >= 3 and fast == 1  # 0.3 s of send over 0.1 s steps, with headroom; then every step again
+
+
 def test_copies_without_a_commit_record_do_not_count(tmp_path):
     memory = NodeMemory(tmp_path)
     data = memory.begin(0, 0, 64)
