@@ -257,7 +257,7 @@ class PeerState:
         self._saves = 0
         self._window: list[tuple[float, float]] = []  # (copy s, step s) of the saves measured since the last agreement
         self._window_first = 0  # the number of the window's first save
-        self._send_s: list[float] = []  # the replication thread's seconds for each save, in order
+        self.send_s: list[float] = []  # the replication thread's seconds for each save, in order
         self.chosen_at: int | None = None  # the step at which the interval was settled, or last changed
         self.bytes_per_rank = 0  # node memory per rank: a copy of its state per slot, own and replicas
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # collective
@@ -367,7 +367,7 @@ class PeerState:
         step_s = max(statistics.median(s for _, s in self._window), 1e-9)
         copy_ratio = statistics.median(c / max(s, 1e-9) for c, s in self._window)
         # every save before this one has been sent (save waited for it): the same sends on every rank
-        sends = self._send_s[self._window_first - 1:self._saves - 1]
+        sends = self.send_s[self._window_first - 1:self._saves - 1]
         send_steps = statistics.median(sends) / step_s if sends else 0.0
         measured = torch.tensor([copy_ratio, send_steps], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
@@ -391,7 +391,7 @@ class PeerState:
                 self.error = err
                 self._sent[save.slot].set()
                 return
-            self._send_s.append(time.perf_counter() - started)  # before the event: save reads it after waiting
+            self.send_s.append(time.perf_counter() - started)  # before the event: save reads it after waiting
             self._sent[save.slot].set()
 
     def _replicate(self, save: _Save) -> None:
