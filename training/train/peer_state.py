@@ -357,7 +357,10 @@ class PeerState:
         """interval=None (module doc): after CALIBRATION_STEPS measured saves, then every RECHECK_SAVES,
         every rank takes the interval the slowest rank's copy and send need (one all-reduce, the same on
         every rank)."""
-        if not self._adaptive or self._saves <= PEER_STATE_SLOTS:  # a slot's first save lays it out: not measured
+        if not self._adaptive:
+            self.chosen_at = step if self.chosen_at is None else self.chosen_at  # a fixed interval: settled at once
+            return
+        if self._saves <= PEER_STATE_SLOTS:  # a slot's first save lays it out: not measured
             return
         if not self._window:
             self._window_first = self._saves
