@@ -37,6 +37,8 @@ class Profile:
     # bandwidth (its cost per step comes from the in-process fault run). CPU: a rank's share of the stall's
     # state; GPU: enough for a steady device-to-host figure.
     rollback_copy_bytes: int
+    # Peer state's copy, send and restore at each of these presets' state (bench/peer_sizes.py): growth measured.
+    peer_presets: tuple[str, ...]
 
     @property
     def world(self) -> int:
@@ -62,7 +64,7 @@ FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_w
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
                faults=5, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
-               rollback_copy_bytes=512 * MiB)
+               rollback_copy_bytes=512 * MiB, peer_presets=("tiny", "small"))
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: about 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
 # saves in about 0.1 s, so the calibrated interval falls to its minimum and the figures say nothing.
@@ -70,7 +72,7 @@ QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_
                 stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
                 mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
                 faults=2, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
-                rollback_copy_bytes=128 * MiB)
+                rollback_copy_bytes=128 * MiB, peer_presets=("tiny", "small"))
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node
 # loss and full restarts need several nodes). Few saves: each writes about 15 GB; the first fault
@@ -79,4 +81,4 @@ GPU = Profile("gpu", "cuda", state_bytes=0, stall_preset="1b", stall_world=1, st
               matmuls_per_step=0, stall_spare_cpu=False,
               mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
               faults=3, first_fault=25, fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1,
-              rollback_copy_bytes=4096 * MiB)
+              rollback_copy_bytes=4096 * MiB, peer_presets=())

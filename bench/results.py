@@ -17,6 +17,7 @@ from bench.checks import Check
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.peer import PeerResult
+from bench.peer_sizes import PeerSize
 from bench.profile import Profile
 from bench.projection import Projection
 from bench.rollback import RollbackResult
@@ -27,6 +28,7 @@ SCHEMA = "bench-result/1"
 SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer
 ROLLBACK = "rollback"  # the in-memory rollback's cost (bench/rollback.py)
 PEER = "peer"  # peer state's cost and memory (bench/peer.py)
+PEER_SIZES = "peer_sizes"  # peer state's copy, send and restore at more than one size (bench/peer_sizes.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class BenchResult:
     # A lost p5 node on EKS, projected from `recovery` and `delays` (bench/projection.py): not measured.
     projections: tuple[Projection, ...] = ()
     delays: KubernetesDelays = EKS
+    peer_sizes: tuple[PeerSize, ...] = ()  # PEER_SIZES, smallest state first; () where not measured
     schema: str = field(default=SCHEMA)
 
     def to_dict(self) -> dict[str, Any]:

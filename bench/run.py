@@ -6,7 +6,8 @@ Runs, in this order, on the local emulated cluster (training.local): the floor o
 the checkpoint stall (sync vs async; in the full CPU profile, where its ranks keep every CPU busy,
 again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do),
 one fault run per recovery mechanism, and the in-memory rollback's cost per step (from the
-in-process run) and host copy bandwidth; then projects a lost p5 node on EKS from those runs and
+in-process run) and host copy bandwidth, peer state's copy, send and restore at the tiny and the small
+preset's state (bench/peer_sizes.py); then projects a lost p5 node on EKS from those runs and
 Kubernetes' delays (bench/projection.py, labelled a projection). Writes
 <results-dir>/<date>.json (training/plan/planner.py --from-bench reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
@@ -30,7 +31,8 @@ from bench.plot import plot_result
 from bench.profile import FULL, GPU, QUICK, Profile
 from bench.projection import project
 from bench.peer import PeerResult, measure_peer
-from bench.results import PEER, ROLLBACK, SPARE_CPU, BenchResult, Machine, write_json
+from bench.peer_sizes import measure_peer_sizes
+from bench.results import PEER, PEER_SIZES, ROLLBACK, SPARE_CPU, BenchResult, Machine, write_json
 from bench.rollback import RollbackResult, measure_rollback
 from bench.stall import StallResult, StallSpec, measure_stall, measure_stall_on_cluster, spare_cpu_world
 from bench.table import format_markdown
@@ -143,6 +145,10 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
     say(f"in-memory rollback: cost per step, host copy of {p.rollback_copy_bytes >> 20} MiB")
     rollback = run_rollback(p, recovery, unavailable)
     peer = run_peer(recovery, unavailable) if "peer_state" in p.mechanisms else None
+    peer_sizes = ()
+    if p.peer_presets:
+        say(f"peer state at {', '.join(p.peer_presets)} state: copy, send, restore")
+        peer_sizes = _attempt(PEER_SIZES, lambda: measure_peer_sizes(p.peer_presets), unavailable) or ()
     machine = Machine.here(p.device)
     checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), cpus),
               *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), cpus,
@@ -153,7 +159,7 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,
                        rollback=rollback, peer=peer, unavailable=unavailable, checks=checks,
-                       projections=project(EKS, recovery), delays=EKS)
+                       projections=project(EKS, recovery), delays=EKS, peer_sizes=peer_sizes)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

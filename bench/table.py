@@ -5,7 +5,7 @@ from bench.checks import REFERENCE_RECOVERY_S, Check
 from bench.mechanisms import MECHANISMS
 from bench.profile import FULL, QUICK
 from bench.projection import REFERENCE_PLAIN_RESTART_S
-from bench.results import PEER, ROLLBACK, SPARE_CPU, BenchResult
+from bench.results import PEER, PEER_SIZES, ROLLBACK, SPARE_CPU, BenchResult
 from bench.stall import CALIBRATED_SYNC_COST, StallResult
 
 
@@ -112,6 +112,25 @@ def peer_table(r: BenchResult) -> list[str]:
                  f"{x.interval} step(s)", str(x.replicas), f"{x.bytes_per_rank / 2**20:.1f} MiB")]
 
 
+def peer_sizes_table(r: BenchResult) -> list[str]:
+    title = "Peer state as the state grows (bench/peer_sizes.py)"
+    if not r.peer_sizes:
+        return [f"{title}: not measured ({r.unavailable.get(PEER_SIZES, 'not in this profile')})"]
+    base = r.peer_sizes[0]
+    lines = [f"{title}: one rank's state (its shard of the preset's fp32 parameters and AdamW moments, 2 nodes of "
+             "1 rank) copied into node memory on the training thread, sent to the partner node beside training "
+             "(CRC-32, commit, acknowledgement), and restored on a spare from the partner; growth against "
+             f"{base.preset}", "",
+             *_header("preset", "state per rank", "copy", "send", "restore", "state x", "copy x", "send x",
+                      "restore x")]
+    for x in r.peer_sizes:
+        lines.append(_row(x.preset, f"{x.bytes_per_rank / 2**20:.1f} MiB", _fmt(x.copy_s, "s"), _fmt(x.send_s, "s"),
+                          _fmt(x.restore_s, "s"), f"{x.bytes_per_rank / base.bytes_per_rank:.0f}x",
+                          f"{x.copy_s / base.copy_s:.0f}x", f"{x.send_s / base.send_s:.0f}x",
+                          f"{x.restore_s / base.restore_s:.0f}x"))
+    return lines
+
+
 def projection_table(r: BenchResult) -> list[str]:
     title = "Projection, not a measurement: a lost p5 node on EKS (bench/projection.py)"
     if not r.projections:
@@ -144,6 +163,6 @@ def format_markdown(r: BenchResult) -> str:
              f"state (make bench: {FULL.state_bytes >> 20} MiB), {p.world} ranks (make bench: {FULL.world}); "
              "figures are noisier."] if p.name == QUICK.name else []
     sections = [[title, *notes], stall_table(r), recovery_table(r), rollback_table(r), peer_table(r),
-                projection_table(r),
+                peer_sizes_table(r), projection_table(r),
                 checks_table(r.checks)]
     return "\n\n".join("\n".join(s) for s in sections) + "\n"

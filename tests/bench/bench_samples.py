@@ -9,6 +9,7 @@ from bench.checks import peer_checks, recovery_checks, rollback_checks, spare_cp
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.peer import PeerResult
+from bench.peer_sizes import PeerSize
 from bench.profile import QUICK
 from bench.projection import project
 from bench.results import BenchResult, Machine
@@ -19,6 +20,8 @@ from training.contract.k8s_delays import EKS
 T0 = 1_767_000_000.0
 PEER = PeerResult(save_s=0.0015, step_s=0.05, cost_ratio=0.03, steps=120, interval=1, replicas=1,
                   bytes_per_rank=4 << 20)
+PEER_SIZES = (PeerSize("tiny", bytes_per_rank=1 << 20, copy_s=0.002, send_s=0.01, restore_s=0.1),
+              PeerSize("small", bytes_per_rank=300 << 20, copy_s=0.4, send_s=2.0, restore_s=3.0))
 
 
 def write_events(run_dir: Path, records: list[dict]) -> Path:
@@ -74,4 +77,4 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
     return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
                        checkpoint=stall, checkpoint_spare_cpu=spare, floor=floor, recovery=recovery,
                        rollback=rollback, peer=PEER, unavailable=unavailable, checks=checks,
-                       projections=project(EKS, recovery))
+                       projections=project(EKS, recovery), peer_sizes=PEER_SIZES)

@@ -145,6 +145,7 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     assert [p["mechanism"] for p in data["projections"]] == ["hot_spare", "peer_state", "node_replacement",
                                                               "node_replacement", "node_replacement", "k8s_restart"]
     assert data["peer"]["cost_ratio"] == 0.03 and data["peer"]["bytes_per_rank"] == 4 << 20
+    assert [(s["preset"], s["send_s"]) for s in data["peer_sizes"]] == [("tiny", 0.01), ("small", 2.0)]
     assert data["delays"]["toleration_s"] == 30
     assert data["unavailable"] == {"inprocess": "training/train/inprocess.py does not exist"}
     assert {c["status"] for c in data["checks"]} <= {"PASS", "MISS", "BASELINE", "N/A"}
@@ -186,6 +187,9 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| hot spare (spare node and standby pod): this repository's default | 50 s |" in text
     assert "| 1.50 ms | 50.0 ms | 3.0% | 1 step(s) | 1 | 4.0 MiB |" in text  # peer state
     assert "| peer state copy per step / step time (peer-state run) | 3.0% | <= 5% | target | PASS |" in text
+    assert "| small | 300.0 MiB | 0.40 s | 2.00 s | 3.00 s | 300x | 200x | 200x | 30x |" in text  # growth, measured
+    no_sizes = format_markdown(replace(result, peer_sizes=(), unavailable={"peer_sizes": "/dev/shm full"}))
+    assert "Peer state as the state grows (bench/peer_sizes.py): not measured (/dev/shm full)" in no_sizes
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

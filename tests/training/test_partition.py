@@ -79,20 +79,23 @@ def test_without_netns_a_partition_fault_is_refused(tmp_path):
     assert run.returncode != 0 and "partition faults need --netns" in run.output
 
 
-# Each case: (arguments, fault). The node is cut off halfway into step 12; NVRx's step-section timeout (max
-# observed step x safety factor) stops every rank; the restart resumes at the checkpoint of step 10. The first
+# Each case: (arguments, config overrides, fault). The node is cut off halfway into step 12; NVRx's step-section timeout (max
+# observed step x safety factor) stops every rank; the restart resumes at the checkpoint of step 10, or with
+# peer state (spare, heals) from node memory at step 11, or 10 if step 11's copy was still on its way. The first
 # step of a run takes up to ~0.9 s here, which at COMMON's factor of 50 is a 45 s timeout: gloo's 30 s would
 # come first, and a 25 s partition would heal unnoticed (as the README's timeouts table says it should).
 # A factor of 15 keeps the timeout near 13 s.
 PARTITION_OVERRIDES = ("checkpoint.mode=sync", "fault_tolerance.timeout_safety_factor=15")
+PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
 CASES = {
     # for good; the spare (node 2) takes node 1's place long before the pod would be replaced
-    "spare": (("--spares", "1", "--replacement-delay", "60"), "partition@12:node=1"),
-    # back after 25 s, before Kubernetes would replace the pod: node 1 rejoins with new ranks
-    "heals": (("--replacement-delay", "60",), "partition@12:node=1:duration=25"),
+    "spare": (("--spares", "1", "--replacement-delay", "60"), PEER_STATE, "partition@12:node=1"),
+    # back after 25 s, before Kubernetes would replace the pod: node 1 rejoins with new ranks, and its copies
+    # in node memory with them
+    "heals": (("--replacement-delay", "60",), PEER_STATE, "partition@12:node=1:duration=25"),
     # unreachable for 2 s: its pod is replaced on a new machine; the old one is back at 6 s, and its
     # processes, left running all along, are killed then (the survivors' collectives fail on it)
-    "evicted": (("--replacement-delay", "2",), "partition@12:node=1:duration=6"),
+    "evicted": (("--replacement-delay", "2",), (), "partition@12:node=1:duration=6"),
 }
 DETECTED_BY_NVRX = ("spare", "heals")  # evicted: the controller's eviction comes first
 
@@ -103,9 +106,9 @@ def partition_run(tmp_path_factory):
 
     def get(name):
         if name not in runs:
-            extra, spec = CASES[name]
+            extra, overrides, spec = CASES[name]
             runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", "--netns", *TWO_NODES, *extra,
-                                             *COMMON, *PARTITION_OVERRIDES, "--faults", spec, timeout=300))
+                                             *COMMON, *PARTITION_OVERRIDES, *overrides, "--faults", spec, timeout=300))
         return runs[name]
     return get
 
@@ -119,9 +122,10 @@ def test_a_partitioned_node_is_detected_and_the_run_resumes_exactly(name, partit
     if name in DETECTED_BY_NVRX:
         assert first["by"].startswith("nvrx rank monitor") and "Section 'step' has been open" in first["detail"]
     assert first["t"] - injected["t"] < COLLECTIVE_TIMEOUT_S  # not gloo's timeout
-    assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, 10]
+    first_start, resumed = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
+    assert first_start == (0, "none") and resumed in ([(11, "peer"), (10, "peer")] if CASES[name][1] else [(10, "disk")])
     [fault] = build_report(read_events(run.run_dir)).faults[:1]
-    assert fault.kind == "partition" and fault.resumed_from == 10 and 0 < fault.detection_s < fault.recovery_s
+    assert fault.kind == "partition" and fault.resumed_from == resumed[0] and 0 < fault.detection_s < fault.recovery_s
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from training.contract.events import read_events
 from training.contract.launcher import free_port
-from training.train.peer_state import OWN, REPLICA, Copy, NodeMemory, flatten, layout, unflatten, views
+from training.train.peer_state import OWN, REPLICA, Copy, NodeMemory, checksum, flatten, layout, unflatten, views
 
 WORLD = 2
 FINGERPRINT = "test"
@@ -36,35 +39,89 @@ def _values(rank: int, step: int) -> torch.Tensor:
     return torch.arange(1000, dtype=torch.float32) * (rank + 1) + step
 
 
-def _worker(rank: int, port: int, roots: list[str], phase: str, results: dict, replicas: int) -> None:
+@dataclass(frozen=True)
+class Phase:
+    """What each rank does: save `steps` (each send held back `send_delay_s` first, as a slow network
+    would), rank 0 copying its node's memory to `snapshot` as soon as its last save returned (the node's
+    memory at that instant, while sends are in flight); or restore, each rank with its own view of the
+    newest checkpoint (`not_older_than`), the tier after peer state one that loads or raises (`disk`)."""
+    steps: tuple[int, ...] = ()
+    send_delay_s: float = 0.0
+    snapshot: str | None = None
+    not_older_than: tuple[int, ...] = (0, 0)
+    disk: str | None = None  # None: no tier after peer state; "loads": a checkpoint at not_older_than; "fails"
+    events_dir: str | None = None
+
+
+class _FakeDisk:
+    name = "disk"
+
+    def __init__(self, outcome: str, step: int) -> None:
+        self.outcome, self.step = outcome, step
+
+    def restore(self, state, *, not_older_than):
+        from training.train.recovery import Restored
+
+        if self.outcome == "fails":
+            raise OSError("the checkpoint cannot be read")
+        return Restored(self.step, "disk")
+
+    def superseded(self, restored):
+        pass
+
+
+def _worker(rank: int, port: int, roots: list[str], phase: Phase, results: dict, replicas: int) -> None:
     import os
 
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
+    from training.contract.events import EventLog
     from training.train.peer_state import PeerState
+    from training.train.recovery import PeerTier, restore_first
 
-    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=1, replicas=replicas, timeout_s=30)
+    if phase.send_delay_s:
+        replicate = PeerState._replicate
+
+        def slow(self, *args):
+            time.sleep(phase.send_delay_s)
+            replicate(self, *args)
+        PeerState._replicate = slow
+    events = EventLog(phase.events_dir, f"rank{rank}") if phase.events_dir else None
+    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=1, replicas=replicas, timeout_s=30, events=events)
     weights = Weights(torch.zeros(1000))
     state = {"model": weights}
-    if phase == "save":
-        for step in (3, 4):
+    if phase.steps:
+        for step in phase.steps:
             weights.value.copy_(_values(rank, step))
             weights.count = step
             peer.save(step, state, step_time_s=1.0)
+        if rank == 0 and phase.snapshot:
+            shutil.copytree(roots[0], phase.snapshot)
         peer.settle()
         results[rank] = None
     else:
-        step = peer.restore(state, not_older_than=int(phase))
-        results[rank] = (step, weights.value.clone(), weights.count)
+        tiers = [PeerTier(peer)] + ([_FakeDisk(phase.disk, phase.not_older_than[rank])] if phase.disk else [])
+        try:
+            restored = restore_first(tiers, state, not_older_than=phase.not_older_than[rank])
+            results[rank] = (restored and (restored.step, restored.source_kind), weights.value.clone(), weights.count)
+        except OSError as err:
+            results[rank] = str(err)
     peer.close()
     dist.destroy_process_group()
 
 
-def _run(roots: list[Path], phase: str, replicas: int = 1) -> dict:
+def _run(roots: list[Path], phase: Phase, replicas: int = 1) -> dict:
     """One process per node directory in `roots` (one rank per node)."""
     results = mp.Manager().dict()
     mp.spawn(_worker, args=(free_port(), [str(r) for r in roots], phase, results, replicas), nprocs=len(roots))
     return dict(results)
+
+
+def _restore(roots: list[Path], newest_checkpoint: int = 0, replicas: int = 1, **kwargs) -> dict:
+    return _run(roots, Phase(not_older_than=(newest_checkpoint,) * len(roots), **kwargs), replicas)
+
+
+SAVE = Phase(steps=(3, 4))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +129,7 @@ def saved(tmp_path_factory):
     """Two nodes' memory after steps 3 and 4: each holds its own shard and its partner's."""
     base = tmp_path_factory.mktemp("peer")
     roots = [base / "node0", base / "node1"]
-    _run(roots, "save")
+    _run(roots, SAVE)
     return roots
 
 
@@ -81,6 +138,13 @@ def _copy_nodes(saved: list[Path], tmp_path: Path) -> list[Path]:
     for src, dst in zip(saved, roots):
         shutil.copytree(src, dst)
     return roots
+
+
+def _assert_restored_from_peers(results: dict, step: int) -> None:
+    for rank in range(WORLD):
+        restored, value, count = results[rank]
+        assert (restored, count) == ((step, "peer"), step)
+        assert torch.equal(value, _values(rank, step))
 
 
 def test_each_node_holds_its_shard_and_its_partners(saved):
@@ -93,15 +157,29 @@ def test_each_node_holds_its_shard_and_its_partners(saved):
 def test_a_lost_node_is_restored_from_its_partner_bitwise(saved, tmp_path):
     node0, _ = _copy_nodes(saved, tmp_path)
     spare = tmp_path / "spare"  # node 1 is lost; the spare's memory is empty
-    results = _run([node0, spare], "0")
-    for rank in range(WORLD):
-        step, value, count = results[rank]
-        assert (step, count) == (4, 4)
-        assert torch.equal(value, _values(rank, 4))
+    _assert_restored_from_peers(_restore([node0, spare]), 4)
 
 
-def test_two_partners_lost_together_fall_back(saved, tmp_path, caplog):
-    results = _run([tmp_path / "a", tmp_path / "b"], "0")  # both nodes new: no copy anywhere
+def test_a_node_lost_while_its_newest_copy_is_still_being_sent_resumes_from_peers(tmp_path):
+    """Replication slower than the interval (each send held back 1 s, a save every step): node 1 is lost
+    the moment step 5 is saved, while step 4's copy may still be on its way. Node 0's memory at that
+    instant still holds a step with every shard, at most one interval old; no trip to the checkpoint."""
+    snapshot = tmp_path / "node0-at-loss"
+    _run([tmp_path / "node0", tmp_path / "node1"], Phase(steps=(3, 4, 5), send_delay_s=1.0, snapshot=str(snapshot)))
+    _assert_restored_from_peers(_restore([snapshot, tmp_path / "spare"]), 4)
+
+
+def test_a_restart_that_gives_the_nodes_other_ranks_keeps_their_copies(saved, tmp_path):
+    """As after a partition, when the survivors come back with other ranks: node 1 now runs rank 0 and node 0
+    rank 1. Each node's copies are the same data in other roles: lose a node right after this restart (before
+    a save), and the other still holds every shard."""
+    node0, node1 = _copy_nodes(saved, tmp_path)
+    _assert_restored_from_peers(_restore([node1, node0]), 4)
+    _assert_restored_from_peers(_restore([node1, tmp_path / "spare"]), 4)
+
+
+def test_two_partners_lost_together_fall_back(saved, tmp_path):
+    results = _restore([tmp_path / "a", tmp_path / "b"])  # both nodes new: no copy anywhere
     assert {r[0] for r in results.values()} == {None}
 
 
@@ -110,43 +188,107 @@ def test_a_torn_copy_is_never_used(saved, tmp_path):
     node0, _ = _copy_nodes(saved, tmp_path)
     memory = NodeMemory(node0)
     [torn] = [c for c in memory.copies() if (c.kind, c.step) == (REPLICA, 4)]
-    memory.begin(REPLICA, torn.shard, torn.slot, torn.data_nbytes)[:10] = 7  # a write that never completed
-    results = _run([node0, tmp_path / "spare"], "0")
-    for rank in range(WORLD):
-        step, value, _ = results[rank]
-        assert step == 3 and torch.equal(value, _values(rank, 3))
+    memory.begin(torn.shard, torn.slot, torn.data_nbytes)[:10] = 7  # a write that never completed
+    _assert_restored_from_peers(_restore([node0, tmp_path / "spare"]), 3)
     # the run goes back to step 3: node 0's own copy of step 4 is gone, so it can never be mixed in later
     assert {c.step for c in NodeMemory(node0).copies()} == {3}
 
 
+def test_a_copy_that_fails_its_checksum_is_not_used_and_the_next_source_is(saved, tmp_path):
+    """Node 0's own copy of shard 0 at step 4 is damaged in memory (NVRx issue 349: replica-restored NaNs,
+    44 restarts): its CRC-32 fails, rank 0 takes node 1's copy of the same step, and says so."""
+    roots = _copy_nodes(saved, tmp_path)
+    [own] = [c for c in NodeMemory(roots[0]).copies() if (c.kind, c.step) == (OWN, 4)]
+    damaged = NodeMemory(roots[0]).read(own)[0].clone()
+    damaged[:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # the first weight becomes NaN
+    (roots[0] / f"shard{own.shard:05d}-slot{own.slot}.bin").write_bytes(damaged.numpy().tobytes())
+    _assert_restored_from_peers(_restore(roots, events_dir=str(tmp_path / "run")), 4)
+    [rejected] = [e for e in read_events(tmp_path / "run") if e["event"] == "peer_copy_rejected"]
+    assert (rejected["shard"], rejected["step"], rejected["node"].endswith(str(roots[0]))) == (0, 4, True)
+
+
 def test_a_newer_checkpoint_wins(saved, tmp_path):
     roots = _copy_nodes(saved, tmp_path)
-    results = _run(roots, "5")
-    assert {r[0] for r in results.values()} == {None}
-    assert not NodeMemory(roots[0]).copies()  # older than where the run goes on from: dropped
+    results = _restore(roots, 5, disk="loads")
+    assert {r[0] for r in results.values()} == {(5, "disk")}
+    assert not NodeMemory(roots[0]).copies()  # older than where the run goes on from: dropped once it loaded
+
+
+def test_a_checkpoint_that_fails_to_load_costs_no_copy_and_every_rank_asks_for_it(saved, tmp_path):
+    """Rank 1's listing shows a checkpoint of step 5 that rank 0's does not (yet): both go to it, agreed. Its
+    load fails: the copies in node memory are all still there for the next attempt."""
+    roots = _copy_nodes(saved, tmp_path)
+    before = [NodeMemory(root).copies() for root in roots]
+    results = _run(roots, Phase(not_older_than=(0, 5), disk="fails"))
+    assert results == {0: "the checkpoint cannot be read", 1: "the checkpoint cannot be read"}
+    assert [NodeMemory(root).copies() for root in roots] == before
 
 
 def test_two_replicas_survive_two_lost_nodes(tmp_path):
     """Three nodes, each rank copied to the next two: lose two nodes, the third holds every shard."""
     roots = [tmp_path / f"node{i}" for i in range(3)]
-    _run(roots, "save", replicas=2)
+    _run(roots, SAVE, replicas=2)
     assert {(c.kind, c.shard) for c in NodeMemory(roots[2]).copies()} == {
         (OWN, 2), (REPLICA, 0), (REPLICA, 1)}
-    results = _run([roots[2], tmp_path / "spare1", tmp_path / "spare2"], "0", replicas=2)
+    results = _restore([roots[2], tmp_path / "spare1", tmp_path / "spare2"], replicas=2)
     for rank in range(3):
-        step, value, _ = results[rank]
-        assert step == 4 and torch.equal(value, _values(rank, 4))
+        restored, value, _ = results[rank]
+        assert restored == (4, "peer") and torch.equal(value, _values(rank, 4))
+
+
+def _interval_worker(rank: int, port: int, roots: list[str], results: dict) -> None:
+    """interval=None with steps of 0.1 s: sends slowed to 0.3 s until the interval is first settled, then
+    at full speed; every (step, interval) at which the interval was settled or changed."""
+    import os
+
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
+    from training.train.peer_state import PeerState
+
+    delay = [0.3 if rank == 1 else 0.0]  # rank 1's network is slow; the exchange makes rank 0 wait for it too
+    replicate = PeerState._replicate
+
+    def slow(self, *args):
+        time.sleep(delay[0])
+        replicate(self, *args)
+    PeerState._replicate = slow
+    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=None, replicas=1, timeout_s=30)
+    state = {"model": Weights(torch.zeros(1000))}
+    settled = []
+    for step in range(1, 400):
+        peer.save(step, state, step_time_s=0.1)
+        if peer.chosen_at == step:
+            settled.append((step, peer.interval))
+            delay[0] = 0.0
+            if len(settled) == 2:
+                break
+    peer.settle()
+    results[rank] = settled
+    peer.close()
+    dist.destroy_process_group()
+
+
+def test_the_interval_follows_the_send_as_well_as_the_copy_and_every_rank_agrees(tmp_path):
+    """A copy into node memory costs nothing next to a 0.1 s step, but a send takes 0.3 s: saving every step,
+    each save would wait for the one before. The interval covers the send, the same on every rank; once the
+    network is fast again, a new measurement brings it back down."""
+    results = mp.Manager().dict()
+    mp.spawn(_interval_worker, args=(free_port(), [str(tmp_path / "node0"), str(tmp_path / "node1")], results),
+             nprocs=2)
+    assert results[0] == results[1]
+    (_, slow), (_, fast) = results[0]
+    assert slow >= 3 and fast < slow  # 0.3 s of send over 0.1 s steps, with headroom; then back down
 
 
 def test_copies_without_a_commit_record_do_not_count(tmp_path):
     memory = NodeMemory(tmp_path)
-    data = memory.begin(OWN, 0, 0, 64)
+    data = memory.begin(0, 0, 64)
     data[:] = 1
     assert memory.copies() == []
-    copy = Copy(OWN, 0, 0, 9, 1, FINGERPRINT, 64, 3)
+    copy = Copy(OWN, 0, 0, 9, 1, FINGERPRINT, 64, 3, checksum(data, b"abc"))
     memory.commit(copy, b"abc")
     assert memory.copies() == [copy]
-    memory.begin(OWN, 0, 0, 64)  # rewriting the slot: it stops counting first
+    memory.begin(0, 0, 64)  # rewriting the slot: it stops counting first
     assert memory.copies() == []
 
 

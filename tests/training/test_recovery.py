@@ -24,13 +24,16 @@ class FakeTier:
         state["step"] = self.holds
         return Restored(self.holds, self.name)
 
+    def superseded(self, restored: Restored | None) -> None:
+        self.asked.append(f"{self.holds} superseded by {restored and restored.step}")
+
 
 def test_restore_first_asks_in_order_and_the_first_that_restores_wins():
     asked: list[str] = []
     tiers = [FakeTier(None, asked), FakeTier(7, asked), FakeTier(9, asked)]
     state: dict[str, Any] = {}
     assert restore_first(tiers, state, not_older_than=5) == Restored(7, "peer")
-    assert asked == ["None>=5", "7>=5"]  # the third tier is never asked
+    assert asked == ["None>=5", "7>=5", "None superseded by 7"]  # the third tier is never asked; the first told
     assert state == {"step": 7}
 
 
@@ -38,7 +41,7 @@ def test_restore_first_is_none_when_every_tier_misses():
     asked: list[str] = []
     state: dict[str, Any] = {}
     assert restore_first([FakeTier(None, asked), FakeTier(None, asked)], state, not_older_than=0) is None
-    assert asked == ["None>=0", "None>=0"] and state == {}
+    assert asked == ["None>=0", "None>=0", "None superseded by None", "None superseded by None"] and state == {}
     assert restore_first([], state, not_older_than=0) is None  # no tier at all: a fresh start
 
 

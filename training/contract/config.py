@@ -205,8 +205,9 @@ class PeerStateConfig:
     after a lost node, its ranks' shards come from their partners, not from the FSx checkpoint."""
     enabled: bool = _doc(False, "keep copies of each rank's state in node memory")
     interval: int | None = _doc(None, "Steps between copies. null: every step if a copy costs at most 5% of one "
-                                      "(measured over the first steps), else the fewest steps between copies that "
-                                      "keep it there.")
+                                      "and a send to the partners ends within one, else the fewest steps between "
+                                      "copies that keep both so (measured over the first steps, agreed by all "
+                                      "ranks, measured again every 20 copies).")
     replicas: int = _doc(1, "other nodes holding a copy of each rank's state")
     memory_dir: str | None = _doc(None, "null: $TRAINING_NODE_MEMORY, else /dev/shm/training-peer-state")
 

@@ -42,8 +42,11 @@ depend on the event:
   restart         attempt, restart_kind            controller or rank 0; restart_kind: injob (ft_launcher
                                                    restarted the worker group), inprocess (Wrapper),
                                                    node (a node's pod replaced)
-  peer_state      interval, replicas,              rank 0, once per attempt when peer state settled its interval
-                  bytes_per_rank                   (training/train/peer_state.py): node memory per rank
+  peer_state      interval, replicas,              rank 0, when peer state settled its interval (once per attempt)
+                  bytes_per_rank                   and whenever a new measurement changes it
+                                                   (training/train/peer_state.py): node memory per rank
+  peer_copy_rejected  shard, step, node            rank 0: a copy in node memory failed its CRC-32 check at
+                                                   restore and was not used; the next source was taken
   node_replaced   node, attempt                    the local controller
   drained         step, saved_step, path,          rank 0: every rank left at `step` after a SIGTERM;
                   checkpoint_s, peers_s,           saved_step: the newest step kept, where the restart resumes;
@@ -64,7 +67,7 @@ from typing import Any, Iterable, Iterator
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
     "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
-    "peer_state",
+    "peer_state", "peer_copy_rejected",
     "run_end",
 })
 

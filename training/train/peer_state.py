@@ -8,18 +8,29 @@ so no collective of the training step waits for it. Node memory is a directory (
 the pod's memory-backed /dev/shm on the cluster, a directory per emulated node here) that outlives
 the worker processes, so an in-job restart finds it; a node's replacement starts with it empty.
 
-A copy is consistent or unused: its files are `<kind>-shard<r>-slot<k>.bin` (the tensors' bytes,
-mapped), `.meta` (the structure around them) and `.ok` (step, world size, sizes), and the `.ok` is
-removed before the slot is written and written (atomically) only once the bytes and structure are
-complete. Two slots per shard and kind alternate, so the newest complete copy is never the one being
-written; a slot is not overwritten while it is still being sent.
+A copy is consistent or unused: its files are `shard<r>-slot<k>.bin` (the tensors' bytes,
+mapped), `.meta` (the structure around them) and `.ok` (step, world size, sizes, CRC-32 of bytes and
+structure), and the `.ok` is removed before the slot is written and written (atomically) only once the
+bytes and structure are complete. Two slots per shard alternate. The training thread copies the
+state into a slot; the thread checksums and commits it, sends it and waits for every partner to say it
+committed its copy. A save does not overwrite the older slot before the newer one is committed on every
+partner, so at any instant some step has every shard somewhere unless a node and all its partners are lost:
+a node lost at step t costs at most the steps since the save before the newest (interval 1: one step).
+
+Interval (peer_state.interval null): after the first saves, the copy's share of a step and the send's
+length in steps, medians over CALIBRATION_STEPS saves, the largest over all ranks (one all-reduce):
+every step if the copy costs at most COST_BUDGET of a step and the send keeps up, else as many steps as
+either needs. Measured again every RECHECK_SAVES saves, so a cost that grows (a bigger state, a slower
+network) moves the interval with it.
 
 Restore (collective, at resume, before the FSx checkpoint): every node reports its complete copies;
 the newest step for which every shard of this world has one (same world size and config) wins if it
-is not older than the newest FSx checkpoint. Each rank takes its shard from its own node's memory,
-or else from a node that holds a copy, point to point; then every rank loads it as the in-memory
-rollback does. No step with a copy of every shard (two partners lost together, a resized world):
-the FSx checkpoint, and a log line that says which shards had no copy.
+is not older than the newest FSx checkpoint any rank sees. Each rank takes its shard from its own node's
+memory, or else from a node that holds a copy, point to point, and checks its CRC-32 before loading it: a
+copy that fails is dropped (a log line and a `peer_copy_rejected` event) and the next source is taken,
+another node's copy of the step, else an older step, else the checkpoint. No step with a copy of every
+shard (two partners lost together, a resized world): the FSx checkpoint, and a log line that says which
+shards had no copy; node memory is only cleared once that load succeeded (`discard`).
 
 Not NVRx's local checkpointing (nvidia_resiliency_ext.checkpointing.local): its
 CliqueReplicationStrategy all-gathers each save's tensors on the calling thread (training would wait
@@ -37,8 +48,10 @@ import math
 import os
 import pickle
 import queue
+import statistics
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +62,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
 from training.train.rollback import CopyPlan, InPlaceState, load_into
@@ -60,6 +74,9 @@ OWN, REPLICA = "own", "replica"
 _ALIGN = 64
 COST_BUDGET = 0.05  # interval=None: replicate every step if a save costs at most this share of a step
 CALIBRATION_STEPS = 5  # interval=None: steps saved every time before the interval is chosen
+RECHECK_SAVES = 20  # interval=None: saves after which the interval is measured and agreed again
+# interval=None: a send must end well within the steps between saves, or the next save waits for it
+SEND_HEADROOM = 1.5
 # For the replication thread to stop after an abort: a transfer with a live partner ends well within it; one
 # with a dead partner ends when the Wrapper's abort shuts the sockets, which may come only after the wait.
 ABORT_WAIT_S = 1.0
@@ -117,7 +134,7 @@ def views(data: torch.Tensor, specs: list[Spec]) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class Copy:
     """A complete copy of one shard at one step in a node's memory (its `.ok` record)."""
-    kind: str
+    kind: str  # OWN (the rank's own shard) or REPLICA (a source's): said, not part of the copy's name
     shard: int
     slot: int
     step: int
@@ -125,6 +142,20 @@ class Copy:
     fingerprint: str
     data_nbytes: int
     meta_nbytes: int
+    checksum: int  # CRC-32 of the bytes, then the structure (`checksum`)
+
+
+def checksum(data: torch.Tensor, meta: bytes) -> int:
+    """CRC-32 of a copy's bytes and structure (zlib releases the GIL: the training thread runs on)."""
+    return zlib.crc32(meta, zlib.crc32(data.numpy()))
+
+
+class _Save(NamedTuple):
+    """A save for the replication thread: own `slot` at `step`, its mapped bytes and structure."""
+    step: int
+    slot: int
+    data: torch.Tensor
+    meta: bytes
 
 
 @dataclass
@@ -139,30 +170,32 @@ class _Slot:
 
 
 class NodeMemory:
-    """A node's shard copies (module doc): the files of each (kind, shard, slot)."""
+    """A node's shard copies (module doc): the files of each (shard, slot). Not of the kind: a restart that
+    gives this node other ranks makes its own copies a partner's and the replicas its own, and they count
+    as such (the measured partition that lost 14 steps: the survivor pruned every copy it held)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def _path(self, kind: str, shard: int, slot: int, suffix: str) -> Path:
-        return self.root / f"{kind}-shard{shard:05d}-slot{slot}.{suffix}"
+    def _path(self, shard: int, slot: int, suffix: str) -> Path:
+        return self.root / f"shard{shard:05d}-slot{slot}.{suffix}"
 
-    def invalidate(self, kind: str, shard: int, slot: int) -> None:
+    def invalidate(self, shard: int, slot: int) -> None:
         """From here until the next commit the slot is no copy."""
-        self._path(kind, shard, slot, "ok").unlink(missing_ok=True)
+        self._path(shard, slot, "ok").unlink(missing_ok=True)
 
-    def begin(self, kind: str, shard: int, slot: int, nbytes: int) -> torch.Tensor:
+    def begin(self, shard: int, slot: int, nbytes: int) -> torch.Tensor:
         """The slot's bytes, mapped for writing, after the slot stopped counting as a copy."""
-        self.invalidate(kind, shard, slot)
-        data = self._path(kind, shard, slot, "bin")
+        self.invalidate(shard, slot)
+        data = self._path(shard, slot, "bin")
         if data.exists() and data.stat().st_size != nbytes:
             os.truncate(data, nbytes)
         return torch.from_file(str(data), shared=True, size=nbytes, dtype=torch.uint8)
 
     def commit(self, copy: Copy, meta: bytes) -> None:
-        self._path(copy.kind, copy.shard, copy.slot, "meta").write_bytes(meta)
-        ok = self._path(copy.kind, copy.shard, copy.slot, "ok")
+        self._path(copy.shard, copy.slot, "meta").write_bytes(meta)
+        ok = self._path(copy.shard, copy.slot, "ok")
         tmp = ok.with_suffix(".ok.tmp")
         tmp.write_text(json.dumps(asdict(copy)))
         os.replace(tmp, ok)  # the copy counts from here
@@ -177,20 +210,20 @@ class NodeMemory:
         return found
 
     def read(self, copy: Copy) -> tuple[torch.Tensor, bytes]:
-        data = torch.from_file(str(self._path(copy.kind, copy.shard, copy.slot, "bin")), shared=False,
+        data = torch.from_file(str(self._path(copy.shard, copy.slot, "bin")), shared=False,
                                size=copy.data_nbytes, dtype=torch.uint8)
-        return data, self._path(copy.kind, copy.shard, copy.slot, "meta").read_bytes()
+        return data, self._path(copy.shard, copy.slot, "meta").read_bytes()
 
-    def prune(self, keep: set[tuple[str, int]], newest: int) -> None:
-        """Remove the copies of every (kind, shard) not in `keep` (shards this node no longer holds) and
+    def prune(self, keep: set[int], newest: int) -> None:
+        """Remove the copies of every shard not in `keep` (shards this node no longer holds) and
         every copy of a step after `newest` (a step the run goes back on: kept, such a copy could later be
         taken for the same step trained again, which only a deterministic run would reproduce bit for bit)."""
         for copy in self.copies():
             if copy.step > newest:
-                self.invalidate(copy.kind, copy.shard, copy.slot)
+                self.invalidate(copy.shard, copy.slot)
         for path in self.root.iterdir():
-            kind, _, rest = path.name.partition("-shard")
-            if rest[:5].isdigit() and (kind, int(rest[:5])) not in keep:
+            shard = path.name.removeprefix("shard")[:5]
+            if shard.isdigit() and int(shard) not in keep:
                 path.unlink(missing_ok=True)
 
 
@@ -202,9 +235,11 @@ def memory_root(configured: str | None, run_dir: str) -> Path:
 
 class PeerState:
     """One rank's side (module doc). `save` after each step (it decides whether this step is saved),
-    `restore` once at resume, `close` at the end; all of them on every rank alike."""
+    `restore` once at resume and `discard` when another tier's state was loaded instead, `close` at the
+    end; all of them on every rank alike."""
 
-    def __init__(self, root: Path, fingerprint: str, interval: int | None, replicas: int, timeout_s: float) -> None:
+    def __init__(self, root: Path, fingerprint: str, interval: int | None, replicas: int, timeout_s: float,
+                 events: EventLog | None = None) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -217,64 +252,74 @@ class PeerState:
         self.sources = [(self.rank - per_node * j) % self.world for j in range(1, self.replicas + 1)]
         self.memory, self.fingerprint = NodeMemory(root), fingerprint
         self.node = f"{os.uname().nodename}:{root}"
-        self.interval, self._calibrating = (interval, False) if interval else (1, True)
+        self.events = events if self.rank == 0 else None  # rank 0 writes the run's events
+        self.interval, self._adaptive = (interval, False) if interval else (1, True)
         self._saves = 0
-        self._costs: list[float] = []
-        self.chosen_at: int | None = None  # the step at which the interval was settled
-        # What a drain weighs (training/train/drain.py): the newest step copied, and the last copy's measured
-        # costs, on the training thread and on the replication thread (0: nothing sent yet).
+        self._window: list[tuple[float, float]] = []  # (copy s, step s) of the saves measured since the last agreement
+        self._window_first = 0  # the number of the window's first save
+        self.send_times: list[float] = []  # the replication thread's seconds for each save, in order
+        self.chosen_at: int | None = None  # the step at which the interval was settled, or last changed
+        # What a drain weighs (training/train/drain.py): the newest step copied and its copy's seconds on the
+        # training thread; `send_s`, the last send's.
         self.newest_step: int | None = None
-        self.copy_s = self.send_s = 0.0
+        self.copy_s = 0.0
         self.bytes_per_rank = 0  # node memory per rank: a copy of its state per slot, own and replicas
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # collective
+        # the training thread's agreements on the interval, apart from the replication thread's transfers
+        self._agree = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._declined: list[str] | None = None  # restore found no step to load: each rank's node, for `discard`
         self._slot = 0
-        self._sent = [threading.Event() for _ in range(PEER_STATE_SLOTS)]
+        self._sent = [threading.Event() for _ in range(PEER_STATE_SLOTS)]  # set: committed here and on the partners
         for event in self._sent:
             event.set()
         self._slots: list[_Slot | None] = [None] * PEER_STATE_SLOTS
-        self._queue: queue.Queue[tuple[int, int, torch.Tensor, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[_Save | None] = queue.Queue()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._replicate_loop, name="peer-state", daemon=True)
         self._thread.start()
 
+    @property
+    def send_s(self) -> float:
+        """The last send's seconds on the replication thread (0: nothing sent yet)."""
+        return self.send_times[-1] if self.send_times else 0.0
+
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Stateful], step_time_s: float, *, force: bool = False) -> float | None:
         """Copy this rank's state at `step` into node memory and queue it for the partners, if `step`
-        is one the interval saves (or `force`: a drain); the seconds it took the training thread, or None
-        if not saved."""
+        is one the interval saves (or `force`: a drain); the seconds it took the training thread (a wait for the
+        previous copy to reach the partners included), or None if not saved."""
         if step % self.interval and not force:
             return None
         started = time.perf_counter()
         slot = self._slot
-        self._sent[slot].wait()  # never write a slot still being sent
+        # The copy before this one must be committed on every partner before the one before it, which this
+        # slot holds, is overwritten: else a node lost now leaves no step with every shard (module doc).
+        self._sent[(slot - 1) % PEER_STATE_SLOTS].wait()
         if self.error is not None:
             raise RuntimeError(f"peer state: replication failed: {self.error}") from self.error
+        copying = time.perf_counter()
         target = self._slots[slot]
         copies = self._refill(target, state) if target is not None else None
         if copies is None:  # first save of the slot, or the state's layout changed
             target, copies = self._lay_out(slot, state)
             self._slots[slot] = target
         else:
-            self.memory.invalidate(OWN, self.rank, slot)
+            self.memory.invalidate(self.rank, slot)
         with torch.no_grad():
             torch._foreach_copy_([buffer for buffer, _ in copies], [source for _, source in copies])
         if copies and copies[0][1].is_cuda:
             torch.cuda.current_stream().synchronize()
         skeleton = flatten(target.structure, [])  # the views' order is the layout's: _Ref(i) is spec i
         meta = pickle.dumps((skeleton, target.specs))
-        data, nbytes = target.data, target.data.numel()
-        self.memory.commit(Copy(OWN, self.rank, slot, step, self.world, self.fingerprint, nbytes, len(meta)), meta)
-        if self.partners:
-            self._sent[slot].clear()
-            self._queue.put((step, slot, data, meta))
+        self._sent[slot].clear()
+        self._queue.put(_Save(step, slot, target.data, meta))  # the thread commits it, then sends it
         self._slot = (slot + 1) % PEER_STATE_SLOTS
-        cost = time.perf_counter() - started
-        self.newest_step, self.copy_s = step, cost
+        done = time.perf_counter()
+        self.newest_step, self.copy_s = step, done - started
         self._saves += 1
-        self.bytes_per_rank = PEER_STATE_SLOTS * (1 + self.replicas) * nbytes
-        if self._calibrate(cost, step_time_s) and self.chosen_at is None:
-            self.chosen_at = step
-        return cost
+        self.bytes_per_rank = PEER_STATE_SLOTS * (1 + self.replicas) * target.data.numel()
+        self._calibrate(step, done - copying, step_time_s)
+        return done - started
 
     def _lay_out(self, slot: int, state: dict[str, Stateful]) -> tuple[_Slot, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Lay the slot out for the state as it is now, through every state_dict(); with the (buffer,
@@ -286,7 +331,7 @@ class PeerState:
             skeleton[key] = flatten(obj.state_dict(), tensors)
             spans[key] = (first, len(tensors))
         specs, nbytes = layout(tensors)
-        data = self.memory.begin(OWN, self.rank, slot, nbytes)
+        data = self.memory.begin(self.rank, slot, nbytes)
         buffers = views(data, specs)
         plans = {}
         for key, obj in state.items():
@@ -318,42 +363,61 @@ class PeerState:
             copies += zip(buffers, tensors)
         return copies
 
-    def _calibrate(self, cost: float, step_time_s: float) -> bool:
-        """interval=None: over CALIBRATION_STEPS saves after each slot's first (which lays it out), every
-        rank takes the interval that keeps the slowest rank's save within COST_BUDGET of its step (one
-        all-reduce, the same on every rank). Whether the interval is settled."""
-        if not self._calibrating:
-            return True
-        if self._saves > PEER_STATE_SLOTS:
-            self._costs.append(cost / max(step_time_s, 1e-9))
-        if len(self._costs) < CALIBRATION_STEPS:
-            return False
-        ratio = torch.tensor([sorted(self._costs)[len(self._costs) // 2]], dtype=torch.float64)
-        dist.all_reduce(ratio, op=dist.ReduceOp.MAX, group=self.group)
-        self.interval = max(1, math.ceil(ratio.item() / COST_BUDGET))
-        self._calibrating = False
+    def _calibrate(self, step: int, copy_s: float, step_time_s: float) -> None:
+        """interval=None (module doc): after CALIBRATION_STEPS measured saves, then every RECHECK_SAVES,
+        every rank takes the interval the slowest rank's copy and send need (one all-reduce, the same on
+        every rank)."""
+        if not self._adaptive:
+            self.chosen_at = step if self.chosen_at is None else self.chosen_at  # a fixed interval: settled at once
+            return
+        if self._saves <= PEER_STATE_SLOTS:  # a slot's first save lays it out: not measured
+            return
+        if not self._window:
+            self._window_first = self._saves
+        self._window.append((copy_s, step_time_s))
+        if len(self._window) < (CALIBRATION_STEPS if self.chosen_at is None else RECHECK_SAVES):
+            return
+        step_s = max(statistics.median(s for _, s in self._window), 1e-9)
+        copy_ratio = statistics.median(c / max(s, 1e-9) for c, s in self._window)
+        # every save before this one has been sent (save waited for it): the same sends on every rank
+        sends = self.send_times[self._window_first - 1:self._saves - 1]
+        send_steps = statistics.median(sends) / step_s if sends else 0.0
+        measured = torch.tensor([copy_ratio, send_steps], dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
+        copy_ratio, send_steps = measured.tolist()
+        self._window = []
+        interval = max(1, math.ceil(copy_ratio / COST_BUDGET), math.ceil(send_steps * SEND_HEADROOM))
+        if interval == self.interval and self.chosen_at is not None:
+            return
+        was = None if self.chosen_at is None else self.interval
+        self.interval, self.chosen_at = interval, step
         if self.rank == 0:
-            log.info("peer state: a save costs %.1f%% of a step: every %d step(s)", 100 * ratio.item(), self.interval)
-        return True
+            log.info("peer state: a copy costs %.1f%% of a step, a send %.2f steps: every %d step(s)%s",
+                     100 * copy_ratio, send_steps, interval, "" if was is None else f" (was every {was})")
 
     def _replicate_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            step, slot, data, meta = item
+        while (save := self._queue.get()) is not None:
+            started = time.perf_counter()
             try:
-                started = time.perf_counter()
-                self._replicate(step, slot, data, meta)
-                self.send_s = time.perf_counter() - started
+                self._replicate(save)
             except BaseException as err:  # noqa: BLE001 - a dead peer: the training thread fails next
                 self.error = err
-                self._sent[slot].set()
+                self._sent[save.slot].set()
                 return
-            self._sent[slot].set()
+            self.send_times.append(time.perf_counter() - started)  # before the event: save reads it after waiting
+            self._sent[save.slot].set()
 
-    def _replicate(self, step: int, slot: int, data: torch.Tensor, meta: bytes) -> None:
-        """Send own slot (`data`: its mapped bytes) to every partner and receive every source's, as one
-        exchange per save."""
-        header = torch.tensor([step, data.numel(), len(meta)], dtype=torch.int64)
-        headers = {s: torch.empty(3, dtype=torch.int64) for s in self.sources}
+    def _replicate(self, save: _Save) -> None:
+        """Commit own copy with its checksum; send it to every partner and receive every source's, as one
+        exchange per save, done once every partner said it committed the copy."""
+        data, meta = save.data, save.meta
+        crc = checksum(data, meta)
+        self.memory.commit(Copy(OWN, self.rank, save.slot, save.step, self.world, self.fingerprint, data.numel(),
+                                len(meta), crc), meta)
+        if not self.partners:
+            return
+        header = torch.tensor([save.step, data.numel(), len(meta), crc], dtype=torch.int64)
+        headers = {s: torch.empty(4, dtype=torch.int64) for s in self.sources}
         _wait([*(dist.isend(header, p, group=self.group, tag=0) for p in self.partners),
                *(dist.irecv(h, s, group=self.group, tag=0) for s, h in headers.items())])
         received = {}
@@ -361,19 +425,24 @@ class PeerState:
             dist.isend(data, p, group=self.group, tag=1),
             dist.isend(_as_tensor(meta), p, group=self.group, tag=2))]
         for s, h in headers.items():
-            source_step, nbytes, meta_nbytes = h.tolist()
-            buffer = self.memory.begin(REPLICA, s, slot, nbytes)
+            source_step, nbytes, meta_nbytes, source_crc = h.tolist()
+            buffer = self.memory.begin(s, save.slot, nbytes)
             meta_buffer = torch.empty(meta_nbytes, dtype=torch.uint8)
-            received[s] = (source_step, nbytes, meta_buffer)
+            received[s] = (source_step, nbytes, meta_buffer, source_crc)
             requests += [dist.irecv(buffer, s, group=self.group, tag=1),
                          dist.irecv(meta_buffer, s, group=self.group, tag=2)]
         _wait(requests)
-        for s, (source_step, nbytes, meta_buffer) in received.items():
-            self.memory.commit(Copy(REPLICA, s, slot, source_step, self.world, self.fingerprint, nbytes,
-                                    meta_buffer.numel()), _as_bytes(meta_buffer))
+        for s, (source_step, nbytes, meta_buffer, source_crc) in received.items():
+            self.memory.commit(Copy(REPLICA, s, save.slot, source_step, self.world, self.fingerprint, nbytes,
+                                    meta_buffer.numel(), source_crc), _as_bytes(meta_buffer))
+        # each source learns that its copy is committed here; this rank, that its copy is on every partner
+        acks = {p: torch.empty(1, dtype=torch.int64) for p in self.partners}
+        _wait([*(dist.isend(torch.tensor([step]), s, group=self.group, tag=5)
+                 for s, (step, *_) in received.items()),
+               *(dist.irecv(a, p, group=self.group, tag=5) for p, a in acks.items())])
 
     def settle(self) -> None:
-        """Wait until every queued copy has reached the partners; raises if replication failed."""
+        """Wait until every queued copy is committed here and on the partners; raises if replication failed."""
         for event in self._sent:
             event.wait()
         if self.error is not None:
@@ -381,60 +450,88 @@ class PeerState:
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, state: dict[str, Stateful], not_older_than: int) -> int | None:
-        """Load the newest step every shard has a copy of (module doc) into `state` and return it; None
-        (and `state` untouched) when there is none, or the FSx checkpoint (`not_older_than`) is newer."""
+        """Load the newest step every shard has a verified copy of (module doc) into `state` and return it;
+        None (`state` and node memory untouched) when there is none, or a rank sees a newer FSx checkpoint
+        (`not_older_than`): then `discard` once another tier's state is loaded."""
         reports: list[Any] = [None] * self.world
         mine = self.memory.copies() if self.local_rank == 0 else None
-        dist.all_gather_object(reports, (self.node, mine), group=self.group)
-        node_of = [node for node, _ in reports]
-        reporter = {node: rank for rank, (node, copies) in enumerate(reports) if copies is not None}
+        dist.all_gather_object(reports, (self.node, mine, not_older_than), group=self.group)
+        node_of = [node for node, _, _ in reports]
+        reporter = {node: rank for rank, (node, copies, _) in enumerate(reports) if copies is not None}
+        newest_checkpoint = max(n for _, _, n in reports)  # a listing that races a commit differs between ranks
         held: dict[tuple[int, int], list[tuple[str, Copy]]] = {}  # (shard, step) -> [(node, copy)]
-        for node, copies in reports:
+        for node, copies, _ in reports:
             for c in copies or ():
                 if c.world_size == self.world and c.fingerprint == self.fingerprint:
                     held.setdefault((c.shard, c.step), []).append((node, c))
-        steps = [{step for (shard, step) in held if shard == r} for r in range(self.world)]
+        while (step := self._newest_complete(held, newest_checkpoint)) is not None:
+            data, meta, (source, copy) = self._exchange(step, held, node_of, reporter)
+            failed: list[Any] = [None] * self.world
+            dist.all_gather_object(failed, None if checksum(data, meta) == copy.checksum else (source, self.rank),
+                                   group=self.group)
+            rejected = [f for f in failed if f is not None]
+            if not rejected:
+                break
+            for node, shard in rejected:  # the next source: another node's copy of the step, else an older step
+                held[(shard, step)] = [(n, c) for n, c in held[(shard, step)] if n != node]
+                self._say_rejected(node, shard, step)
+        else:
+            self._declined = node_of
+            return None
+        skeleton, specs = pickle.loads(meta)
+        load_into(state, unflatten(skeleton, views(data, specs)))
+        self._slot = (copy.slot + 1) % PEER_STATE_SLOTS  # the restored copy's slot is the last to be overwritten
+        dist.barrier(group=self.group)  # every transfer done: copies no node holds any more can go
+        self._prune(node_of, newest=step)
+        if self.rank == 0:
+            log.info("peer state: resumed at step %d from node memory (shards fetched from a partner node: %s)",
+                     step, [r for r in range(self.world) if node_of[r] not in dict(held[(r, step)])] or "none")
+        return step
+
+    def _newest_complete(self, held: dict[tuple[int, int], list[tuple[str, Copy]]], newest_checkpoint: int) -> int | None:
+        """The newest step every shard has a copy of, if not older than the newest checkpoint; else None,
+        and (rank 0) a log line that says why."""
+        steps = [{step for (shard, step), holders in held.items() if shard == r and holders} for r in range(self.world)]
         common = set.intersection(*steps)
         if not common:
-            if self.rank == 0 and (held or not_older_than > 0):  # not a first start: say why
+            if self.rank == 0 and (held or newest_checkpoint > 0):  # not a first start: say why
                 missing = [r for r in range(self.world) if not steps[r]]
                 why = (f"no copy at all of shards {missing}: their nodes and partners lost together?" if missing
                        else "the shards' copies are of different steps")
                 log.warning("peer state: no step for which every shard has a copy in some node's memory (%s); "
                             "loading the checkpoint instead", why)
-            self._prune(node_of, newest=-1)  # the run goes on from the checkpoint: no copy may be mixed in
             return None
         step = max(common)
-        if step < not_older_than:
+        if step < newest_checkpoint:
             if self.rank == 0:
                 log.info("peer state: newest complete step %d is older than checkpoint step %d: loading that",
-                         step, not_older_than)
-            self._prune(node_of, newest=-1)
+                         step, newest_checkpoint)
             return None
-        mine_saved, fetched = self._exchange(step, held, node_of, reporter)
-        skeleton, specs = pickle.loads(mine_saved[1])
-        load_into(state, unflatten(skeleton, views(mine_saved[0], specs)))
-        dist.barrier(group=self.group)  # every transfer done: copies no node holds any more can go
-        self._prune(node_of, newest=step)
-        if self.rank == 0:
-            log.info("peer state: resumed at step %d from node memory (shards fetched from a partner node: %s)",
-                     step, fetched or "none")
         return step
 
+    def _say_rejected(self, node: str, shard: int, step: int) -> None:
+        if self.rank != 0:
+            return
+        log.warning("peer state: the copy of shard %d at step %d in %s fails its CRC-32 check: not used, "
+                    "taking the next source", shard, step, node)
+        if self.events is not None:
+            self.events.emit("peer_copy_rejected", shard=shard, step=step, node=node)
+
     def _exchange(self, step: int, held: dict[tuple[int, int], list[tuple[str, Copy]]], node_of: list[str],
-                  reporter: dict[str, int]) -> tuple[tuple[torch.Tensor, bytes], list[int]]:
-        """Every rank's shard at `step`: from its own node's memory, else sent by a node that has it."""
-        requests, fetched, mine = [], [], None
+                  reporter: dict[str, int]) -> tuple[torch.Tensor, bytes, tuple[str, Copy]]:
+        """Every rank's shard at `step`: from its own node's memory, else sent by a node that has it; with
+        the node and record of the copy it came from."""
+        requests, mine = [], None
         for shard in range(self.world):
             holders = dict(sorted(held[(shard, step)], key=lambda h: h[0]))
             if node_of[shard] in holders:
                 if shard == self.rank:
-                    mine = self.memory.read(holders[node_of[shard]])
+                    copy = holders[node_of[shard]]
+                    mine = (*self._read(copy), (node_of[shard], copy))
                 continue
-            fetched.append(shard)
             node, copy = next(iter(holders.items()))
             if reporter[node] == self.rank:
-                data, meta = self.memory.read(copy)
+                data, meta = self._read(copy)
                 requests += [dist.isend(data, shard, group=self.group, tag=3),
                              dist.isend(_as_tensor(meta), shard, group=self.group, tag=4)]
             if shard == self.rank:
@@ -442,11 +539,27 @@ class PeerState:
                                      torch.empty(copy.meta_nbytes, dtype=torch.uint8))
                 requests += [dist.irecv(data, reporter[node], group=self.group, tag=3),
                              dist.irecv(meta_buffer, reporter[node], group=self.group, tag=4)]
-                mine = (data, meta_buffer)
+                mine = (data, meta_buffer, (node, copy))
         _wait(requests)
         assert mine is not None
-        data, meta = mine
-        return (data, meta if isinstance(meta, bytes) else _as_bytes(meta)), fetched
+        data, meta, source = mine
+        return data, meta if isinstance(meta, bytes) else _as_bytes(meta), source
+
+    def _read(self, copy: Copy) -> tuple[torch.Tensor, bytes]:
+        """A copy's bytes and structure; zeros of its sizes if it cannot be read (its check then fails)."""
+        try:
+            return self.memory.read(copy)
+        except (OSError, RuntimeError) as err:
+            log.warning("peer state: cannot read the copy of shard %d at step %d: %s", copy.shard, copy.step, err)
+            return torch.zeros(copy.data_nbytes, dtype=torch.uint8), bytes(copy.meta_nbytes)
+
+    def discard(self) -> None:
+        """After `restore` found no step and another tier's state was loaded: drop every copy, so that none
+        of a step the run goes back on can be mixed in later (NodeMemory.prune). Not before that load
+        succeeded: a checkpoint that fails to load leaves node memory as it was."""
+        if self._declined is not None:
+            self._prune(self._declined, newest=-1)
+            self._declined = None
 
     def _prune(self, node_of: list[str], newest: int) -> None:
         """On each node (its local rank 0): drop what NodeMemory.prune drops for this world."""
@@ -454,8 +567,7 @@ class PeerState:
             return
         here = [r for r in range(self.world) if node_of[r] == self.node]
         per_node = len(here)
-        keep = {(OWN, r) for r in here} | {(REPLICA, (r - per_node * j) % self.world)
-                                           for r in here for j in range(1, self.replicas + 1)}
+        keep = set(here) | {(r - per_node * j) % self.world for r in here for j in range(1, self.replicas + 1)}
         self.memory.prune(keep, newest)
 
     def abort(self) -> None:

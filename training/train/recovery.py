@@ -11,6 +11,8 @@ first, and the first that restores wins:
   disk    the newest loadable checkpoint, resharded to this world size (training/train/checkpoint/)
 
 Every tier is collective and its answer the same on every rank, so every rank walks the list alike.
+A tier that had nothing to give hears which state was loaded instead (`superseded`) only once that
+load succeeded: a checkpoint that fails to load must not have cost the copies of the tiers before it.
 """
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ class RecoveryTier(Protocol):
         apart from the checkpoints must not be older than."""
         ...
 
+    def superseded(self, restored: Restored | None) -> None:
+        """After this tier returned None: a later tier's state was loaded (None: a fresh start)."""
+        ...
+
 
 @dataclass(frozen=True)
 class InProcessTier:
@@ -68,6 +74,9 @@ class InProcessTier:
         step = self.iteration.restore(state)
         return None if step is None else Restored(step, self.name)
 
+    def superseded(self, restored: Restored | None) -> None:
+        pass  # the Wrapper's next iteration replaces the host copy
+
 
 @dataclass(frozen=True)
 class PeerTier:
@@ -78,6 +87,9 @@ class PeerTier:
     def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
         step = self.peer.restore(state, not_older_than=not_older_than)
         return None if step is None else Restored(step, self.name)
+
+    def superseded(self, restored: Restored | None) -> None:
+        self.peer.discard()
 
 
 @dataclass(frozen=True)
@@ -95,11 +107,20 @@ class DiskTier:
             return None
         return Restored(loaded.step, self.name, loaded.path, loaded.world_size, loaded.missing)
 
+    def superseded(self, restored: Restored | None) -> None:
+        pass  # the last tier: nothing comes after it
+
 
 def restore_first(tiers: Sequence[RecoveryTier], state: dict[str, Stateful], not_older_than: int) -> Restored | None:
-    """The first tier's result that is not None, the tiers after it not asked; None: a fresh start."""
-    for tier in tiers:
+    """The first tier's result that is not None, the tiers after it not asked; None: a fresh start. The
+    tiers asked before it are told, once it is loaded (a load that raises tells them nothing)."""
+    restored = None
+    for asked, tier in enumerate(tiers):
         restored = tier.restore(state, not_older_than=not_older_than)
         if restored is not None:
-            return restored
-    return None
+            break
+    else:
+        asked = len(tiers)
+    for tier in tiers[:asked]:
+        tier.superseded(restored)
+    return restored

@@ -206,7 +206,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     return total_loss / info.world_size, drain > 0
 
 
-def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> PeerState | None:
+def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo, events: EventLog) -> PeerState | None:
     p = cfg.peer_state
     if not p.enabled:
         return None
@@ -214,7 +214,7 @@ def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> PeerState 
     # copies made for another world size, model layout or data layout cannot be loaded here
     fingerprint = f"{spec.fingerprint}:{info.world_size}:{t.batch_size}:{t.global_batch(info.world_size)}:{t.seq_len}:{t.seed}"
     return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
-                     t.collective_timeout_s)
+                     t.collective_timeout_s, events)
 
 
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
@@ -300,7 +300,7 @@ class Trainer:
                                           when_busy=cfg.checkpoint.when_busy, events=self.events,
                                           device=self.info.device,
                                           write_hook=with_emulated_delay(self.injector.around_write))
-            self.peer = _peer_state(cfg, self.spec, self.info)
+            self.peer = _peer_state(cfg, self.spec, self.info, self.events)
             self.resume()
             self._open_reporting()
         except BaseException:

@@ -1,0 +1,112 @@
+"""Peer state at more than one size (training/train/peer_state.py): what one rank's copy costs as its state grows,
+measured, not scaled from the tiny model.
+
+Two processes, one per emulated node (one rank each, gloo over loopback, node memory in /dev/shm as a pod's),
+hold the optimizer-ready state of a preset sharded over both: for each of the model's parameters an fp32 shard
+and AdamW's two fp32 moments, shaped like the preset's. Each saves PEER_SAVES times with PeerState; then
+node 1 is lost and a spare with empty memory restores in its place.
+
+  copy      PeerState.save on the training thread: the state into node memory (medians over the saves after
+            each slot's first, which lays it out; each save after the previous copy reached the partner)
+  send      the replication thread, beside training: CRC-32, commit, the exchange with the partner node and
+            its acknowledgement (medians over the same saves)
+  restore   PeerState.restore on the spare: its shard fetched from node 0's memory, checked and loaded
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training.contract.launcher import free_port
+from training.contract.shapes import PEER_STATE_SLOTS, STATE_BYTES_PER_PARAMETER, parameter_count
+
+PEER_SAVES = PEER_STATE_SLOTS + 3  # every slot laid out once, then three measured saves
+NODES = 2
+
+
+@dataclass(frozen=True)
+class PeerSize:
+    preset: str
+    bytes_per_rank: int  # one rank's copy: its shard of the parameters and both AdamW moments, fp32
+    copy_s: float
+    send_s: float
+    restore_s: float
+
+
+def state_bytes_per_rank(preset: str) -> int:
+    return STATE_BYTES_PER_PARAMETER * parameter_count(preset) // NODES
+
+
+class _ShardState:
+    """A rank's share of the preset's optimizer-ready state, as a Stateful."""
+
+    def __init__(self, preset: str, rank: int) -> None:
+        import torch
+
+        from training.models.llama import build_model
+
+        self.tensors = [torch.full((math.ceil(p.numel() / NODES),), float(rank + kind), dtype=torch.float32)
+                        for p in build_model(preset).parameters() for kind in range(3)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tensors": self.tensors}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for mine, loaded in zip(self.tensors, state["tensors"]):
+            mine.copy_(loaded)
+
+
+def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) -> None:
+    import torch.distributed as dist
+
+    from training.train.peer_state import PeerState
+
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NODES)
+    state = {"model": _ShardState(preset, rank)}
+    peer = PeerState(Path(roots[rank]), preset, interval=1, replicas=1, timeout_s=600)
+    copies = []
+    for step in range(1, PEER_SAVES + 1):
+        peer.settle()  # the copy alone: not the wait for the previous send
+        copies.append(peer.save(step, state, step_time_s=1.0))
+    peer.settle()
+    sends = peer.send_times[PEER_STATE_SLOTS:]
+    peer.close()
+    spare = PeerState(Path(roots[NODES if rank == 1 else rank]), preset, interval=1, replicas=1, timeout_s=600)
+    dist.barrier()
+    started = time.perf_counter()
+    restored = spare.restore(state, not_older_than=0)
+    restore_s = time.perf_counter() - started
+    spare.close()
+    dist.destroy_process_group()
+    if restored != PEER_SAVES:
+        raise RuntimeError(f"peer state restored step {restored}, not {PEER_SAVES}")
+    results[rank] = (statistics.median(copies[PEER_STATE_SLOTS:]), statistics.median(sends), restore_s)
+
+
+def measure_peer_size(preset: str) -> PeerSize:
+    import torch.multiprocessing as mp
+
+    shm = Path("/dev/shm")
+    base = Path(tempfile.mkdtemp(prefix=f"bench-peer-{uuid.uuid4().hex[:8]}-",
+                                 dir=shm if shm.is_dir() else None))  # memory-backed, as a pod's /dev/shm
+    try:
+        roots = [str(base / f"node{i}") for i in range(NODES)] + [str(base / "spare")]
+        results = mp.Manager().dict()
+        mp.spawn(_worker, args=(free_port(), preset, roots, results), nprocs=NODES)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    copy_s, send_s, _ = results[0]
+    return PeerSize(preset, state_bytes_per_rank(preset), copy_s, send_s, restore_s=results[1][2])  # the spare's
+
+
+def measure_peer_sizes(presets: tuple[str, ...]) -> tuple[PeerSize, ...]:
+    return tuple(measure_peer_size(preset) for preset in presets)
