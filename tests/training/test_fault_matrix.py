@@ -282,7 +282,10 @@ def test_the_replacement_of_a_lost_node_becomes_the_new_spare(tmp_path, referenc
     run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", "--replacement-delay", "3", *COMMON,
                               "checkpoint.mode=sync", "--faults", specs))
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == specs.split(",")
-    assert [e["node"] for e in events_named(run.run_dir, "node_replaced")] == [1, 2]
+    # Rank 1 starts on either training node (the rendezvous ranks the launchers in the order they join); the
+    # spare (node 2) takes its place, so the second loss is the spare's and the standby replacement takes over.
+    first, second = [e["node"] for e in events_named(run.run_dir, "node_replaced")]
+    assert first in (0, 1) and second == 2
     assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, 5, 15]
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
