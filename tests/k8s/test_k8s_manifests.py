@@ -78,7 +78,7 @@ def test_training_nodes_and_spares_are_the_platforms_unless_given(render, args, 
     assert f"--nnodes={nodes}:{nodes + spares}" in _store_argv(r)
     assert f"job fsdp-train: {nodes} x p5.48xlarge + {spares} spare" in r.stdout
     assert ("96.4 GB per save to FSx 1200 GiB x 1000 MBps/TiB = 1.17 GB/s in 82 s, interval 200 steps ~ 213 s, "
-            "drain grace 300 s") in r.stdout
+            "drain grace 360 s") in r.stdout
 
 
 def test_pod_failure_policy_ignores_disruptions_and_fails_fast_on_config_errors_and_no_progress(render):

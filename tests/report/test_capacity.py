@@ -1,6 +1,7 @@
 """The capacity model (training/contract/capacity.py) against figures worked out by hand from its sources."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -9,9 +10,10 @@ import pytest
 from training.contract.capacity import (P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
                                         format_capacity, smallest_storage_gib)
 from training.contract.config import load_train_config
+from training.train.drain import IMPOSSIBLE, DrainView, checkpoint_cost, plan_drain
 
 EIGHT_B = ModelFootprint.from_preset("8b", 4096)
-JOB = Schedule(interval=200, keep=3, mode="async", drain_timeout_s=300, peer_state=True)  # k8s/train.yaml's
+JOB = Schedule(interval=200, keep=3, mode="async", drain_timeout_s=360, peer_state=True)  # k8s/train.yaml's
 # 8 192 tokens x 51 471 998 976 FLOPs per token on a 989 TFLOPs GPU at 40% MFU
 STEP_8B = 8192 * 51_471_998_976 / (989e12 * 0.40)
 
@@ -54,7 +56,7 @@ def test_fsx_refuses_what_persistent_2_does_not_offer(gib, tier, allowed) -> Non
 
 
 def test_the_issues_default_fsx_cannot_keep_the_8b_jobs_promises() -> None:
-    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 250), JOB)
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 250), dataclasses.replace(JOB, drain_timeout_s=300))
     save = 96_363_134_976 / (1200 / 1024 * 250e6)
     assert c.save_s == pytest.approx(save) and c.save_s == pytest.approx(329, abs=0.5)
     assert c.min_interval_steps == math.ceil(save / STEP_8B) == 309
@@ -63,7 +65,7 @@ def test_the_issues_default_fsx_cannot_keep_the_8b_jobs_promises() -> None:
     assert "takes 329 s, longer than checkpoint.interval=200 steps (~213 s" in interval
     assert "Raise checkpoint.interval to at least 309, or FSx throughput (fsxThroughputPerTib, fsxStorageGib)" in interval
     assert "up to 329 s" in drain and "fault_tolerance.drain_timeout_s=300" in drain
-    assert "Raise drain_timeout_s to at least 329 (987 to also save the step reached)" in drain
+    assert "Raise drain_timeout_s to at least 329 (1316 to also save the step reached)" in drain
     assert "REFUSED" in format_capacity(c)
 
 
@@ -71,8 +73,7 @@ def test_the_chosen_fsx_keeps_them() -> None:
     c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
     assert c.save_s == pytest.approx(82.2, abs=0.1) and c.min_interval_steps == 78
     assert c.save_fits_interval and c.drain_commits and c.problems() == []
-    # the drain also saves the step reached: 82 s for the in-flight save, then twice a save's time (drain.py)
-    assert c.drain_grace_for_step_s == pytest.approx(3 * c.save_s) and c.drain_steps_lost == 0
+    assert c.drain_steps_lost == 0
     assert c.footprint_bytes == 4 * EIGHT_B.state_bytes and c.footprint_fits  # 359 GiB of 1200
 
 
@@ -86,7 +87,7 @@ def test_peer_copy_send_and_the_interval_they_allow() -> None:
     assert c.peer_steps_lost == 10 + 10
     assert c.restore_peer_s == pytest.approx(c.peer_send_s)
     two_replicas = capacity_of(EIGHT_B, P5_48XLARGE, 4, FsxSpec(1200, 1000),
-                               Schedule(200, 3, "async", 300, True, peer_replicas=2))
+                               Schedule(200, 3, "async", 360, True, peer_replicas=2))
     assert two_replicas.peer_send_s == pytest.approx(2 * 24.09e9 / 5e9, rel=1e-3)
 
 
@@ -126,3 +127,17 @@ def test_hsdp_memory_step_cost_and_recovery_by_hand() -> None:
     assert h.stream_s == pytest.approx(node_state / 300e9)
     assert h.recovery_s == pytest.approx(30 + 17 + h.stream_s)  # detection, restart on p5 (k8s_delays), stream
     assert h.lost_gpu_s == pytest.approx(h.recovery_s * 128)  # only the failed replica group waits
+
+
+@pytest.mark.parametrize("grace_s, keeps_the_step", [(360, True), (300, False)])
+def test_the_drain_keeps_the_step_reached_exactly_when_the_model_says_so(grace_s, keeps_the_step) -> None:
+    """The model's grace is what the drain's own planner asks in the worst case: the in-flight save had just
+    started when SIGTERM came, so what is left of it and a save of the step reached, each as long as a save."""
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000),
+                    Schedule(interval=200, keep=3, mode="async", drain_timeout_s=grace_s, peer_state=False))
+    cost = checkpoint_cost(200, enabled=True, saved_step=None, in_flight=(100, 0.0), last_save_s=c.save_s)
+    views = [DrainView(grace_s, cost, IMPOSSIBLE, signalled=rank < 8) for rank in range(16)]
+    plan = plan_drain(views, ranks_per_node=8, replicas=1)
+    assert (plan.path == "checkpoint") is keeps_the_step
+    assert (c.drain_steps_lost == 0) is keeps_the_step
+

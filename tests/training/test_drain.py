@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from training.train.drain import (IMPOSSIBLE, SAVE_TIME_MARGIN, UNKNOWN, DrainView, checkpoint_cost, peers_cost,
-                                  plan_drain, replicas_survive)
+from training.contract.capacity import DRAIN_SAVE_MARGIN
+from training.train.drain import (IMPOSSIBLE, UNKNOWN, DrainView, checkpoint_cost, peers_cost, plan_drain,
+                                  replicas_survive)
 from training_helpers import REPO_ROOT
 
 
@@ -81,7 +82,7 @@ def test_peers_cost_is_a_copy_and_a_send_as_last_measured():
 
 
 def test_the_margin_applies_to_both_ways():
-    fits = 100.0 / SAVE_TIME_MARGIN
+    fits = 100.0 / DRAIN_SAVE_MARGIN
     assert plan_drain(_views(IMPOSSIBLE, fits), 1, 1).path == "peers"
     assert plan_drain(_views(IMPOSSIBLE, fits + 0.1), 1, 1).path == "none"
 

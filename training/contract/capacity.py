@@ -62,8 +62,9 @@ HOST_COPY_GBS = 25.0
 # "The Llama 3 Herd of Models" (2024), Table 4: 38-43% BF16 model FLOPs utilization on 8,192-16,384 H100s. The
 # projected step time assumes the low end of that, rounded.
 ASSUMED_MFU = 0.40
-# training/train/drain.py (SAVE_TIME_MARGIN): a drain saves the step reached only if the time left covers twice
-# the last save's duration.
+# A drain keeps the step reached only if the time left covers this many times its estimated cost: what is left of
+# the in-flight save plus a save of the step reached, each as long as the last one measured (training/train/drain.py
+# plans with it; the estimates are the last save's duration, and a save can take longer).
 DRAIN_SAVE_MARGIN = 2.0
 # training/train/peer_state.py (COST_BUDGET): with peer_state.interval null a copy may cost at most 5% of a step.
 PEER_COPY_BUDGET = 0.05
@@ -267,8 +268,9 @@ class Capacity:
 
     @property
     def drain_grace_for_step_s(self) -> float:
-        """The grace that also saves the step reached in the worst case (drain.py asks twice a save's time)."""
-        return self.drain_commit_s + DRAIN_SAVE_MARGIN * self.save_s
+        """The grace that also saves the step reached in the worst case: the in-flight save had just started, and
+        drain.py asks DRAIN_SAVE_MARGIN times the estimated cost (the rest of it, then a save of the step reached)."""
+        return DRAIN_SAVE_MARGIN * (self.drain_commit_s + self.save_s)
 
     # peer state
     @property

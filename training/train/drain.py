@@ -16,7 +16,7 @@ ends the process (TERMINATED). With it, it notes the drain; the train loop carri
 all-reduce it already does for the loss (no extra collective), so every rank learns of the drain at
 the same step, from whichever node got the signal. Then all ranks together keep the step reached
 (`plan_drain`), one of two ways, the one whose measured cost is lower, if it fits the time left
-(SAVE_TIME_MARGIN times the cost):
+(DRAIN_SAVE_MARGIN times the cost):
   checkpoint  let the in-flight async save commit, then save the step reached to the checkpoint
               directory (FSx), unless the in-flight save was of that step;
   peers       copy the step reached into node memory and send it to the partner nodes (peer state,
@@ -43,12 +43,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from training.contract.capacity import DRAIN_SAVE_MARGIN
 from training.contract.exit_codes import TERMINATED
 from training.contract.launcher import DRAIN_MARKER_ENV
 
 log = logging.getLogger(__name__)
 
-SAVE_TIME_MARGIN = 2.0  # a way to keep the step reached needs this many times its estimated cost
 _STOP = 0  # not a signal number: tells the watcher to end
 
 
@@ -121,7 +121,7 @@ class DrainSignal:
 
 def agree_on_save(time_left: float, save_seconds: float | None, distributed: bool) -> bool:
     """Whether every rank has time for one more save: one decision for all (a collective)."""
-    need = -1.0 if save_seconds is None else save_seconds * SAVE_TIME_MARGIN  # never measured: try
+    need = -1.0 if save_seconds is None else save_seconds * DRAIN_SAVE_MARGIN  # never measured: try
     values = torch.tensor([time_left, -need], dtype=torch.float64)
     if distributed:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the least time left, the longest save
@@ -182,7 +182,7 @@ def plan_drain(views: list[DrainView], ranks_per_node: int, replicas: int) -> Dr
 
 def _choose(checkpoint: float, peers: float, time_left: float) -> DrainPath:
     ways: tuple[tuple[float, DrainPath], ...] = ((checkpoint, "checkpoint"), (peers, "peers"))
-    fitting = [(cost, path) for cost, path in ways if math.isfinite(cost) and cost * SAVE_TIME_MARGIN <= time_left]
+    fitting = [(cost, path) for cost, path in ways if math.isfinite(cost) and cost * DRAIN_SAVE_MARGIN <= time_left]
     if fitting:
         return min(fitting)[1]  # on a tie the checkpoint: it survives any later loss
     return next((path for cost, path in ways if math.isnan(cost)), "none")  # never measured: try
