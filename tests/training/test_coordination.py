@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from training.contract.launcher import STORE_ENDPOINT_ENV, free_port
@@ -20,6 +21,13 @@ def test_the_stores_live_in_the_rendezvous_store_under_the_cycles_prefix():
     assert c.serve(0) is None
     assert c.prefix == "training/job-1/cycle4-127.0.0.1:29500"
     assert Coordination.from_env({**RANK_ENV, STORE_ENDPOINT_ENV: "[fd00::1]:29400"}).host == "fd00::1"
+
+
+def test_an_endpoint_without_a_port_takes_the_launchers_default_and_a_bad_one_is_named():
+    # ft_launcher, as torchrun, takes --rdzv-endpoint=HOST with the c10d backend's port 29400
+    assert Coordination.from_env({**RANK_ENV, STORE_ENDPOINT_ENV: "job-store"}).port == 29400
+    with pytest.raises(ValueError, match=r"TRAINING_STORE_ENDPOINT='job-store:x' is not a rendezvous endpoint"):
+        Coordination.from_env({**RANK_ENV, STORE_ENDPOINT_ENV: "job-store:x"})
 
 
 def test_without_a_launcher_store_rank_0_hosts_it_and_is_the_wrappers_critical_rank():

@@ -26,6 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess.store import StoreMixin
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT as C10D_DEFAULT_PORT
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from training.contract.launcher import STORE_ENDPOINT_ENV
 
@@ -62,8 +64,12 @@ class Coordination:
         prefix = f"training/{environ.get('TORCHELASTIC_RUN_ID', 'none')}/{cycle}"
         endpoint = environ.get(STORE_ENDPOINT_ENV)
         if endpoint:
-            host, _, port = endpoint.rpartition(":")
-            return cls(host.strip("[]"), int(port), prefix, None)
+            try:  # parsed as ft_launcher parses --rdzv-endpoint: the c10d backend's port unless one is given
+                host, port = parse_rendezvous_endpoint(endpoint, default_port=C10D_DEFAULT_PORT)
+            except ValueError as e:
+                raise ValueError(f"{STORE_ENDPOINT_ENV}={endpoint!r} is not a rendezvous endpoint "
+                                 f"(HOST, HOST:PORT or [IPv6]:PORT): {e}") from None
+            return cls(host, port, prefix, None)
         return cls(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]) + HOSTED_PORT_OFFSET, prefix, 0)
 
     def serve(self, rank: int) -> dist.TCPStore | None:
