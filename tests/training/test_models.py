@@ -4,6 +4,8 @@ families, written here (no hub). A bad model directory is refused before any ran
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,9 @@ from training.contract.config import ModelConfig, TrainConfigError, load_train_c
 from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.flops import flops_per_token
-from training.contract.model_source import hf_shape, model_shape
+from training.contract.model_source import ModelSourceError, hf_shape, model_shape
 from training.data.prepare import prepare
-from training.export.export import export
+from training.export.export import ExportError, export
 from training.models.spec import model_spec
 from training.models.tiny import FAMILIES, write_tiny_model
 from training.train.distributed import init_distributed, teardown
@@ -108,6 +110,23 @@ def test_export_round_trips_through_from_pretrained(tmp_path, tiny_models, sourc
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     # the preset's rotary layout differs from transformers' Llama: its wq/wk rows are permuted on export
     torch.testing.assert_close(loaded(TOKENS).logits, model(TOKENS), rtol=0, atol=1e-5)
+
+
+def test_a_run_directory_moved_elsewhere_exports_with_its_model_directory(tmp_path, tiny_models):
+    model_dir = tmp_path / "models" / "llama"
+    shutil.copytree(tiny_models["llama"], model_dir)
+    model = _finished_run(tmp_path / "run", hf(model_dir))
+    (tmp_path / "run").rename(tmp_path / "copied-run")  # e.g. copied off FSx
+    shutil.rmtree(model_dir)  # the model's directory moved too
+    moved = shutil.copytree(tiny_models["llama"], tmp_path / "elsewhere")
+    with pytest.raises(ModelSourceError, match=re.escape(str(model_dir))):
+        export(tmp_path / "copied-run", tmp_path / "out")
+    export(tmp_path / "copied-run", tmp_path / "out", dtype="bfloat16", model_dir=moved)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    torch.testing.assert_close(loaded(TOKENS).logits, model(TOKENS), rtol=0.05, atol=0.05)
+    _finished_run(tmp_path / "preset-run", ModelConfig())
+    with pytest.raises(ExportError, match="--model-dir goes with model.source=huggingface"):
+        export(tmp_path / "preset-run", tmp_path / "out2", model_dir=moved)
 
 
 def test_model_path_goes_with_the_huggingface_source():

@@ -4,9 +4,13 @@ newest by default, or the one named) as a Hugging Face model directory: config.j
 model's own layout (5 GB shards and their index, as transformers writes them) and the source's tokenizer
 files. `AutoModelForCausalLM.from_pretrained(DIR)` loads it. A preset exports as a LlamaForCausalLM.
 
-The run's config comes from its event log (run_start), so the exported model is the one that ran. The
-tool reads the model's tensors only (not the optimizer's) into one process: a 8B model takes 32 GB of
-memory in float32, 16 GB with --dtype bfloat16 halving what is written.
+The run's config comes from its event log (run_start), so the exported model is the one that ran; its
+final state and checkpoints are looked up under RUN_DIR as given (a run directory copied elsewhere exports
+as well), checkpoints in a checkpoint.dir of their own where the config put them, and a Hugging Face
+model's directory (config.json, tokenizer files) at model.path unless --model-dir names where it is now.
+The tool reads the model's tensors only (not the optimizer's) into one process, in float32: an 8B model
+takes 32 GB of memory; --dtype bfloat16 converts one tensor at a time (a tensor more at its peak) and
+halves what is written.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import json
 import shutil
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -89,7 +94,10 @@ def write_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out: Path, dtype: 
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    hf_state = {name: t.to(dtype).contiguous() for name, t in spec.to_hf(state).items()}
+    hf_state = dict(spec.to_hf(state))  # a dict of its own: to_hf may return `state` itself
+    state.clear()  # only hf_state holds the tensors from here
+    for name in list(hf_state):  # one tensor at a time, each float32 original dropped as its copy is made
+        hf_state[name] = hf_state[name].to(dtype).contiguous()
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -107,10 +115,17 @@ def write_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out: Path, dtype: 
     partial.rename(out)
 
 
-def export(run_dir: Path, out: Path, checkpoint: Path | None = None, dtype: str = "float32") -> Path:
+def export(run_dir: Path, out: Path, checkpoint: Path | None = None, dtype: str = "float32",
+           model_dir: Path | None = None) -> Path:
     if out.exists():
         raise ExportError(f"--out {out} exists: name a new directory")
     cfg = run_config(run_dir)
+    cfg = replace(cfg, run_dir=str(run_dir))  # where the run is now, not where it ran (module doc)
+    if model_dir is not None:
+        if cfg.model.source != "huggingface":
+            raise ExportError(f"--model-dir {model_dir}: the run trained model.source={cfg.model.source}, "
+                              "which has no model directory; --model-dir goes with model.source=huggingface")
+        cfg = replace(cfg, model=replace(cfg.model, path=str(model_dir)))
     spec = model_spec(cfg.model)
     source = source_checkpoint(cfg, checkpoint)
     write_hf(spec, load_model_state(spec, source), out, DTYPES[dtype])
@@ -125,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="a committed checkpoint directory (default: <run_dir>/final, else the newest committed)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the exported weights' dtype")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="model.source=huggingface: the model's directory, where it is now (default: the run's model.path)")
     args = p.parse_args(argv)
     try:
-        source = export(args.run_dir, args.out, args.checkpoint, args.dtype)
+        source = export(args.run_dir, args.out, args.checkpoint, args.dtype, args.model_dir)
     except (ExportError, ModelSourceError, OSError) as err:
         print(f"training.export: {err}", file=sys.stderr)
         return CONFIG_ERROR
