@@ -221,6 +221,15 @@ def test_config_without_fsx_names_the_flags(capsys: pytest.CaptureFixture, tmp_p
     assert exit_.value.code == 2 and "give --fsx-storage-gib and --fsx-throughput-per-tib" in capsys.readouterr().err
 
 
+def test_config_refuses_a_gpu_count_the_capacity_model_does_not_size(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--nodes", "2", "--gpus-per-node", "4", "--config", str(REPO / "k8s" / "train.yaml"),
+              "--cdk-json", str(REPO / "cdk.json")])
+    assert exit_.value.code == 2
+    assert "--gpus-per-node 4 does not go with --config: the capacity model sizes p5.48xlarge nodes (8 GPUs each)" \
+        in capsys.readouterr().err
+
+
 def test_readme_capacity_tables_are_the_models_output(capsys: pytest.CaptureFixture) -> None:
     assert main(["--capacity-tables"]) == 0
     tables = capsys.readouterr().out.strip()

@@ -1,6 +1,8 @@
 """Goodput figures, faults and checkpoint statistics from synthetic event logs."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from training.contract.events import read_events
@@ -128,6 +130,20 @@ def test_fault_in_a_failed_run_is_not_recovered(fake_run: FakeRun) -> None:
     assert report.status == "failed"
     [row] = [line for line in format_report(report).splitlines() if "not recovered" in line]
     assert row.count("not recovered") == 2 and "recoverednot" not in row  # recovery and time lost, apart
+
+
+def test_the_fault_table_keeps_its_columns_for_a_drains_way(fake_run: FakeRun) -> None:
+    fake_run.attempt(0, "fresh", resume=0, source_kind="none")
+    fake_run.steps(1, 5)
+    fake_run.fault("hang", rank=3, step=6)
+    fake_run.emit("run_end", source="controller", step=5, status="failed")
+    report = build_report(read_events(fake_run.run_dir))
+    drain = dataclasses.replace(report.faults[0], kind="drain", drain_path="checkpoint")
+    lines = format_report(dataclasses.replace(report, faults=(drain,))).splitlines()
+    [header] = [line for line in lines if "detected after" in line]
+    [row] = [line for line in lines if "drain (checkpoint)" in line]
+    at = f"{drain.at_s:.1f}"
+    assert row.index(at) + len(at) == header.index("at s") + len("at s")  # right-aligned under its heading
 
 
 def test_format_report_lists_the_figures(faulty_run: FakeRun) -> None:

@@ -74,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     save, mechanisms, step_s, min_interval_s = args.save_blocking_s, args.recovery_s, args.step_s, 0.0
     try:
         if args.config:
+            if args.gpus_per_node != P5_48XLARGE.gpus:
+                raise PlanError(f"--gpus-per-node {args.gpus_per_node} does not go with --config: the capacity "
+                                f"model sizes {P5_48XLARGE.name} nodes ({P5_48XLARGE.gpus} GPUs each)")
             train = load_train_config(args.config)
             fsx = fsx_from_cdk_json(args.cdk_json, args.fsx_storage_gib, args.fsx_throughput_per_tib)
             capacity = capacity_of(ModelFootprint.from_config(train), P5_48XLARGE, args.nodes, fsx,

@@ -352,14 +352,16 @@ def format_report(report: GoodputReport) -> str:
            if ck.blocking_saves else "not logged"),
         f"Faults: {len(report.faults)}",
     ]
+    # drain (peers): how a drain kept the step reached
+    kinds = [f"{f.kind} ({f.drain_path})" if f.drain_path else f.kind for f in report.faults]
+    width = max([16, *(len(k) + 1 for k in kinds)])
     if report.faults:
-        lines.append(f"  {'#':>2}  {'kind':<16}{'rank':>5}{'at s':>9}  {'detected after':<26}"
+        lines.append(f"  {'#':>2}  {'kind':<{width}}{'rank':>5}{'at s':>9}  {'detected after':<26}"
                      f"{'restart':<11}{'recovery s':>14}{'time lost s':>14}  steps lost")
-    for i, f in enumerate(report.faults, 1):
+    for i, (f, kind) in enumerate(zip(report.faults, kinds), 1):
         detected = f"{_s(f.detection_s)} s ({f.detected_by})" if f.detection_s is not None else "-"
         lost = f"{f.steps_lost} (back to {f.resumed_from})" if f.steps_lost is not None else "-"
-        kind = f"{f.kind} ({f.drain_path})" if f.drain_path else f.kind  # drain (peers): how the step was kept
-        lines.append(f"  {i:>2}  {kind:<16}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
+        lines.append(f"  {i:>2}  {kind:<{width}}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
                      f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>14}{_s(f.time_lost_s):>14}  {lost}")
     return "\n".join(lines)
 
