@@ -21,7 +21,7 @@ import logging
 import sys
 from array import array
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 from training.contract.events import events_dir
@@ -56,7 +56,8 @@ def save(run_dir: str | Path, tally: RunTally, offsets: dict[str, int]) -> None:
     """Save `tally`, which holds the event files up to `offsets` (name -> bytes, at a line's end)."""
     directory = events_dir(run_dir)
     useful = tally.useful.folded(tally.committed_step)
-    figures = {k: v for k, v in asdict(tally).items() if k not in ("useful", "restarts")}
+    # field by field: asdict would deep-copy the useful-steps arrays and the restart counts only to drop them
+    figures = {f.name: getattr(tally, f.name) for f in fields(tally) if f.name not in ("useful", "restarts")}
     header = {
         "version": VERSION, "byteorder": sys.byteorder,
         "files": {name: [offset, fingerprint(directory / name, offset)] for name, offset in offsets.items()},
