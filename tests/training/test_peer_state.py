@@ -195,8 +195,9 @@ def test_a_torn_copy_is_never_used(saved, tmp_path):
 
 
 def test_a_copy_that_fails_its_checksum_is_not_used_and_the_next_source_is(saved, tmp_path):
-    """Node 0's own copy of shard 0 at step 4 is damaged in memory (NVRx issue 349: replica-restored NaNs,
-    44 restarts): its CRC-32 fails, rank 0 takes node 1's copy of the same step, and says so."""
+    """Node 0's own copy of shard 0 at step 4 is damaged in memory (https://github.com/NVIDIA/Megatron-LM/issues/5281:
+    a replica-retrieved local checkpoint gave NaNs, 44 restarts): its CRC-32 fails, rank 0 takes node 1's copy
+    of the same step, and says so."""
     roots = _copy_nodes(saved, tmp_path)
     [own] = [c for c in NodeMemory(roots[0]).copies() if (c.kind, c.step) == (OWN, 4)]
     damaged = NodeMemory(roots[0]).read(own)[0].clone()

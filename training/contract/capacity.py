@@ -369,8 +369,9 @@ def smallest_storage_gib(needed_bytes: float) -> int:
 class HsdpCase:
     """HSDP with `replicas` replica groups, each a full FSDP shard of the model on nodes / replicas nodes, beside
     today's FSDP over every node. A lost node's shards stream from the same node of another replica group over
-    EFA, into a hot spare; the other replica groups keep training (torchft's design, HyperPod's checkpointless
-    training), so no survivor restarts and no completed step is lost."""
+    EFA, into a hot spare; the other replica groups keep training, so no survivor restarts and no completed step
+    is lost. That is torchft's design (https://github.com/pytorch/torchft) and HyperPod's checkpointless training
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-eks-checkpointless-in-process-recovery.html)."""
 
     capacity: Capacity
     replicas: int = HSDP_REPLICAS
