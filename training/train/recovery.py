@@ -113,14 +113,24 @@ class DiskTier:
 
 def restore_first(tiers: Sequence[RecoveryTier], state: dict[str, Stateful], not_older_than: int) -> Restored | None:
     """The first tier's result that is not None, the tiers after it not asked; None: a fresh start. The
-    tiers asked before it are told, once it is loaded (a load that raises tells them nothing)."""
-    restored = None
-    for asked, tier in enumerate(tiers):
-        restored = tier.restore(state, not_older_than=not_older_than)
-        if restored is not None:
-            break
-    else:
-        asked = len(tiers)
+    tiers asked before it are told, once it is loaded (a load that raises tells them nothing).
+
+    Where what loaded is older than `not_older_than` (the newest checkpoint was damaged and the disk tier
+    fell back to an older one), a tier that declined a copy for being older than that checkpoint may hold
+    a newer state than the one loaded: the tiers before are asked once more, bounded by what loaded."""
+    restored, asked = _first(tiers, state, not_older_than)
+    if restored is not None and restored.step < not_older_than and asked > 0:
+        newer, asked_again = _first(tiers[:asked], state, restored.step + 1)
+        if newer is not None:
+            restored, asked = newer, asked_again
     for tier in tiers[:asked]:
         tier.superseded(restored)
     return restored
+
+
+def _first(tiers: Sequence[RecoveryTier], state: dict[str, Stateful], not_older_than: int) -> tuple[Restored | None, int]:
+    """The first result that is not None and the index of its tier (len(tiers) when none restored)."""
+    for index, tier in enumerate(tiers):
+        if (restored := tier.restore(state, not_older_than=not_older_than)) is not None:
+            return restored, index
+    return None, len(tiers)
