@@ -17,7 +17,7 @@ from training.contract.config import ModelConfig, TrainConfigError, load_train_c
 from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.flops import flops_per_token
-from training.contract.model_source import hf_shape, model_shape
+from training.contract.model_source import ModelSourceError, hf_shape, model_shape
 from training.data.prepare import prepare
 from training.export.export import export
 from training.models.spec import model_spec
@@ -35,14 +35,15 @@ def hf(path: Path) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Each family's tiny model with weights; llama with tied embeddings besides."""
+    """Each family's tiny model with weights; llama with tied embeddings and Mixtral's config besides."""
     root = tmp_path_factory.mktemp("models")
     out = {family: write_tiny_model(root / family, family) for family in FAMILIES}
     out["llama-tied"] = write_tiny_model(root / "llama-tied", "llama", tie_word_embeddings=True)
+    out["mixtral"] = write_tiny_model(root / "mixtral", "mixtral", weights=False)
     return out
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied"])
+@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied", "mixtral"])
 def test_config_json_gives_the_shape_transformers_builds(tiny_models, name):
     spec = model_spec(hf(tiny_models[name]))
     config = json.loads((tiny_models[name] / "config.json").read_text())
@@ -50,9 +51,41 @@ def test_config_json_gives_the_shape_transformers_builds(tiny_models, name):
     assert hf_shape(config, name).parameters == spec.shape.parameters == sum(p.numel() for p in built.parameters())
     assert model_shape(hf(tiny_models[name])).parameters == spec.shape.parameters  # the chart's torch-free count
     assert spec.shape.vocab_size == 256 and spec.shape.parameter_bytes == 4 * spec.shape.parameters
-    # FLOPs per token from the config, as the preset's from its table: 6 N + 12 L H Q T
-    non_embedding = spec.shape.parameters - 256 * 64
-    assert flops_per_token(spec.shape, 32) == 6 * non_embedding + 12 * 2 * 4 * 16 * 32
+    # FLOPs per token from the config, as the preset's from its table: 6 N + 12 L H Q T, N without the
+    # embedding lookup (a tied table is also the output projection's matmul, which counts)
+    dense = spec.shape.parameters - (0 if name == "llama-tied" else 256 * 64)
+    if name == "mixtral":  # of each layer's 4 experts a token goes through 2: half the experts' matmuls
+        dense -= sum(p.numel() for n, p in built.named_parameters() if ".experts." in n) // 2
+    assert flops_per_token(spec.shape, 32) == 6 * dense + 12 * 2 * 4 * 16 * 32
+    assert spec.shape.active_parameters == model_shape(hf(tiny_models[name])).active_parameters
+
+
+# Mixtral-8x7B's config.json, the fields that size it (huggingface.co/mistralai/Mixtral-8x7B-v0.1)
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "tie_word_embeddings": False}
+
+
+def test_mixtral_holds_every_expert_and_computes_with_the_routed_ones():
+    """Memory, checkpoints and peer copies hold all 8 experts of each layer; a token's FLOPs go through 2.
+    Mistral AI: 46.7 B parameters, 12.9 B used per token (the tiny Mixtral above checks the count exactly
+    against the model transformers builds)."""
+    shape = hf_shape(MIXTRAL_8X7B, "mixtral-8x7b")
+    assert (round(shape.parameters / 1e9, 1), round(shape.active_parameters / 1e9, 1)) == (46.7, 12.9)
+    assert shape.parameter_bytes == 4 * shape.parameters and shape.optimizer_bytes == 8 * shape.parameters
+    attention = 12 * 32 * 32 * 128 * 4096
+    assert flops_per_token(shape, 4096) == 6 * (shape.active_parameters - 32000 * 4096) + attention
+
+
+def test_a_mixture_of_experts_other_than_mixtrals_is_refused_not_miscounted(tmp_path):
+    qwen2_moe = {**MIXTRAL_8X7B, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                 "num_experts": 60, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}
+    del qwen2_moe["num_local_experts"]
+    (tmp_path / "config.json").write_text(json.dumps(qwen2_moe))
+    with pytest.raises(ModelSourceError, match=r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=60\) "
+                                               r"whose parameters are not counted here"):
+        model_shape(hf(tmp_path))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
