@@ -284,19 +284,28 @@ def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx,
     assert queue.closed == closed
 
 
-def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one_rank_group):
+@pytest.mark.parametrize("reduce_every_micro_batch", [False, True], ids=["reduce_once", "reduce_every_micro_batch"])
+def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one_rank_group, monkeypatch,
+                                                                             reduce_every_micro_batch):
     """Gradient accumulation: two micro-batches of 2 take the optimizer step that one batch of the same 4
     samples takes, up to rounding (the sums are taken in another order: bitwise equality is not promised),
-    and report the same mean loss. Plain SGD with lr 1, so that a parameter moves by its (clipped) gradient."""
+    and report the same mean loss, whether FSDP2 reduce-scatters after every micro-batch (sharded gradients
+    accumulate) or only after the last (training.gradient_reduce). Plain SGD with lr 1, so that a parameter
+    moves by its (clipped) gradient."""
     cfg = load_train_config(None, ["training.seq_len=16"])
-    results = []
+    results, syncs = [], []
     for batch_size, accumulation_steps in ((4, 1), (2, 2)):
         torch.manual_seed(0)
         model, _ = build(cfg, model_spec(cfg.model), one_rank_group)
+        set_sync = model.set_requires_gradient_sync
+        monkeypatch.setattr(model, "set_requires_gradient_sync", lambda on, **kw: (syncs.append(on), set_sync(on, **kw)))
         stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1, accumulation_steps=accumulation_steps,
                              vocab_size=PRESETS["tiny"].vocab_size, seed=7)
-        loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group)
+        loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group,
+                             reduce_every_micro_batch=reduce_every_micro_batch)
         results.append((loss, {k: v.full_tensor() for k, v in model.state_dict().items()}))
+    # whether each backward reduce-scatters: the whole batch's, then the two micro-batches'
+    assert syncs == [True, reduce_every_micro_batch, True]
     (whole_loss, whole), (accumulated_loss, accumulated) = results
     assert accumulated_loss == pytest.approx(whole_loss, rel=1e-6)
     for name, tensor in whole.items():

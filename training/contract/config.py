@@ -31,6 +31,7 @@ RestartMode = Literal["injob", "both"]
 Device = Literal["auto", "cpu", "cuda"]
 DataDtype = Literal["uint16", "uint32"]
 WhenBusy = Literal["wait", "skip"]
+GradientReduce = Literal["auto", "micro_batch", "step"]
 
 MODEL_PRESETS: tuple[str, ...] = typing.get_args(ModelPreset)
 RESTART_MODES: tuple[str, ...] = typing.get_args(RestartMode)
@@ -82,6 +83,14 @@ class TrainingConfig:
                                                "batch_size; a world size that cannot reach it is refused before any "
                                                "rank trains. null: world size x batch_size, one micro-batch per step "
                                                "(the global batch then changes with the world size).")
+    gradient_reduce: GradientReduce = _doc(
+        "auto", "With more than one micro-batch per step, when FSDP2 reduce-scatters the gradients: micro_batch: "
+                "after each micro-batch's backward, so only sharded gradients accumulate (a reduce-scatter per "
+                "micro-batch, as torchtitan always does); step: after the last one only (one reduce-scatter per "
+                "step, but every rank holds the whole model's unsharded fp32 gradients until then, 4 bytes per "
+                "parameter: 32 GB at 8b). auto: step while those gradients take at most a tenth of the device's "
+                "memory (the capacity model's rule, training/contract/capacity.py gradient_reduce), else micro_batch. "
+                "Both give the same step to float tolerance.")
     seq_len: int = _doc(64, "tokens per sequence")
     lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the last step")
     warmup_steps: int = _doc(10, "steps of linear learning-rate warmup")
