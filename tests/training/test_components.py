@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.contract.config import MODEL_PRESETS, load_train_config
+from training.contract.config import MODEL_PRESETS, TrainConfigError, load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.job_failure import JobMustFail, requests_dir
 from training.contract.launcher import free_port
@@ -28,7 +28,7 @@ from training.train import trainer
 from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
-from training.train.trainer import build, run, train_step
+from training.train.trainer import build, lr_at, run, train_step
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -330,3 +330,22 @@ def test_a_rank_in_a_world_that_cannot_reach_the_global_batch_fails_the_job_befo
     [request] = requests_dir(tmp_path).glob("*.json")  # every pod's PID 1 fails the Job on it
     assert "training.global_batch_size=24 cannot be reached by world size 5" in json.loads(request.read_text())["cause"]
     assert not (tmp_path / "checkpoints").exists()  # nothing built, nothing trained
+
+
+def test_a_run_extended_by_a_resume_keeps_its_learning_rate_schedule_with_lr_decay_steps():
+    """A 200-step run resumed with training.steps=400: with lr_decay_steps=200 every step of the first 200 has
+    the learning rate it had, and the rest stay at the floor; without it the schedule stretches to 400 steps
+    and the learning rate of the step after a resume at 150 jumps from 0.24 to 0.74 of the peak."""
+    first = load_train_config(None, ["training.steps=200"])
+    kept = load_train_config(None, ["training.steps=400", "training.lr_decay_steps=200"])
+    stretched = load_train_config(None, ["training.steps=400"])
+    assert [lr_at(s, kept) for s in range(1, 201)] == [lr_at(s, first) for s in range(1, 201)]
+    assert all(lr_at(s, kept) == pytest.approx(0.1 * first.training.lr) for s in range(200, 401))
+    peak = first.training.lr
+    assert (round(lr_at(151, first) / peak, 2), round(lr_at(151, stretched) / peak, 2)) == (0.24, 0.74)
+
+
+def test_the_decay_must_follow_the_warmup():
+    with pytest.raises(TrainConfigError, match=r"training.lr_decay_steps=10 is not allowed: more than "
+                                               r"training.warmup_steps \(10\)"):
+        load_train_config(None, ["training.lr_decay_steps=10"])

@@ -92,8 +92,16 @@ class TrainingConfig:
                 "memory (the capacity model's rule, training/contract/capacity.py gradient_reduce), else micro_batch. "
                 "Both give the same step to float tolerance.")
     seq_len: int = _doc(64, "tokens per sequence")
-    lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the last step")
+    lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the schedule's "
+                           "last step (lr_decay_steps)")
     warmup_steps: int = _doc(10, "steps of linear learning-rate warmup")
+    lr_decay_steps: int | None = _doc(None, "The step at which the cosine decay reaches its floor (a tenth of lr), "
+                                            "where the learning rate then stays: the schedule's length, apart from "
+                                            "how long the run trains (torchtitan's lr_scheduler.total_steps). null: "
+                                            "training.steps. To extend a run by resuming it with a larger "
+                                            "training.steps, set this to the steps its schedule had (null: the old "
+                                            "training.steps): without it the steps ahead follow the longer schedule "
+                                            "and the learning rate jumps at the resume step.")
     weight_decay: float = _doc(0.01, "AdamW weight decay")
     grad_clip: float = _doc(1.0, "gradient norm clipping; 0: off")
     seed: int = _doc(1234, "seed of the initial weights, the synthetic tokens and the RNG streams")
@@ -457,6 +465,9 @@ def _validate(c: TrainConfig) -> None:
         fail("training.lr", t.lr, "greater than 0")
     if t.warmup_steps < 0:
         fail("training.warmup_steps", t.warmup_steps, "0 or more")
+    if t.lr_decay_steps is not None and t.lr_decay_steps <= t.warmup_steps:
+        fail("training.lr_decay_steps", t.lr_decay_steps, f"more than training.warmup_steps ({t.warmup_steps}): the "
+             "decay follows the warmup; or null (training.steps)")
     if t.weight_decay < 0:
         fail("training.weight_decay", t.weight_decay, "0 or more")
     if t.grad_clip < 0:

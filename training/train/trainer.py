@@ -153,11 +153,13 @@ class RngState(Stateful):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak at the last step."""
+    """Linear warm-up, then cosine decay to a tenth of the peak at the schedule's last step (lr_decay_steps,
+    else the run's last), a tenth after it."""
     t = cfg.training
     if step <= t.warmup_steps:
         return t.lr * step / max(t.warmup_steps, 1)
-    progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+    decay_end = t.lr_decay_steps if t.lr_decay_steps is not None else t.steps
+    progress = (step - t.warmup_steps) / max(decay_end - t.warmup_steps, 1)
     return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
