@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from infra.config import PlatformConfig
-from k8s.job_config import JobConfig
+from k8s.job_config import JobConfig, JobConfigError
 from k8s.outputs import load_infra_outputs
 from training.contract.config import load_train_config
 
@@ -17,6 +18,9 @@ TRAIN_HF = str(REPO / "k8s" / "train-hf.yaml")
 LLAMA_31_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+# Mixtral-8x7B's (huggingface.co/mistralai/Mixtral-8x7B-v0.1): Mistral's attention, 8 experts per layer, 2 per token
+MIXTRAL_8X7B = {**LLAMA_31_8B, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000,
+                "num_local_experts": 8, "num_experts_per_tok": 2}
 
 
 def _local_copy(tmp_path: Path, config: dict) -> str:
@@ -47,6 +51,27 @@ def test_llama_31_8b_is_sized_as_the_8b_preset(tmp_path):
     assert (hf.capacity.model.parameters, hf.capacity.model.flops_per_token) == \
         (preset.capacity.model.parameters, preset.capacity.model.flops_per_token)
     assert hf.capacity.problems() == preset.capacity.problems()
+
+
+def test_mixtral_is_sized_by_every_expert_and_computes_with_the_routed_ones(tmp_path):
+    """Checkpoints, FSx and node memory hold all 8 experts of each layer; a token's FLOPs go through 2. Mistral
+    AI's "Mixtral of experts": 46.7 B parameters, 12.9 B used per token (test_models.py checks the count
+    exactly against the tiny Mixtral that transformers builds)."""
+    platform = PlatformConfig()
+    infra, model_dir = load_infra_outputs(platform, tmp_path / "no-outputs.json"), _local_copy(tmp_path, MIXTRAL_8X7B)
+    refusals = {"needs 1044 GiB of each node's /dev/shm": [],  # counted as one dense MLP per layer: 162 GiB
+                "an async save of 560.4 GB to FSx": ["peer_state.enabled=false"]}  # 12 bytes x 46.7 B
+    for refusal, overrides in refusals.items():
+        with pytest.raises(JobConfigError, match=refusal):
+            JobConfig(platform=platform, train=load_train_config(TRAIN_HF, overrides), infra=infra, model_dir=model_dir)
+    fits = ["peer_state.enabled=false", "checkpoint.interval=500", "checkpoint.keep=1",
+            "fault_tolerance.drain_timeout_s=1500"]
+    job = JobConfig(platform=platform, train=load_train_config(TRAIN_HF, fits), infra=infra, model_dir=model_dir)
+    shape = job.model_shape
+    assert (round(shape.parameters / 1e9, 1), round(shape.active_parameters / 1e9, 1)) == (46.7, 12.9)
+    assert job.capacity.model.state_bytes == 12 * shape.parameters  # fp32 weights and two AdamW moments
+    attention = 12 * 32 * 32 * 128 * job.train.training.seq_len
+    assert job.capacity.model.flops_per_token == 6 * (shape.active_parameters - 32000 * 4096) + attention
 
 
 def test_a_hf_model_job_needs_its_config_and_a_path_on_fsx(render_error, tmp_path):

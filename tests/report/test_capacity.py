@@ -8,7 +8,7 @@ import re
 import pytest
 
 from training.contract.capacity import (P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
-                                        format_capacity, smallest_storage_gib)
+                                        format_capacity, gradient_reduce, smallest_storage_gib)
 from training.contract.config import load_train_config
 from training.train.drain import IMPOSSIBLE, DrainView, checkpoint_cost, plan_drain
 
@@ -141,3 +141,17 @@ def test_the_drain_keeps_the_step_reached_exactly_when_the_model_says_so(grace_s
     assert (plan.path == "checkpoint") is keeps_the_step
     assert (c.drain_steps_lost == 0) is keeps_the_step
 
+
+@pytest.mark.parametrize("preset, device_gb, reduce", [
+    ("8b", 80, "micro_batch"),  # 4 B x 8.03 B = 32.1 GB of unsharded gradients: more than 8 GB of an H100's 80 GB
+    ("1b", 80, "step"),         # 4 B x 1.50 B = 6.0 GB: within a tenth
+    ("1b", 40, "micro_batch"),  # an A100 40 GB: 6.0 GB is more than its 4 GB tenth
+    ("tiny", 16, "step"),       # 0.5 MB on a CPU host
+])
+def test_gradient_accumulation_reduces_once_per_step_only_while_unsharded_gradients_stay_small(preset, device_gb,
+                                                                                               reduce):
+    """training.gradient_reduce=auto: the whole model's fp32 gradients, held unsharded until the last micro-batch,
+    against a tenth of the device's memory; a setting other than auto is kept."""
+    parameters = ModelFootprint.from_preset(preset, 64).parameters
+    assert gradient_reduce("auto", parameters, device_gb * 1e9) == reduce
+    assert {gradient_reduce(s, parameters, device_gb * 1e9) for s in ("step", "micro_batch")} == {"step", "micro_batch"}

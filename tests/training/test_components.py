@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.contract.config import MODEL_PRESETS, load_train_config
+from training.contract.config import MODEL_PRESETS, TrainConfigError, load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.job_failure import JobMustFail, requests_dir
 from training.contract.launcher import free_port
@@ -28,7 +28,7 @@ from training.train import trainer
 from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
-from training.train.trainer import build, run, train_step
+from training.train.trainer import build, lr_at, run, train_step
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -284,19 +284,29 @@ def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx,
     assert queue.closed == closed
 
 
-def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one_rank_group):
+@pytest.mark.parametrize("reduce_every_micro_batch", [False, True], ids=["reduce_once", "reduce_every_micro_batch"])
+def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one_rank_group, monkeypatch,
+                                                                             reduce_every_micro_batch):
     """Gradient accumulation: two micro-batches of 2 take the optimizer step that one batch of the same 4
     samples takes, up to rounding (the sums are taken in another order: bitwise equality is not promised),
-    and report the same mean loss. Plain SGD with lr 1, so that a parameter moves by its (clipped) gradient."""
+    and report the same mean loss, whether FSDP2 reduce-scatters after every micro-batch (sharded gradients
+    accumulate) or only after the last (training.gradient_reduce). Plain SGD with lr 1, so that a parameter
+    moves by its (clipped) gradient."""
     cfg = load_train_config(None, ["training.seq_len=16"])
-    results = []
+    results, syncs = [], []
     for batch_size, accumulation_steps in ((4, 1), (2, 2)):
         torch.manual_seed(0)
         model, _ = build(cfg, model_spec(cfg.model), one_rank_group)
-        stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1, accumulation_steps=accumulation_steps,
-                             vocab_size=PRESETS["tiny"].vocab_size, seed=7)
-        loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group)
+        set_sync = model.set_requires_gradient_sync
+        monkeypatch.setattr(model, "set_requires_gradient_sync",
+                            lambda on, **kw: (syncs.append(on), set_sync(on, **kw)))
+        stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1,
+                             accumulation_steps=accumulation_steps, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+        loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group,
+                             reduce_every_micro_batch=reduce_every_micro_batch)
         results.append((loss, {k: v.full_tensor() for k, v in model.state_dict().items()}))
+    # whether each backward reduce-scatters: the whole batch's, then the two micro-batches'
+    assert syncs == [True, reduce_every_micro_batch, True]
     (whole_loss, whole), (accumulated_loss, accumulated) = results
     assert accumulated_loss == pytest.approx(whole_loss, rel=1e-6)
     for name, tensor in whole.items():
@@ -321,3 +331,22 @@ def test_a_rank_in_a_world_that_cannot_reach_the_global_batch_fails_the_job_befo
     [request] = requests_dir(tmp_path).glob("*.json")  # every pod's PID 1 fails the Job on it
     assert "training.global_batch_size=24 cannot be reached by world size 5" in json.loads(request.read_text())["cause"]
     assert not (tmp_path / "checkpoints").exists()  # nothing built, nothing trained
+
+
+def test_a_run_extended_by_a_resume_keeps_its_learning_rate_schedule_with_lr_decay_steps():
+    """A 200-step run resumed with training.steps=400: with lr_decay_steps=200 every step of the first 200 has
+    the learning rate it had, and the rest stay at the floor; without it the schedule stretches to 400 steps
+    and the learning rate of the step after a resume at 150 jumps from 0.24 to 0.74 of the peak."""
+    first = load_train_config(None, ["training.steps=200"])
+    kept = load_train_config(None, ["training.steps=400", "training.lr_decay_steps=200"])
+    stretched = load_train_config(None, ["training.steps=400"])
+    assert [lr_at(s, kept) for s in range(1, 201)] == [lr_at(s, first) for s in range(1, 201)]
+    assert all(lr_at(s, kept) == pytest.approx(0.1 * first.training.lr) for s in range(200, 401))
+    peak = first.training.lr
+    assert (round(lr_at(151, first) / peak, 2), round(lr_at(151, stretched) / peak, 2)) == (0.24, 0.74)
+
+
+def test_the_decay_must_follow_the_warmup():
+    with pytest.raises(TrainConfigError, match=r"training.lr_decay_steps=10 is not allowed: more than "
+                                               r"training.warmup_steps \(10\)"):
+        load_train_config(None, ["training.lr_decay_steps=10"])

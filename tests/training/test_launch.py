@@ -178,3 +178,28 @@ def test_a_launcher_still_running_after_the_runs_completion_is_stopped(config, m
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert (code, request) == (128 + signal.SIGTERM, None) and time.monotonic() - started < 10
+
+
+def test_a_completion_recorded_while_the_pod_starts_is_not_missed(config, monkeypatch):
+    """The run's end is written just after the start-up check read the log (a replacement started as the run
+    ended): the pod watches from before that check, so it still stops its launcher and exits 0."""
+    monkeypatch.setattr(launch, "COMPLETION_POLL_S", 0.2)
+    monkeypatch.setattr(launch, "COMPLETED_GRACE_S", 0.5)
+    monkeypatch.setattr(launch, "POLL_S", 0.05)
+    checked = launch.run_completed
+
+    def completes_right_after_the_check(run_dir, steps):
+        seen = checked(run_dir, steps)
+        _run_end(config, STEPS)
+        monkeypatch.setattr(launch, "run_completed", checked)
+        return seen
+
+    monkeypatch.setattr(launch, "run_completed", completes_right_after_the_check)
+    saved = {sig: signal.getsignal(sig) for sig in launch.PASSED_ON}
+    started = time.monotonic()
+    try:  # a launcher left alone sleeps 30 s (and the pod would then exit 0 too, late)
+        code = launch.main(["--config", str(config), "--", sys.executable, "-c", "import time; time.sleep(30)"])
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert code == 0 and time.monotonic() - started < 10

@@ -37,14 +37,15 @@ def hf(path: Path) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Each family's tiny model with weights; llama with tied embeddings besides."""
+    """Each family's tiny model with weights; llama with tied embeddings and Mixtral's config besides."""
     root = tmp_path_factory.mktemp("models")
     out = {family: write_tiny_model(root / family, family) for family in FAMILIES}
     out["llama-tied"] = write_tiny_model(root / "llama-tied", "llama", tie_word_embeddings=True)
+    out["mixtral"] = write_tiny_model(root / "mixtral", "mixtral", weights=False)
     return out
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied"])
+@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied", "mixtral"])
 def test_config_json_gives_the_shape_transformers_builds(tiny_models, name):
     spec = model_spec(hf(tiny_models[name]))
     config = json.loads((tiny_models[name] / "config.json").read_text())
@@ -52,9 +53,23 @@ def test_config_json_gives_the_shape_transformers_builds(tiny_models, name):
     assert hf_shape(config, name).parameters == spec.shape.parameters == sum(p.numel() for p in built.parameters())
     assert model_shape(hf(tiny_models[name])).parameters == spec.shape.parameters  # the chart's torch-free count
     assert spec.shape.vocab_size == 256 and spec.shape.parameter_bytes == 4 * spec.shape.parameters
-    # FLOPs per token from the config, as the preset's from its table: 6 N + 12 L H Q T
-    non_embedding = spec.shape.parameters - 256 * 64
-    assert flops_per_token(spec.shape, 32) == 6 * non_embedding + 12 * 2 * 4 * 16 * 32
+    # FLOPs per token from the config, as the preset's from its table: 6 N + 12 L H Q T, N without the
+    # embedding lookup (a tied table is also the output projection's matmul, which counts)
+    dense = spec.shape.parameters - (0 if name == "llama-tied" else 256 * 64)
+    if name == "mixtral":  # of each layer's 4 experts a token goes through 2: half the experts' matmuls
+        dense -= sum(p.numel() for n, p in built.named_parameters() if ".experts." in n) // 2
+    assert flops_per_token(spec.shape, 32) == 6 * dense + 12 * 2 * 4 * 16 * 32
+    assert spec.shape.active_parameters == model_shape(hf(tiny_models[name])).active_parameters
+
+
+def test_a_mixture_of_experts_other_than_mixtrals_is_refused_not_miscounted(tmp_path):
+    qwen2_moe = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+                 "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 151936,
+                 "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
+    (tmp_path / "config.json").write_text(json.dumps(qwen2_moe))
+    with pytest.raises(ModelSourceError, match=r"model_type 'qwen2_moe' is a mixture of experts \(num_experts=60\) "
+                                               r"whose parameters are not counted here"):
+        model_shape(hf(tmp_path))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

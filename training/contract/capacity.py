@@ -71,6 +71,14 @@ PEER_COPY_BUDGET = 0.05
 # HSDP keeps per parameter fp32 weights (4 B), fp32 gradients (4 B: FSDP2's reduce_dtype in
 # training/train/parallelize.py) and two fp32 AdamW moments (8 B) on the GPU.
 TRAINING_BYTES_PER_PARAMETER = 16
+# Gradient accumulation with training.gradient_reduce=step holds the whole model's unsharded fp32 gradients on
+# every GPU until the last micro-batch (FSDP2 set_requires_gradient_sync(False): pytorch/pytorch PR 126166 names
+# the two ways, "reduce-scatter" or "no reduce-scatter", and what each costs). Assumption: that memory is worth
+# the saved communication while it stays within this share of a GPU's memory (activations, the sharded state and
+# the all-gathered layers need the rest); beyond it every micro-batch reduce-scatters, torchtitan's only way
+# (pytorch/torchtitan issue 292: "for memory constrained cases, we prefer to ... reduce-scatter every microbatch").
+UNSHARDED_GRADIENT_SHARE = 0.10
+UNSHARDED_GRADIENT_BYTES = 4  # per parameter: FSDP2's reduce_dtype (fp32)
 HSDP_REPLICAS = 2
 SHM_RESERVE = 1 / 8  # of /dev/shm, left to NCCL and the data loaders beside peer state
 
@@ -351,6 +359,15 @@ class Capacity:
                 f"{self.footprint_bytes / GIB:.0f} GiB, more than FSx's {self.fsx.storage_gib} GiB: lower "
                 f"checkpoint.keep or raise fsxStorageGib to {smallest_storage_gib(self.footprint_bytes)}")
         return out
+
+
+def gradient_reduce(setting: str, parameters: int, device_memory_bytes: float) -> str:
+    """training.gradient_reduce resolved: `setting` unless auto; auto reduces once per step while the unsharded
+    gradients fit UNSHARDED_GRADIENT_SHARE of the device's memory, else after every micro-batch."""
+    if setting != "auto":
+        return setting
+    held = UNSHARDED_GRADIENT_BYTES * parameters
+    return "step" if held <= UNSHARDED_GRADIENT_SHARE * device_memory_bytes else "micro_batch"
 
 
 def project_step_s(model: ModelFootprint, node: NodeSpec, tokens_per_gpu: int, mfu: float = ASSUMED_MFU) -> float:

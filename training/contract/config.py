@@ -31,6 +31,7 @@ RestartMode = Literal["injob", "both"]
 Device = Literal["auto", "cpu", "cuda"]
 DataDtype = Literal["uint16", "uint32"]
 WhenBusy = Literal["wait", "skip"]
+GradientReduce = Literal["auto", "micro_batch", "step"]
 
 MODEL_PRESETS: tuple[str, ...] = typing.get_args(ModelPreset)
 RESTART_MODES: tuple[str, ...] = typing.get_args(RestartMode)
@@ -82,9 +83,25 @@ class TrainingConfig:
                                                "batch_size; a world size that cannot reach it is refused before any "
                                                "rank trains. null: world size x batch_size, one micro-batch per step "
                                                "(the global batch then changes with the world size).")
+    gradient_reduce: GradientReduce = _doc(
+        "auto", "With more than one micro-batch per step, when FSDP2 reduce-scatters the gradients: micro_batch: "
+                "after each micro-batch's backward, so only sharded gradients accumulate (a reduce-scatter per "
+                "micro-batch, as torchtitan always does); step: after the last one only (one reduce-scatter per "
+                "step, but every rank holds the whole model's unsharded fp32 gradients until then, 4 bytes per "
+                "parameter: 32 GB at 8b). auto: step while those gradients take at most a tenth of the device's "
+                "memory (the capacity model's rule, training/contract/capacity.py gradient_reduce), else micro_batch. "
+                "Both give the same step to float tolerance.")
     seq_len: int = _doc(64, "tokens per sequence")
-    lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the last step")
+    lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the schedule's "
+                           "last step (lr_decay_steps)")
     warmup_steps: int = _doc(10, "steps of linear learning-rate warmup")
+    lr_decay_steps: int | None = _doc(None, "The step at which the cosine decay reaches its floor (a tenth of lr), "
+                                            "where the learning rate then stays: the schedule's length, apart from "
+                                            "how long the run trains (torchtitan's lr_scheduler.total_steps). null: "
+                                            "training.steps. To extend a run by resuming it with a larger "
+                                            "training.steps, set this to the steps its schedule had (null: the old "
+                                            "training.steps): without it the steps ahead follow the longer schedule "
+                                            "and the learning rate jumps at the resume step.")
     weight_decay: float = _doc(0.01, "AdamW weight decay")
     grad_clip: float = _doc(1.0, "gradient norm clipping; 0: off")
     seed: int = _doc(1234, "seed of the initial weights, the synthetic tokens and the RNG streams")
@@ -448,6 +465,9 @@ def _validate(c: TrainConfig) -> None:
         fail("training.lr", t.lr, "greater than 0")
     if t.warmup_steps < 0:
         fail("training.warmup_steps", t.warmup_steps, "0 or more")
+    if t.lr_decay_steps is not None and t.lr_decay_steps <= t.warmup_steps:
+        fail("training.lr_decay_steps", t.lr_decay_steps, f"more than training.warmup_steps ({t.warmup_steps}): the "
+             "decay follows the warmup; or null (training.steps)")
     if t.weight_decay < 0:
         fail("training.weight_decay", t.weight_decay, "0 or more")
     if t.grad_clip < 0:

@@ -5,9 +5,11 @@ appendix B) and torchtitan's get_nparams_and_flops:
 
     6·N + 12·L·H·Q·T
 
-N: the parameters less the embedding table (a lookup, no matmul; the output projection is a matmul and
-counts), L layers, H query heads, Q = dim / H the head dimension, T the sequence length. 6·N: one
-multiply-add per parameter forward, two backward. 12·L·H·Q·T: the two attention matmuls (QKᵀ, and the
+N: the parameters a token goes through less the embedding table (a lookup, no matmul; the output
+projection is a matmul and counts, tied to the table or not); in a mixture of experts only the experts
+the router picks per token (torchtitan's get_moe_model_nparams_and_flops counts them alike). L layers, H
+query heads, Q = dim / H the head dimension, T the sequence length. 6·N: one multiply-add per parameter
+forward, two backward. 12·L·H·Q·T: the two attention matmuls (QKᵀ, and the
 scores times V), forward and backward; by convention neither causal masking (half of it is skipped) nor
 activation recomputation is counted, so figures compare across codebases.
 """
@@ -18,7 +20,8 @@ from training.contract.shapes import ModelShape
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:
     """Of any model, preset or Hugging Face: its shape carries the counts (training/models/ spec.shape)."""
-    non_embedding = shape.parameters - shape.embedding_parameters
+    # a tied table is counted once, and its use as the output projection is a matmul (as torchtitan counts it)
+    non_embedding = shape.active_parameters - (0 if shape.tied_embeddings else shape.embedding_parameters)
     return 6 * non_embedding + 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
 
 

@@ -54,10 +54,11 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
 
 
 def hf_shape(config: dict[str, Any], name: str) -> ModelShape:
-    """A dense decoder's shape from its config (Llama, Mistral, Qwen2 and their kin): per layer the q/k/v/o
-    projections (with the biases the family carries), the gated MLP and two norms; then the final norm and
-    the output projection, unless tied to the embedding. The trainer counts the built model instead
-    (training/models/huggingface.py); a test checks that both agree for each family the tests build."""
+    """A decoder's shape from its config: dense (Llama, Mistral, Qwen2 and their kin) or Mixtral's mixture
+    of experts. Per layer the q/k/v/o projections (with the biases the family carries), the feed-forward
+    (moe_feed_forward) and two norms; then the final norm and the output projection, unless tied to the
+    embedding. The trainer counts the built model instead (training/models/huggingface.py); a test checks
+    that both agree for each family the tests build."""
     dim, layers, heads = config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or dim // heads
@@ -68,12 +69,41 @@ def hf_shape(config: dict[str, Any], name: str) -> ModelShape:
         attention += q + 2 * kv
     elif config.get("attention_bias"):  # Llama's and Mistral's optional biases, o_proj's included
         attention += q + 2 * kv + dim
-    mlp = 3 * dim * ffn + (2 * ffn + dim if config.get("mlp_bias") else 0)
+    mlp = 3 * dim * ffn + (2 * ffn + dim if config.get("mlp_bias") else 0)  # gate, up and down projections
+    total_mlp, active_mlp = moe_feed_forward(config, name, dim, mlp)
     embedding = vocab * dim
-    output = 0 if config.get("tie_word_embeddings", False) else vocab * dim
-    parameters = embedding + layers * (attention + mlp + 2 * dim) + dim + output
+    tied = bool(config.get("tie_word_embeddings", False))
+    output = 0 if tied else vocab * dim
+    dense = embedding + layers * (attention + 2 * dim) + dim + output
     return ModelShape(name=name, vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, head_dim=head_dim,
-                      parameters=parameters, embedding_parameters=embedding)
+                      parameters=dense + layers * total_mlp, embedding_parameters=embedding,
+                      active_parameters=dense + layers * active_mlp, tied_embeddings=tied)
+
+
+# config.json keys by which transformers' mixture-of-experts families declare their experts (Mixtral's
+# num_local_experts, Qwen2-MoE's num_experts, DeepSeek's n_routed_experts, ...)
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def moe_feed_forward(config: dict[str, Any], name: str, dim: int, expert: int) -> tuple[int, int]:
+    """One layer's feed-forward parameters, all of them and those a token goes through: the dense MLP's
+    `expert` for both; in Mixtral's sparse MoE block (transformers MixtralSparseMoeBlock) a router without
+    bias (dim x num_local_experts) and num_local_experts gated MLPs of intermediate_size, of which each token
+    goes through num_experts_per_tok (Mixtral-8x7B: 46.7 B parameters, 12.9 B per token, as Mistral AI's
+    "Mixtral of experts" announcement states; 47 B and 13 B in Jiang et al., arXiv:2401.04088). Other
+    families' experts (shared experts, their own sizes, dense layers between) are refused rather than counted
+    wrong: the chart's and the capacity model's memory and FSx figures would follow."""
+    moe = [key for key in MOE_KEYS if config.get(key)]
+    if not moe:
+        return expert, expert
+    if config["model_type"] != "mixtral":
+        raise ModelSourceError(f"{name}: model_type {config['model_type']!r} is a mixture of experts ({moe[0]}="
+                               f"{config[moe[0]]}) whose parameters are not counted here: only dense decoders and "
+                               "Mixtral's experts (num_local_experts, num_experts_per_tok) size the checkpoints, "
+                               "memory and FLOPs")
+    experts, per_token = config["num_local_experts"], config["num_experts_per_tok"]
+    router = dim * experts
+    return router + experts * expert, router + per_token * expert
 
 
 def tokenizer_vocab_size(directory: str | Path) -> int | None:

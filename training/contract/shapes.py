@@ -56,8 +56,12 @@ class ModelShape:
     n_layers: int
     n_heads: int
     head_dim: int
-    parameters: int
+    parameters: int  # every parameter: what weights, gradients, optimizer state and checkpoints hold
     embedding_parameters: int  # the token embedding table: a lookup, not a matmul
+    # the parameters one token's forward and backward go through, what FLOPs count: all of them in a dense
+    # model; in a mixture of experts only the experts its router picks (num_experts_per_tok of each layer's)
+    active_parameters: int
+    tied_embeddings: bool = False  # the output projection is the embedding table: counted once, used twice
 
     @property
     def parameter_bytes(self) -> int:
@@ -73,7 +77,7 @@ def preset_shape(preset: str) -> ModelShape:
     a = shape(preset)
     return ModelShape(name=preset, vocab_size=a.vocab_size, dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads,
                       head_dim=a.dim // a.n_heads, parameters=parameter_count(preset),
-                      embedding_parameters=a.vocab_size * a.dim)
+                      embedding_parameters=a.vocab_size * a.dim, active_parameters=parameter_count(preset))
 
 
 def parameter_count(preset: str) -> int:

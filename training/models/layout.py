@@ -47,6 +47,9 @@ def untied_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def counted_shape(shape: ModelShape, model: nn.Module, embedding: nn.Module) -> ModelShape:
-    """`shape` with the parameters counted on the built model (tied weights once)."""
-    return replace(shape, parameters=sum(p.numel() for p in model.parameters()),
+    """`shape` with the parameters counted on the built model (tied weights once); as many of them inactive
+    per token as `shape` says (a mixture of experts' unrouted experts)."""
+    parameters = sum(p.numel() for p in model.parameters())
+    inactive = shape.parameters - shape.active_parameters
+    return replace(shape, parameters=parameters, active_parameters=parameters - inactive,
                    embedding_parameters=sum(p.numel() for p in embedding.parameters()))

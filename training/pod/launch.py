@@ -158,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainConfigError, OSError) as err:
         print(f"training.pod.launch: invalid training config: {err}", file=sys.stderr)
         return CONFIG_ERROR
+    # watched from before the check: a completion recorded while the check reads the log is seen by the watch
+    completion = CompletionWatch(cfg.run_dir, cfg.training.steps)
     if run_completed(cfg.run_dir, cfg.training.steps):  # e.g. a lost node's replacement, started late
         print(f"training.pod.launch: the run in {cfg.run_dir} has completed: nothing to do", flush=True)
         return 0
-    code, request = run(args.command, FailureRequests(cfg.run_dir), CompletionWatch(cfg.run_dir, cfg.training.steps))
+    code, request = run(args.command, FailureRequests(cfg.run_dir), completion)
     if run_completed(cfg.run_dir, cfg.training.steps):  # whatever became of this node, the run is done
         return 0
     if request is not None:

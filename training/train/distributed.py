@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -68,6 +69,13 @@ def default_launcher_env() -> None:
 # The in-process Wrapper's abort (in its monitor thread) and the training thread's teardown can
 # destroy the process group at the same moment; destroy_process_group is not thread-safe.
 PROCESS_GROUP_LOCK = threading.Lock()
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory of the device the rank trains on: its GPU's, or the host's for a CPU rank."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
 
 
 def teardown() -> None:

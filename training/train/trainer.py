@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from training.contract.capacity import gradient_reduce
 from training.contract.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
 from training.contract.events import EventLog, next_attempt, record_attempt
 from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
@@ -41,7 +42,7 @@ from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.checkpoint.writers import with_emulated_delay
-from training.train.distributed import DistInfo, init_distributed, teardown
+from training.train.distributed import DistInfo, device_memory_bytes, init_distributed, teardown
 from training.train.drain import (IMPOSSIBLE, DrainPlan, DrainSignal, DrainView, Drained, agree_on_plan,
                                   agree_on_save, checkpoint_cost, peers_cost)
 from training.train.faults import FaultInjector
@@ -152,11 +153,13 @@ class RngState(Stateful):
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak at the last step."""
+    """Linear warm-up, then cosine decay to a tenth of the peak at the schedule's last step (lr_decay_steps,
+    else the run's last), a tenth after it."""
     t = cfg.training
     if step <= t.warmup_steps:
         return t.lr * step / max(t.warmup_steps, 1)
-    progress = (step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1)
+    decay_end = t.lr_decay_steps if t.lr_decay_steps is not None else t.steps
+    progress = (step - t.warmup_steps) / max(decay_end - t.warmup_steps, 1)
     return t.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
@@ -176,22 +179,24 @@ def build(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> tuple[torch.nn.M
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], lr: float,
-               grad_clip: float, info: DistInfo, drain_flag: float = 0.0) -> tuple[float, bool]:
+               grad_clip: float, info: DistInfo, drain_flag: float = 0.0,
+               reduce_every_micro_batch: bool = False) -> tuple[float, bool]:
     """One optimizer step over this rank's micro-batches (gradient accumulation); returns the loss averaged
     over the global batch and whether any rank was told to drain (`drain_flag` > 0 on it): both from the
     step's one all-reduce.
 
     Each micro-batch's loss is scaled by 1/len(micro_batches), and FSDP averages over the ranks: the
-    gradient is the mean over the global batch, whatever its split into ranks and micro-batches. FSDP2
-    reduce-scatters only after the last micro-batch (`set_requires_gradient_sync`, FSDP2's documented
-    gradient accumulation without communication, https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html):
+    gradient is the mean over the global batch, whatever its split into ranks and micro-batches. With
+    `reduce_every_micro_batch` FSDP2 reduce-scatters after each backward and the sharded gradients
+    accumulate; without, only after the last one (`set_requires_gradient_sync`, FSDP2's documented gradient
+    accumulation without communication, https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html):
     until then each rank accumulates its unsharded gradients in the reduce dtype (fp32), 4 bytes per
-    parameter of the whole model on every rank."""
+    parameter of the whole model on every rank (training.gradient_reduce)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = torch.zeros((), device=info.device)
     for i, batch in enumerate(micro_batches):
-        model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        model.set_requires_gradient_sync(reduce_every_micro_batch or i == len(micro_batches) - 1)
         logits = model(batch.inputs.to(info.device))
         micro_loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten()) / len(micro_batches)
         micro_loss.backward()
@@ -286,6 +291,8 @@ class Trainer:
             torch.manual_seed(t.seed)
             self.spec = model_spec(cfg.model)
             self.model, self.optimizer = build(cfg, self.spec, self.info)
+            self.gradient_reduce = gradient_reduce(t.gradient_reduce, self.spec.shape.parameters,
+                                                   device_memory_bytes(self.info.device))
             self.stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=self.info.rank,
                                       world_size=self.info.world_size, accumulation_steps=accumulation_steps,
                                       vocab_size=self.spec.shape.vocab_size, seed=t.seed,
@@ -360,9 +367,12 @@ class Trainer:
         self.events.emit("resume", step=step, source_kind=restored.source_kind if restored else "none",
                          path=str(restored.path) if restored and restored.path else None,
                          saved_world_size=restored.saved_world_size if restored else None)
-        log.info("world size %d, %s, model %s, global batch %d (%d micro-batch(es) of %d per rank); %s",
+        reduce = "" if self.stream.accumulation_steps == 1 else (
+            ", gradients reduce-scattered after every micro-batch" if self.gradient_reduce == "micro_batch" else
+            ", gradients reduce-scattered once per step")
+        log.info("world size %d, %s, model %s, global batch %d (%d micro-batch(es) of %d per rank%s); %s",
                  info.world_size, info.backend, self.spec.shape.name, self.stream.global_batch_size,
-                 self.stream.accumulation_steps, self.stream.batch_size,
+                 self.stream.accumulation_steps, self.stream.batch_size, reduce,
                  f"resumed from {restored.origin} at step {step}" if restored else
                  f"starting at step 0 from {'its pretrained weights' if self.pretrained else 'seeded weights'}")
         if restored is None or restored.saved_world_size in (None, info.world_size):
@@ -394,7 +404,8 @@ class Trainer:
                     t0 = time.perf_counter()
                     micro_batches = self.stream.next_step()
                     mean_loss, drain = train_step(self.model, self.optimizer, micro_batches, lr_at(step, self.cfg),
-                                                  t.grad_clip, self.info, self.drain_signal.flag)
+                                                  t.grad_clip, self.info, self.drain_signal.flag,
+                                                  self.gradient_reduce == "micro_batch")
                     step_time = time.perf_counter() - t0
                 self.train_state.step = step
                 self.after_step(step, micro_batches, mean_loss, step_time)
