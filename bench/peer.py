@@ -22,7 +22,7 @@ class PeerResult:
     step_s: float  # median step_time_s over the same steps
     cost_ratio: float  # save_s / step_s
     steps: int  # steps that saved a copy
-    interval: int  # steps between copies, as settled (the last attempt's)
+    interval: int  # the most steps a lost node costs, as settled (the last attempt's)
     replicas: int
     bytes_per_rank: int
 

@@ -106,7 +106,7 @@ def peer_table(r: BenchResult) -> list[str]:
         return [f"{title}: not measured ({r.unavailable.get(PEER, 'not in this profile')})"]
     return [f"{title}: the peer-state run's copy into node memory after each saved step (rank 0, medians over "
             f"{x.steps} steps; sending it to the partner node runs beside training)", "",
-            *_header("copy per step", "step time", "copy / step time", "interval", "replicas",
+            *_header("copy per step", "step time", "copy / step time", "steps lost at most", "replicas",
                      "node memory per rank"),
             _row(f"{x.save_s * 1e3:.2f} ms", f"{x.step_s * 1e3:.1f} ms", _fmt(x.cost_ratio, "%"),
                  f"{x.interval} step(s)", str(x.replicas), f"{x.bytes_per_rank / 2**20:.1f} MiB")]

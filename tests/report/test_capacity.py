@@ -84,7 +84,11 @@ def test_peer_copy_send_and_the_interval_they_allow() -> None:
     assert P5_48XLARGE.tcp_send_gbs == pytest.approx(5.0)
     assert c.peer_send_s == pytest.approx(48.18e9 / 5e9, rel=1e-3)
     assert c.peer_interval_steps == math.ceil(c.peer_send_s / STEP_8B) == 10  # the send, not the copy, sets it
-    assert c.peer_steps_lost == 10 + 10
+    assert c.peer_steps_lost == 10 + 10 - 1  # a copy every 10 steps, each acknowledged within the next 10
+    # a configured interval is the promise: a copy every 3 steps, each with 2 to reach the partner, 4 lost at most
+    promised = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000),
+                           Schedule(200, 3, "async", 300, True, peer_interval=4))
+    assert (promised.peer_interval_steps, promised.peer_deadline_steps, promised.peer_steps_lost) == (3, 2, 4)
     assert c.restore_peer_s == pytest.approx(c.peer_send_s)
     two_replicas = capacity_of(EIGHT_B, P5_48XLARGE, 4, FsxSpec(1200, 1000),
                                Schedule(200, 3, "async", 360, True, peer_replicas=2))

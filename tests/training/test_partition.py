@@ -126,6 +126,8 @@ def test_a_partitioned_node_is_detected_and_the_run_resumes_exactly(name, partit
     assert first_start == (0, "none") and resumed in ([(11, "peer"), (10, "peer")] if CASES[name][1] else [(10, "disk")])
     [fault] = build_report(read_events(run.run_dir)).faults[:1]
     assert fault.kind == "partition" and fault.resumed_from == resumed[0] and 0 < fault.detection_s < fault.recovery_s
+    if CASES[name][1]:  # node memory: at most peer_state.interval (1) step lost, 1 if step 11's copy was in flight
+        assert fault.steps_lost is not None and fault.steps_lost <= 1
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 

@@ -41,16 +41,19 @@ def _values(rank: int, step: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Phase:
-    """What each rank does: save `steps` (each send held back `send_delay_s` first, as a slow network
-    would), rank 0 copying its node's memory to `snapshot` as soon as its last save returned (the node's
-    memory at that instant, while sends are in flight); or restore, each rank with its own view of the
-    newest checkpoint (`not_older_than`), the tier after peer state one that loads or raises (`disk`)."""
+    """What each rank does: save `steps` at peer_state.interval `interval` (each send held back `send_delay_s`
+    first, as a slow network would), rank 0 copying its node's memory to `snapshot` as soon as its last save
+    returned (the node's memory at that instant, while sends are in flight); or restore, each rank with its own
+    view of the newest checkpoint (`not_older_than`), the tier after peer state one that loads or raises
+    (`disk`), then save the steps `then` (rank 0's node memory copied to `snapshot` first)."""
     steps: tuple[int, ...] = ()
     send_delay_s: float = 0.0
     snapshot: str | None = None
     not_older_than: tuple[int, ...] = (0, 0)
     disk: str | None = None  # None: no tier after peer state; "loads": a checkpoint at not_older_than; "fails"
     events_dir: str | None = None
+    interval: int = 1
+    then: tuple[int, ...] = ()
 
 
 class _FakeDisk:
@@ -87,7 +90,8 @@ def _worker(rank: int, port: int, roots: list[str], phase: Phase, results: dict,
             replicate(self, *args)
         PeerState._replicate = slow
     events = EventLog(phase.events_dir, f"rank{rank}") if phase.events_dir else None
-    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=1, replicas=replicas, timeout_s=30, events=events)
+    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=phase.interval, replicas=replicas, timeout_s=30,
+                     events=events)
     weights = Weights(torch.zeros(1000))
     state = {"model": weights}
     if phase.steps:
@@ -104,6 +108,11 @@ def _worker(rank: int, port: int, roots: list[str], phase: Phase, results: dict,
         try:
             restored = restore_first(tiers, state, not_older_than=phase.not_older_than[rank])
             results[rank] = (restored and (restored.step, restored.source_kind), weights.value.clone(), weights.count)
+            if rank == 0 and phase.snapshot:
+                shutil.copytree(roots[0], phase.snapshot)
+            for step in phase.then:
+                peer.save(step, state, step_time_s=1.0)
+            peer.settle()
         except OSError as err:
             results[rank] = str(err)
     peer.close()
@@ -167,6 +176,20 @@ def test_a_node_lost_while_its_newest_copy_is_still_being_sent_resumes_from_peer
     snapshot = tmp_path / "node0-at-loss"
     _run([tmp_path / "node0", tmp_path / "node1"], Phase(steps=(3, 4, 5), send_delay_s=1.0, snapshot=str(snapshot)))
     _assert_restored_from_peers(_restore([snapshot, tmp_path / "spare"]), 4)
+
+
+def test_replication_slower_than_the_interval_still_loses_at_most_the_interval_to_a_node(tmp_path):
+    """peer_state.interval=2 (at most 2 steps lost) with every send held back 1 s, far slower than the steps (they
+    take no time). Node 1 is lost the moment step 5 counts as reached (rank 0's save of step 5 returned, the step
+    event comes next): node 0's memory at that instant resumes the spare at step 3 or later, from node memory.
+    A copy every 2 steps that nothing waits for would leave step 4's copy in flight and step 2 the newest with
+    every shard: 3 steps lost."""
+    snapshot = tmp_path / "node0-at-loss"
+    _run([tmp_path / "node0", tmp_path / "node1"],
+         Phase(steps=(1, 2, 3, 4, 5), send_delay_s=1.0, snapshot=str(snapshot), interval=2))
+    results = _restore([snapshot, tmp_path / "spare"])
+    [(step, source)] = {r[0] for r in results.values()}
+    assert source == "peer" and 5 - step <= 2
 
 
 def test_a_restart_that_gives_the_nodes_other_ranks_keeps_their_copies(saved, tmp_path):
@@ -235,6 +258,44 @@ def test_two_replicas_survive_two_lost_nodes(tmp_path):
     for rank in range(3):
         restored, value, _ = results[rank]
         assert restored == (4, "peer") and torch.equal(value, _values(rank, 4))
+
+
+def _commit(memory: NodeMemory, kind: str, shard: int, slot: int, step: int) -> None:
+    data = memory.begin(shard, slot, 64)
+    data[:] = step
+    memory.commit(Copy(kind, shard, slot, step, 3, FINGERPRINT, 64, 1, checksum(data, b"m")), b"m")
+
+
+def test_a_restore_keeps_copies_outside_the_nodes_new_roles_until_a_newer_step_is_complete(tmp_path):
+    """Three nodes, one rank each, each rank copied to the next node: node A ran rank 0 and holds shards 0 (its
+    own) and 2 (its source's) at steps 3 and 4. After a restart A runs rank 1, whose roles are shards 1 and 0.
+    Shard 2's copy of step 4, the step the run resumed at, may be the only one left (its old partner node may
+    be the one lost): it stays until the new roles hold a newer step (`release`); its older copy goes at once."""
+    memory = NodeMemory(tmp_path)
+    for shard, kind in ((0, OWN), (2, REPLICA)):
+        for slot, step in ((0, 3), (1, 4)):
+            _commit(memory, kind, shard, slot, step)
+    memory.prune(keep={1, 0}, newest=4)
+    assert {(c.shard, c.step) for c in memory.copies()} == {(0, 3), (0, 4), (2, 4)}
+    memory.release(keep={1, 0})
+    assert {(c.shard, c.step) for c in memory.copies()} == {(0, 3), (0, 4)}
+    assert not list(tmp_path.glob("shard00002-*"))
+
+
+def test_copies_held_over_a_restore_go_once_a_newer_step_is_on_every_partner(tmp_path):
+    """The same on three processes: node 1 lost, node 2 runs rank 0 and node 0 rank 1, the spare rank 2. Right
+    after the restore each surviving node still holds its old shards' copies of step 4; two saves later every
+    node holds its new roles' shards only."""
+    roots = [tmp_path / f"node{i}" for i in range(3)]
+    _run(roots, SAVE)
+    new = [roots[2], roots[0], tmp_path / "spare"]
+    results = _run(new, Phase(not_older_than=(0, 0, 0), then=(5, 6), snapshot=str(tmp_path / "after-restore")))
+    assert {r[0] for r in results.values()} == {(4, "peer")}
+    # node 2, now rank 0 (roles: shards 0 and 2), after the restore: shard 1's copy of step 4 is still there
+    assert {(c.shard, c.step) for c in NodeMemory(tmp_path / "after-restore").copies()} >= {(1, 4), (2, 4)}
+    for rank, root in enumerate(new):
+        assert {c.shard for c in NodeMemory(root).copies()} == {rank, (rank - 1) % 3}
+        assert {c.step for c in NodeMemory(root).copies()} == {5, 6}
 
 
 def _interval_worker(rank: int, port: int, roots: list[str], results: dict) -> None:

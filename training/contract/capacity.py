@@ -290,11 +290,20 @@ class Capacity:
         return self.schedule.peer_replicas * self.node_bytes / (self.node.tcp_send_gbs * GB)
 
     @property
+    def peer_deadline_steps(self) -> int:
+        """Steps a copy has to reach its partners before training waits for it (training/train/peer_state.py):
+        with a configured interval I, (I + 1) // 2; else one send's length."""
+        configured = self.schedule.peer_interval
+        return (configured + 1) // 2 if configured else max(1, math.ceil(self.peer_send_s / self.step_s))
+
+    @property
     def peer_interval_steps(self) -> int:
-        """Steps between peer copies: the configured interval, else the copy's 5% budget; never fewer than
-        one send takes (one send in flight at a time)."""
-        chosen = self.schedule.peer_interval or math.ceil(self.peer_copy_s / (PEER_COPY_BUDGET * self.step_s))
-        return max(1, chosen, math.ceil(self.peer_send_s / self.step_s))
+        """Steps between peer copies (peer_state.py): with a configured interval I, I // 2 + 1; else the
+        copy's 5% budget, never fewer than the deadline (one send in flight at a time)."""
+        configured = self.schedule.peer_interval
+        if configured:
+            return configured // 2 + 1
+        return max(self.peer_deadline_steps, math.ceil(self.peer_copy_s / (PEER_COPY_BUDGET * self.step_s)))
 
     @property
     def peer_shm_bytes(self) -> int:
@@ -318,8 +327,9 @@ class Capacity:
 
     @property
     def peer_steps_lost(self) -> int:
-        """A lost node resumed from peers: the steps since the newest copy complete on its partner."""
-        return self.peer_interval_steps + math.ceil(self.peer_send_s / self.step_s)
+        """A lost node resumed from peers: at most the steps between copies plus the deadline minus one (the
+        interval peer state keeps; a send slower than its deadline makes training wait, not lose more)."""
+        return self.peer_interval_steps + self.peer_deadline_steps - 1
 
     @property
     def drain_steps_lost(self) -> int:

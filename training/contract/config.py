@@ -221,10 +221,11 @@ class PeerStateConfig:
     """Each rank's state in its node's memory and on the next `replicas` nodes (training/train/peer_state.py):
     after a lost node, its ranks' shards come from their partners, not from the FSx checkpoint."""
     enabled: bool = _doc(False, "keep copies of each rank's state in node memory")
-    interval: int | None = _doc(None, "Steps between copies. null: every step if a copy costs at most 5% of one "
-                                      "and a send to the partners ends within one, else the fewest steps between "
-                                      "copies that keep both so (measured over the first steps, agreed by all "
-                                      "ranks, measured again every 20 copies).")
+    interval: int | None = _doc(None, "The most steps a lost node costs: a copy every interval // 2 + 1 steps, each "
+                                      "acknowledged by the partners within the rest (training waits for it there). "
+                                      "null: 1 if a copy costs at most 5% of a step and a send ends within one, "
+                                      "else the fewest steps that keep both so (measured over the first steps, "
+                                      "agreed by all ranks, measured again every 20 copies).")
     replicas: int = _doc(1, "other nodes holding a copy of each rank's state")
     memory_dir: str | None = _doc(None, "null: $TRAINING_NODE_MEMORY, else /dev/shm/training-peer-state")
 

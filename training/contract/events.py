@@ -42,9 +42,11 @@ depend on the event:
   restart         attempt, restart_kind            controller or rank 0; restart_kind: injob (ft_launcher
                                                    restarted the worker group), inprocess (Wrapper),
                                                    node (a node's pod replaced)
-  peer_state      interval, replicas,              rank 0, when peer state settled its interval (once per attempt)
+  peer_state      interval, every, replicas,       rank 0, when peer state settled its interval (once per attempt)
                   bytes_per_rank                   and whenever a new measurement changes it
-                                                   (training/train/peer_state.py): node memory per rank
+                                                   (training/train/peer_state.py): interval, the most steps a
+                                                   lost node costs; every, steps between copies; node memory
+                                                   per rank
   peer_copy_rejected  shard, step, node            rank 0: a copy in node memory failed its CRC-32 check at
                                                    restore and was not used; the next source was taken
   node_replaced   node, attempt                    the local controller

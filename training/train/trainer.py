@@ -444,8 +444,8 @@ class Trainer:
             self.events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
                              tokens=self.tokens_per_step, **costs)
             if self.peer is not None and self.peer.chosen_at == step:
-                self.events.emit("peer_state", interval=self.peer.interval, replicas=self.peer.replicas,
-                                 bytes_per_rank=self.peer.bytes_per_rank)
+                self.events.emit("peer_state", interval=self.peer.interval, every=self.peer.every,
+                                 replicas=self.peer.replicas, bytes_per_rank=self.peer.bytes_per_rank)
         if self.samples is not None:
             indices = [i for batch in micro_batches for i in batch.indices]
             self.samples.write(json.dumps({"step": step, "indices": indices}) + "\n")
