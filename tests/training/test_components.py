@@ -298,9 +298,10 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
         torch.manual_seed(0)
         model, _ = build(cfg, model_spec(cfg.model), one_rank_group)
         set_sync = model.set_requires_gradient_sync
-        monkeypatch.setattr(model, "set_requires_gradient_sync", lambda on, **kw: (syncs.append(on), set_sync(on, **kw)))
-        stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1, accumulation_steps=accumulation_steps,
-                             vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+        monkeypatch.setattr(model, "set_requires_gradient_sync",
+                            lambda on, **kw: (syncs.append(on), set_sync(on, **kw)))
+        stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1,
+                             accumulation_steps=accumulation_steps, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
         loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group,
                              reduce_every_micro_batch=reduce_every_micro_batch)
         results.append((loss, {k: v.full_tensor() for k, v in model.state_dict().items()}))

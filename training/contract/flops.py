@@ -6,9 +6,10 @@ appendix B) and torchtitan's get_nparams_and_flops:
     6·N + 12·L·H·Q·T
 
 N: the parameters a token goes through less the embedding table (a lookup, no matmul; the output
-projection is a matmul and counts); in a mixture of experts only the experts the router picks per token
-(torchtitan's MoE models count active parameters for their FLOPs alike), L layers, H query heads, Q = dim / H the head dimension, T the sequence length. 6·N: one
-multiply-add per parameter forward, two backward. 12·L·H·Q·T: the two attention matmuls (QKᵀ, and the
+projection is a matmul and counts, tied to the table or not); in a mixture of experts only the experts
+the router picks per token (torchtitan's get_moe_model_nparams_and_flops counts them alike). L layers, H
+query heads, Q = dim / H the head dimension, T the sequence length. 6·N: one multiply-add per parameter
+forward, two backward. 12·L·H·Q·T: the two attention matmuls (QKᵀ, and the
 scores times V), forward and backward; by convention neither causal masking (half of it is skipped) nor
 activation recomputation is counted, so figures compare across codebases.
 """

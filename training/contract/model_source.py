@@ -90,9 +90,9 @@ def moe_feed_forward(config: dict[str, Any], name: str, dim: int, expert: int) -
     `expert` for both; in Mixtral's sparse MoE block (transformers MixtralSparseMoeBlock) a router without
     bias (dim x num_local_experts) and num_local_experts gated MLPs of intermediate_size, of which each token
     goes through num_experts_per_tok (Mixtral-8x7B: 46.7 B parameters, 12.9 B per token, as Mistral AI's
-    "Mixtral of experts" announcement states; 47 B and 13 B in Jiang et al., arXiv:2401.04088). Other families' experts (shared experts, their own sizes, dense
-    layers between) are refused rather than counted wrong: the chart's and the capacity model's memory and
-    FSx figures would follow."""
+    "Mixtral of experts" announcement states; 47 B and 13 B in Jiang et al., arXiv:2401.04088). Other
+    families' experts (shared experts, their own sizes, dense layers between) are refused rather than counted
+    wrong: the chart's and the capacity model's memory and FSx figures would follow."""
     moe = [key for key in MOE_KEYS if config.get(key)]
     if not moe:
         return expert, expert
