@@ -23,11 +23,9 @@ endef
 
 .PHONY: setup demo demo-hf test synth manifests bench clean
 
-# The three installs are independent: side by side, one's unpacking overlaps another's downloads (on a fresh
-# clone, ~2.5 min one after another on 2 cores).
-SETUP_PARTS := $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
+# The three installs are independent: side by side, one's unpacking overlaps another's downloads.
 setup:
-	$(MAKE) --jobs=3 --output-sync=target $(SETUP_PARTS)
+	$(MAKE) --jobs=3 --output-sync=target $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
 
 $(VENV)/.installed: requirements.txt Makefile  # a changed recipe (e.g. a new console script) reinstalls
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,14 +51,11 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# The fast tests (synthesis, manifests, units) on both cores; the multi-process training runs (marked slow) two
-# at a time, as each waits on timers and restarts much of its time (--dist loadgroup: the tests that read one run,
-# tests/training/training_helpers.py's shares_run, on one worker); then those whose timing assertions have little
-# margin on a busy machine (marked serial) one at a time.
+# The fast tests (synthesis, manifests, units) on both cores; the multi-process training runs (marked slow)
+# one at a time, since their timeouts assume the machine is theirs.
 test: setup
 	$(PY) -m pytest -q -m "not slow" -n 2
-	$(PY) -m pytest -q -m "slow and not serial" -n 2 --dist loadgroup
-	$(PY) -m pytest -q -m "slow and serial"
+	$(PY) -m pytest -q -m slow
 
 synth: setup
 	rm -rf cdk.out

@@ -20,7 +20,7 @@ from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.faults import FaultInjected, FaultInjector
 from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed,
-                              events_named, load_final_state, run_local, shares_run)
+                              events_named, load_final_state, run_local)
 
 # ---- specs and the injector, in-process ---------------------------------------------------------
 
@@ -148,26 +148,6 @@ LOSS_CASES = {f"{shape}-{mode}": Case((*TWO_NODES, *options), "sync", LOSSES, No
               for shape, (options, overrides) in SHAPES.items() for mode in ("injob", "both")}
 
 
-# The runs whose timing assertions have little margin on a busy machine: the hang's detection before gloo's
-# timeout, the spare's takeover before the replacement delay. The slow suite runs them alone (pytest.ini's
-# `serial`), after the rest.
-TIMED_RUNS = ("mixed-injob", "node-loss-spare")
-
-
-def run_marks(name: str) -> list[pytest.MarkDecorator]:
-    """The marks of a test that reads fault_run(name)."""
-    return [shares_run(name), *([pytest.mark.serial] if name in TIMED_RUNS else [])]
-
-
-def reads(name: str):
-    """Decorates a test that reads fault_run(name) with run_marks(name)."""
-    def marked(test):
-        for mark in run_marks(name):
-            test = mark(test)
-        return test
-    return marked
-
-
 @pytest.fixture(scope="module")
 def fault_run(tmp_path_factory):
     """fault_run(name): the run of CASES, LOSS_CASES or MIXED_CASES[name], run once per module."""
@@ -183,7 +163,7 @@ def fault_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(name, marks=run_marks(name)) for name in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_recovers_and_resumes_exactly(name, fault_run, reference, scratch):
     case, run = CASES[name], fault_run(name)
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == [case.spec]  # once
@@ -204,7 +184,6 @@ def _detections(run, by):
 
 
 @pytest.mark.slow
-@reads("mixed-injob")
 def test_hang_is_detected_by_nvrx_before_the_collective_timeout(fault_run):
     run = fault_run("mixed-injob")
     [injected] = [e for e in events_named(run.run_dir, "fault_injected") if e["kind"] == "hang"]
@@ -215,7 +194,6 @@ def test_hang_is_detected_by_nvrx_before_the_collective_timeout(fault_run):
 
 
 @pytest.mark.slow
-@reads("node-loss-spare")
 def test_node_loss_replaces_that_node(fault_run):
     run = fault_run("node-loss-spare")  # replaced after the spare took its place: the bare cases below train on it
     assert [(e["node"], e["attempt"]) for e in events_named(run.run_dir, "node_replaced")] == [(1, 1)]
@@ -226,7 +204,6 @@ def test_node_loss_replaces_that_node(fault_run):
 
 
 @pytest.mark.slow
-@reads("node-loss-spare")
 def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_its_replacement(fault_run):
     run = fault_run("node-loss-spare")
     [fault] = build_report(read_events(run.run_dir)).faults
@@ -241,7 +218,6 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_its_replacem
 
 
 @pytest.mark.slow
-@reads("spare-peer-injob")
 def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(fault_run):
     """Peer state: each lost node's state comes from its partner's memory, a spare takes its place. A node is
     lost halfway through steps 8 and 16: every rank resumes at the newest completed step, 7 and 15 (or 8 and 16,
@@ -258,7 +234,7 @@ def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(fau
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(name, marks=run_marks(name)) for name in LOSS_CASES])
+@pytest.mark.parametrize("name", list(LOSS_CASES))
 def test_losing_rank_0s_node_then_another_resumes_exactly(name, fault_run, reference, scratch):
     """With a spare, the spare holds the copies of the node it replaced, so the replacements (back at once, no
     delay) must not push it out: newer pods rank after older ones (test_launch checks the ranking)."""
@@ -310,7 +286,6 @@ def test_the_replacement_of_a_lost_node_becomes_the_new_spare(tmp_path, referenc
 
 
 @pytest.mark.slow
-@reads("ckpt-crash")
 def test_crash_mid_save_never_commits_that_save(fault_run):
     run = fault_run("ckpt-crash")
     [injected] = events_named(run.run_dir, "fault_injected")
@@ -321,7 +296,6 @@ def test_crash_mid_save_never_commits_that_save(fault_run):
 
 
 @pytest.mark.slow
-@reads("mixed-injob")
 def test_corrupt_newest_checkpoint_falls_back_and_says_so(fault_run):
     run = fault_run("mixed-injob")  # step 15, the newest committed at step 18, is truncated: back to step 10
     [fallback] = events_named(run.run_dir, "ckpt_fallback")
@@ -332,7 +306,6 @@ def test_corrupt_newest_checkpoint_falls_back_and_says_so(fault_run):
 
 
 @pytest.mark.slow
-@reads("disk-full")
 def test_disk_full_fails_saves_clearly_and_training_goes_on(fault_run):
     run = fault_run("disk-full")
     failed = events_named(run.run_dir, "ckpt_failed")
@@ -415,7 +388,7 @@ MIXED_INJOB_RESUMED_FROM = [0, 5, 10, 10, 10]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [pytest.param(mode, marks=run_marks(f"mixed-{mode}")) for mode in MIXED_OVERRIDES])
+@pytest.mark.parametrize("mode", list(MIXED_OVERRIDES))
 def test_mixed_faults_in_every_restart_mode_resume_exactly(mode, fault_run, reference, scratch):
     run = fault_run(f"mixed-{mode}")
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == list(MIXED)
@@ -473,7 +446,6 @@ def test_a_drain_at_size_under_the_wrapper_leaves_the_step_with_the_partners(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # the Wrapper's soft timeout (3 s) must not trip
 def test_a_drain_under_the_wrapper_waits_through_slow_saves_without_tripping_its_timeouts(tmp_path):
     """restart=both, each checkpoint write held back 8 s (FSx at size): the drain waits for the in-flight
     save, then saves the step reached, far longer than the Wrapper's soft timeout (3 s) with no progress

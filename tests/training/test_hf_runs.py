@@ -15,7 +15,7 @@ from training.export.export import export
 from training.models.tiny import write_tiny_model
 from training.report.goodput import build_report
 from training_helpers import (COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed, events_named,
-                              load_final_state, run_local, shares_run)
+                              load_final_state, run_local)
 
 pytestmark = pytest.mark.slow
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
@@ -53,7 +53,6 @@ def _resumes(run) -> list[tuple[int, str]]:
     return [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
 
 
-@shares_run("llama-reference")
 def test_peer_state_onto_a_spare_resumes_a_hf_model_exactly(llama_faults, llama_reference, scratch):
     """The pretrained weights are read once, at the start; the resume loads the run's own state."""
     run = llama_faults
@@ -64,7 +63,6 @@ def test_peer_state_onto_a_spare_resumes_a_hf_model_exactly(llama_faults, llama_
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
 
 
-@shares_run("llama-reference")
 def test_a_hf_model_rolls_back_in_memory_exactly(llama_faults, llama_reference, scratch):
     run = llama_faults
     assert _resumes(run)[:2] == [(0, "none"), (5, "memory")]
@@ -73,7 +71,6 @@ def test_a_hf_model_rolls_back_in_memory_exactly(llama_faults, llama_reference, 
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
 
 
-@shares_run("llama-reference")
 def test_a_hf_checkpoint_reshards_to_another_world_size_survives_a_drain_and_exports(llama, llama_reference,
                                                                                      tmp_path):
     """The reference's checkpoint of step 10 (2 ranks) resumed by 1 rank; that node is drained at step 14

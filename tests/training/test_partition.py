@@ -98,8 +98,6 @@ CASES = {
     "evicted": (("--replacement-delay", "2",), (), "partition@12:node=1:duration=6"),
 }
 DETECTED_BY_NVRX = ("spare", "heals")  # evicted: the controller's eviction comes first
-# Their timers are what they test (a partition that heals before NVRx's timeout, one that outlasts it): run alone
-# (pytest.ini's `serial`).
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +114,6 @@ def partition_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_partitioned_node_is_detected_and_the_run_resumes_exactly(name, partition_run, reference, scratch):
     run = partition_run(name)
@@ -137,7 +134,6 @@ def _generations(run) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_a_healed_node_rejoins_with_new_ranks_not_its_old_ones(partition_run):
     run = partition_run("heals")
     gens = _generations(run)
@@ -149,7 +145,6 @@ def test_a_healed_node_rejoins_with_new_ranks_not_its_old_ones(partition_run):
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_an_evicted_nodes_old_processes_are_killed_when_its_link_comes_back(partition_run):
     run = partition_run("evicted")
     [replaced] = events_named(run.run_dir, "node_replaced")
@@ -159,7 +154,6 @@ def test_an_evicted_nodes_old_processes_are_killed_when_its_link_comes_back(part
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_a_spare_takes_a_cut_off_nodes_place(partition_run):
     run = partition_run("spare")
     assert "Assigned active rank" in (run.run_dir / "logs" / "node2.log").read_text()

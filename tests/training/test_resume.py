@@ -19,7 +19,7 @@ from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoi
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
                                                FreshStartRefused)
-from training_helpers import completed, events_named, run_local, shares_run
+from training_helpers import completed, events_named, run_local
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -204,7 +204,6 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@shares_run("four-ranks")
 def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_sample_once(four_ranks, tmp_path):
     """4 ranks to step 20, 2 ranks to 30, 6 ranks to 40, against 2 ranks all the way: each step holds the same
     24 samples, every sample is taken exactly once, and the loss curves agree to float tolerance. Not bitwise:
@@ -235,7 +234,6 @@ def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_
 
 
 @pytest.mark.slow
-@shares_run("four-ranks")
 def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(four_ranks, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(four_ranks.run_dir, run_dir)
@@ -262,7 +260,6 @@ def _failed_at_once(run, cause: str) -> None:
 
 
 @pytest.mark.slow
-@shares_run("four-ranks")
 @pytest.mark.parametrize("mode", ["injob", "both"])
 def test_checkpoints_of_another_model_fail_the_job_at_once_in_every_restart_mode(four_ranks, tmp_path, mode):
     """A changed preset: no restart can load the checkpoints, so none is tried, in-job or in-process."""

@@ -14,11 +14,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from training.contract.events import read_events
-from training_helpers import REPO_ROOT, assert_bitwise_equal, completed, load_final_state, run_local, shares_run
+from training_helpers import REPO_ROOT, assert_bitwise_equal, completed, load_final_state, run_local
 
-# every test but the launcher-less one reads the module's runs below
 pytestmark = pytest.mark.slow
-SHARED = shares_run("training-runs")
 
 STEPS, RANKS, BATCH = 30, 2, 4
 COMMON = ("--steps", str(STEPS), "checkpoint.interval=10", "checkpoint.save_final=true",
@@ -53,7 +51,6 @@ def _events(run, name):
     return [e for e in read_events(run.run_dir) if e["event"] == name]
 
 
-@SHARED
 def test_smoke_loss_goes_down(reference):
     losses = [e["loss"] for e in _events(reference, "step")]
     assert [e["step"] for e in _events(reference, "step")] == list(range(1, STEPS + 1))
@@ -63,7 +60,6 @@ def test_smoke_loss_goes_down(reference):
     assert "step 30/30 | loss" in reference.output  # rank 0's progress line, echoed by the controller
 
 
-@SHARED
 def test_checkpoint_holds_step_data_position_and_calculated_timeouts(reference, scratch):
     out = scratch / "ckpt30.pt"
     dcp_to_torch_save(Path(reference.run_dir) / "checkpoints" / "step_00000030", out)
@@ -76,7 +72,6 @@ def test_checkpoint_holds_step_data_position_and_calculated_timeouts(reference, 
     assert 0 < timeouts["section"]["step"] < 180  # tighter than the configured step_section_timeout
 
 
-@SHARED
 @pytest.mark.parametrize("run_name", ["interrupted_sync", "interrupted_async"])
 def test_exact_resume_is_bitwise_equal(run_name, request, reference, scratch):
     run = request.getfixturevalue(run_name)
@@ -85,7 +80,6 @@ def test_exact_resume_is_bitwise_equal(run_name, request, reference, scratch):
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 
-@SHARED
 @pytest.mark.parametrize("run_name, spec_key", [("interrupted_sync", "exception@17_rank=1"),
                                                  ("interrupted_async", "sigkill@23_rank=1")])
 def test_fault_fires_once_and_restart_is_recorded(run_name, spec_key, request):
@@ -96,7 +90,6 @@ def test_fault_fires_once_and_restart_is_recorded(run_name, spec_key, request):
     assert _events(run, "run_end")[-1]["status"] == "completed"
 
 
-@SHARED
 @pytest.mark.parametrize("run_name", ["interrupted_sync", "interrupted_async"])
 def test_every_sample_consumed_exactly_once(run_name, request):
     run = request.getfixturevalue(run_name)
@@ -134,7 +127,6 @@ def test_train_without_launcher_is_a_noop_for_nvrx_and_resumes(tmp_path):
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 13))
 
 
-@SHARED
 def test_run_ends_with_the_goodput_report_and_timeline(interrupted_sync):
     out = interrupted_sync.output
     assert "Run: completed, final step 30, 2 attempt(s)" in out

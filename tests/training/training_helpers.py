@@ -77,13 +77,6 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert mismatch is None, mismatch
 
 
-def shares_run(name: str) -> pytest.MarkDecorator:
-    """The mark of a test that reads a run other tests of its module read too (a module-scoped fixture): the
-    slow suite runs on two workers (pytest-xdist, --dist loadgroup: Makefile), and those tests on one, so the
-    run is made once. `name`: the run's, unique across modules."""
-    return pytest.mark.xdist_group(name)
-
-
 def events_named(run_dir: Path, name: str) -> list[dict]:
     """The run's events of one kind (training.contract.events), in time order."""
     return [e for e in read_events(run_dir) if e["event"] == name]
