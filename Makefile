@@ -23,7 +23,9 @@ endef
 
 .PHONY: setup demo demo-hf test synth manifests bench clean
 
-setup: $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
+# The three installs are independent: side by side, one's unpacking overlaps another's downloads.
+setup:
+	$(MAKE) --jobs=3 --output-sync=target $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
 
 $(VENV)/.installed: requirements.txt Makefile  # a changed recipe (e.g. a new console script) reinstalls
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -122,41 +122,42 @@ class Case:
         return (*self.shape, *COMMON, f"checkpoint.mode={self.mode}", *self.overrides, *faults)
 
 
+# A hang and a corrupt checkpoint: in the mixed runs (MIXED_CASES below), each checked on its own there.
 CASES = {
-    # Step timeouts calculated as max observed x 20 (about 5 s; NVRx checks every 5 s): detection well
-    # under the 30 s gloo timeout, and still no false alarm on a loaded 2-core box.
-    "hang": Case(ONE_NODE, "sync", "hang@12:rank=1", 10, ("fault_tolerance.timeout_safety_factor=20",)),
-    # sync saves: step 10 is committed before the fault for sure (an async one may still be in flight)
-    "node-loss": Case(TWO_NODES, "sync", "node-loss@12:node=1", 10),
-    # the spare (node 2) takes node 1's place; node 1's replacement starts only after the run's end
+    # sync saves: step 10 is committed before the fault for sure (an async one may still be in flight). The
+    # spare (node 2) takes node 1's place; node 1's replacement starts only after the run's end. (A lost node
+    # without a spare, trained on by its replacement: the "bare" cases of LOSS_CASES below.)
     "node-loss-spare": Case((*TWO_NODES, "--spares", "1", "--replacement-delay", str(REPLACEMENT_DELAY_S)), "sync",
                             "node-loss@12:node=1", 10),
     # rank 1 dies writing the save of step 10: back to step 5
     "ckpt-crash": Case(ONE_NODE, "async", "ckpt-crash@10:rank=1", 5),
-    # step 10, the newest committed at step 13, is truncated: it fails to load, back to step 5
-    "corrupt-ckpt": Case(ONE_NODE, "sync", "corrupt-ckpt@13", 5),
     # the saves of steps 10 and 15 fail; training goes on, step 20 commits
     "disk-full": Case(ONE_NODE, "async", "disk-full@8:count=2", None, via_env=True),
 }
 
 
-# Peer state: the lost node's state comes from its partner's memory, a spare takes its place. The node is
-# lost halfway through step 12: every rank resumes at the newest completed step, 11 (or 12, when the
-# step was quicker than the last), not at the checkpoint of step 10.
-PEER_CASES = {name: Case((*TWO_NODES, "--spares", "1"), "sync", f"node-loss@12:node={node}", None, PEER_STATE)
-              for name, node in (("peer-state", 1), ("peer-state-node-0", 0))}
+# Rank 0's node lost, then another rank's, in every restart mode; with neither hot spare nor peer state (the
+# lost node's replacement, the FSx checkpoint) and with both (the spare takes its place, the partner's copy).
+# With restart=both the in-process Wrapper's stores once lived in rank 0's process: losing its node left the
+# survivors' Wrapper without them, and training stalled for good. They live in the rendezvous store now, off
+# the nodes (training/train/coordination.py), and a lost rank 0 is a lost node like any other.
+LOSSES = "node-loss@8:rank=0,node-loss@16:rank=1"
+SHAPES = {"bare": ((), ()), "spare-peer": (("--spares", "1"), PEER_STATE)}  # launcher options, config overrides
+LOSS_CASES = {f"{shape}-{mode}": Case((*TWO_NODES, *options), "sync", LOSSES, None,
+                                      (*overrides, f"fault_tolerance.restart={mode}"))
+              for shape, (options, overrides) in SHAPES.items() for mode in ("injob", "both")}
 
 
 @pytest.fixture(scope="module")
 def fault_run(tmp_path_factory):
-    """fault_run(name): the run of CASES[name], run once per module."""
+    """fault_run(name): the run of CASES, LOSS_CASES or MIXED_CASES[name], run once per module."""
     runs = {}
 
     def get(name):
         if name not in runs:
-            case = {**CASES, **PEER_CASES}[name]
+            case = {**CASES, **LOSS_CASES, **MIXED_CASES}[name]
             env = {ENV_VAR: case.spec} if case.via_env else None
-            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env))
+            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env, timeout=420))
         return runs[name]
     return get
 
@@ -184,17 +185,17 @@ def _detections(run, by):
 
 @pytest.mark.slow
 def test_hang_is_detected_by_nvrx_before_the_collective_timeout(fault_run):
-    run = fault_run("hang")
-    [injected] = events_named(run.run_dir, "fault_injected")
-    first = _detections(run, "nvrx rank monitor")[0]
-    assert "Section 'step' has been open" in first["detail"]
-    assert first == min(events_named(run.run_dir, "fault_detected"), key=lambda e: e["t"])  # NVRx was first
+    run = fault_run("mixed-injob")
+    [injected] = [e for e in events_named(run.run_dir, "fault_injected") if e["kind"] == "hang"]
+    after = [e for e in events_named(run.run_dir, "fault_detected") if e["t"] > injected["t"]]
+    first = min(after, key=lambda e: e["t"])
+    assert first["by"].startswith("nvrx rank monitor") and "Section 'step' has been open" in first["detail"]
     assert 0 < first["t"] - injected["t"] < COLLECTIVE_TIMEOUT_S  # not gloo's timeout
 
 
 @pytest.mark.slow
 def test_node_loss_replaces_that_node(fault_run):
-    run = fault_run("node-loss")
+    run = fault_run("node-loss-spare")  # replaced after the spare took its place: the bare cases below train on it
     assert [(e["node"], e["attempt"]) for e in events_named(run.run_dir, "node_replaced")] == [(1, 1)]
     assert [e["restart_kind"] for e in events_named(run.run_dir, "restart") if e["source"] == "controller"] == ["node"]
     assert [e["detail"] for e in _detections(run, "controller")] == [
@@ -217,48 +218,42 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_its_replacem
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["peer-state", "peer-state-node-0"])
-def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(name, fault_run, reference, scratch):
-    run = fault_run(name)
+def test_a_lost_node_resumes_from_peer_state_without_losing_a_completed_step(fault_run):
+    """Peer state: each lost node's state comes from its partner's memory, a spare takes its place. A node is
+    lost halfway through steps 8 and 16: every rank resumes at the newest completed step, 7 and 15 (or 8 and 16,
+    when the step was quicker than the last), not at the checkpoints of steps 5 and 15. The run is
+    test_losing_rank_0s_node_then_another_resumes_exactly's, which also finds its final state exact."""
+    run = fault_run("spare-peer-injob")
     resumes = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
-    assert resumes in ([(0, "none"), (11, "peer")], [(0, "none"), (12, "peer")])  # not FSx's step 10
-    [fault] = build_report(read_events(run.run_dir)).faults
-    assert fault.steps_lost == 0 and fault.recovery_s is not None
-    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
+    assert resumes[0] == (0, "none") and [kind for _, kind in resumes[1:]] == ["peer", "peer"]
+    assert resumes[1][0] in (7, 8) and resumes[2][0] in (15, 16)
+    faults = build_report(read_events(run.run_dir)).faults
+    assert [(f.steps_lost, f.recovery_s is not None) for f in faults] == [(0, True), (0, True)]
     [settled] = events_named(run.run_dir, "peer_state")[:1]
     assert settled["interval"] == 1 and settled["bytes_per_rank"] > 0
 
 
-# Rank 0's node lost, then another rank's, in every restart mode; with neither hot spare nor peer state (the
-# lost node's replacement, the FSx checkpoint) and with both (the spare takes its place, the partner's copy).
-# With restart=both the in-process Wrapper's stores once lived in rank 0's process: losing its node left the
-# survivors' Wrapper without them, and training stalled for good. They live in the rendezvous store now, off
-# the nodes (training/train/coordination.py), and a lost rank 0 is a lost node like any other.
-LOSSES = "node-loss@8:rank=0,node-loss@16:rank=1"
-SHAPES = {"bare": ((), ()), "spare-peer": (("--spares", "1"), PEER_STATE)}  # launcher options, config overrides
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["injob", "both"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_losing_rank_0s_node_then_another_resumes_exactly(mode, shape, tmp_path, reference, scratch):
+@pytest.mark.parametrize("name", list(LOSS_CASES))
+def test_losing_rank_0s_node_then_another_resumes_exactly(name, fault_run, reference, scratch):
     """With a spare, the spare holds the copies of the node it replaced, so the replacements (back at once, no
     delay) must not push it out: newer pods rank after older ones (test_launch checks the ranking)."""
-    options, overrides = SHAPES[shape]
-    run = completed(run_local(tmp_path / "run", *TWO_NODES, *options, *COMMON, "checkpoint.mode=sync", *overrides,
-                              f"fault_tolerance.restart={mode}", "--faults", LOSSES, timeout=300))
+    run = fault_run(name)
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == LOSSES.split(",")
     [first, second] = build_report(read_events(run.run_dir)).faults
     assert (first.kind, first.rank, second.kind, second.rank) == ("node-loss", 0, "node-loss", 1)
     assert (first.restart_kind, second.restart_kind) == ("node", "node")
+    assert all(f.detection_s is not None and 0 <= f.detection_s < f.recovery_s and math.isfinite(f.recovery_s)
+               for f in (first, second))
     resumes = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
-    if shape == "bare":
+    if name.startswith("bare"):
         assert resumes == [(0, "none"), (5, "disk"), (15, "disk")]
     else:
         assert [kind for _, kind in resumes] == ["none", "peer", "peer"] and first.steps_lost == second.steps_lost == 0
     # the store outlived both: every launcher joined the one rendezvous (ft_launcher logs its config as it starts)
     launchers = "".join(p.read_text() for p in (run.run_dir / "logs").glob("node*.log"))
     assert len(set(re.findall(r"run_id\s*:\s*(\S+)", launchers))) == 1
+    assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["completed"]
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 
@@ -302,12 +297,12 @@ def test_crash_mid_save_never_commits_that_save(fault_run):
 
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_and_says_so(fault_run):
-    run = fault_run("corrupt-ckpt")
+    run = fault_run("mixed-injob")  # step 15, the newest committed at step 18, is truncated: back to step 10
     [fallback] = events_named(run.run_dir, "ckpt_fallback")
-    assert fallback["path"].endswith("step_00000010")
-    assert "step_00000010 is damaged (shard file" in run.output and "is truncated" in run.output
-    assert "set aside, falling back to step_00000005" in run.output
-    assert list((run.run_dir / "checkpoints").glob("corrupt-step_00000010-*"))  # set aside, not retried
+    assert fallback["path"].endswith("step_00000015")
+    assert "step_00000015 is damaged (shard file" in run.output and "is truncated" in run.output
+    assert "set aside, falling back to step_00000010" in run.output
+    assert list((run.run_dir / "checkpoints").glob("corrupt-step_00000015-*"))  # set aside, not retried
 
 
 @pytest.mark.slow
@@ -376,27 +371,35 @@ def test_fifty_faults_of_every_kind_with_the_default_budgets_run_to_completion(t
 # The faults of a week on a big cluster in one run, in every restart mode, with the default budgets:
 # each fault fires once and the final state is the uninterrupted run's. Hangs are caught by NVRx's
 # rank monitor (injob) or the in-process Wrapper, whose soft timeout the learned step timeouts must
-# not undercut (both).
+# not undercut (both). With restart=injob, step timeouts calculated as max observed x 20 (about 5 s; NVRx
+# checks every 5 s): detection well under the 30 s gloo timeout, and still no false alarm on a loaded
+# 2-core box. The injob run is also the hang's and the corrupt checkpoint's own test (above).
 MIXED = ("exception@3:rank=1", "sigkill@7:rank=1", "node-loss@11:node=0", "hang@14:rank=1", "corrupt-ckpt@18")
 MIXED_OVERRIDES = {
     "injob": ("fault_tolerance.timeout_safety_factor=20",),
     "both": ("fault_tolerance.timeout_safety_factor=5", "fault_tolerance.inprocess_soft_timeout=4",
              "fault_tolerance.inprocess_hard_timeout=15"),
 }
+MIXED_CASES = {f"mixed-{mode}": Case(ONE_NODE, "sync", ",".join(MIXED), None,
+                                     (f"fault_tolerance.restart={mode}", *overrides))
+               for mode, overrides in MIXED_OVERRIDES.items()}
+# With restart=injob, where each restart resumes: no checkpoint yet; 5; 10; 10 (the hang at 14); 10 (15 is corrupt)
+MIXED_INJOB_RESUMED_FROM = [0, 5, 10, 10, 10]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MIXED_OVERRIDES))
-def test_mixed_faults_in_every_restart_mode_resume_exactly(mode, reference, tmp_path, scratch):
-    run = run_local(tmp_path / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync", f"fault_tolerance.restart={mode}",
-                    *MIXED_OVERRIDES[mode], "--faults", ",".join(MIXED), timeout=420)
-    assert run.returncode == 0, run.output[-4000:]
+def test_mixed_faults_in_every_restart_mode_resume_exactly(mode, fault_run, reference, scratch):
+    run = fault_run(f"mixed-{mode}")
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == list(MIXED)
     assert [e["status"] for e in events_named(run.run_dir, "run_end")] == ["completed"]
     report = build_report(read_events(run.run_dir))
     assert [f.kind for f in report.faults if f.step is not None] == [spec.split("@")[0] for spec in MIXED]
-    assert all(f.recovery_s is not None and math.isfinite(f.recovery_s) for f in report.faults)
-    if mode != "injob":  # the Wrapper handled the hang in place, from memory
+    assert all(f.recovery_s is not None and math.isfinite(f.recovery_s) and f.recovery_s > 0 for f in report.faults)
+    if mode == "injob":
+        assert [f.resumed_from for f in report.faults] == MIXED_INJOB_RESUMED_FROM
+        assert all(f.detection_s is not None and 0 <= f.detection_s < f.recovery_s for f in report.faults)
+    else:  # the Wrapper handled the hang in place, from memory
         [hang] = [f for f in report.faults if f.kind == "hang"]
         assert hang.restart_kind == "inprocess" and hang.steps_lost is not None and hang.steps_lost <= 1
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))

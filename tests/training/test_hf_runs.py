@@ -59,16 +59,41 @@ def test_peer_state_onto_a_spare_and_a_drain_resume_a_hf_model_exactly(llama, ll
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
 
 
-def test_a_hf_model_rolls_back_in_memory_exactly(llama, llama_reference, tmp_path, scratch):
-    run = completed(run_local(tmp_path / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync", *IN_PROCESS, *hf(llama),
-                              "--faults", "exception@6:rank=1", timeout=420))
-    assert [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")] == [(0, "none"), (5, "memory")]
+@pytest.fixture(scope="module")
+def llama_faults(llama, tmp_path_factory):
+    """One Llama run for both in-memory ways back, under the in-process Wrapper with peer state and a spare:
+    rank 1 raises before step 6 (the Wrapper rolls back in memory), node 1 is lost in step 12 (its rank's
+    state comes from node 0's memory onto the spare)."""
+    return completed(run_local(tmp_path_factory.mktemp("faults") / "run", *TWO_NODES, "--spares", "1", *COMMON,
+                               "checkpoint.mode=sync", *PEER_STATE, *IN_PROCESS, *hf(llama),
+                               "--faults", "exception@6:rank=1,node-loss@12:node=1", timeout=420))
+
+
+def _resumes(run) -> list[tuple[int, str]]:
+    return [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
+
+
+def test_peer_state_onto_a_spare_resumes_a_hf_model_exactly(llama_faults, llama_reference, scratch):
+    """The pretrained weights are read once, at the start; the resume loads the run's own state."""
+    run = llama_faults
+    assert _resumes(run)[2:] in ([(11, "peer")], [(12, "peer")])  # not the checkpoint of step 10
+    [lost] = [f for f in build_report(read_events(run.run_dir)).faults if f.kind == "node-loss"]
+    assert lost.steps_lost == 0
+    assert run.output.count("from its pretrained weights") == 1
+    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
+
+
+def test_a_hf_model_rolls_back_in_memory_exactly(llama_faults, llama_reference, scratch):
+    run = llama_faults
+    assert _resumes(run)[:2] == [(0, "none"), (5, "memory")]
+    [raised] = [f for f in build_report(read_events(run.run_dir)).faults if f.kind == "exception"]
+    assert raised.restart_kind == "inprocess"
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
 
 
 def test_a_hf_checkpoint_reshards_to_another_world_size_and_exports(llama, llama_reference, tmp_path):
     """The reference's checkpoint of step 10 (2 ranks) resumed by 1 rank (the drain of a Hugging Face model is
-    in the spare's run above)."""
+    in the spare-and-drain run above)."""
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(llama_reference.run_dir / "checkpoints" / "step_00000010", checkpoints / "step_00000010")
     run = completed(run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", *COMMON,

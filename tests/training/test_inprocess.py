@@ -475,6 +475,8 @@ COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.
           "fault_tolerance.timeout_safety_factor=50",  # calculated hang timeouts stay loose on 2 busy cores
           "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15",
           "training.batch_size=2", "training.global_batch_size=8")  # 2 ranks x 2 micro-batches of 2
+# The fault runs' shape is training_helpers.COMMON's: their uninterrupted run is conftest's `reference` (the
+# Wrapper's timeouts above change no arithmetic).
 ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
 TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")  # two launchers, one host: the stores must not collide
 RUNS = {
@@ -482,11 +484,6 @@ RUNS = {
     "hang": (TWO_NODES, "both", f"hang@{FAULT_STEP}:rank=1"),
     "sigkill": (TWO_NODES, "both", f"sigkill@{FAULT_STEP}:rank=1"),
 }
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON))
 
 
 @pytest.fixture(scope="module")
