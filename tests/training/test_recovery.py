@@ -45,6 +45,31 @@ def test_restore_first_is_none_when_every_tier_misses():
     assert restore_first([], state, not_older_than=0) is None  # no tier at all: a fresh start
 
 
+@dataclass
+class BoundedTier(FakeTier):
+    """A tier that, as peer state, declines a copy older than the bound."""
+
+    def restore(self, state: dict[str, Any], *, not_older_than: int) -> Restored | None:
+        if self.holds is not None and self.holds < not_older_than:
+            self.asked.append(f"{self.holds}>={not_older_than}: declined")
+            return None
+        return super().restore(state, not_older_than=not_older_than)
+
+
+def test_a_damaged_newest_checkpoint_does_not_cost_a_newer_copy_in_memory():
+    """Peer state holds step 9 and declines it for the committed checkpoint 10; checkpoint 10 is damaged and
+    the disk tier loads 5: step 9 from peers is newer than what loaded, so it is loaded instead, not discarded."""
+    asked: list[str] = []
+    peer, disk = BoundedTier(9, asked), FakeTier(5, asked)
+    state: dict[str, Any] = {}
+    assert restore_first([peer, disk], state, not_older_than=10) == Restored(9, "peer")
+    assert asked == ["9>=10: declined", "5>=10", "9>=6"] and state == {"step": 9}
+    asked.clear()
+    stale = BoundedTier(4, asked)  # older than what loaded: told and discarded as before
+    assert restore_first([stale, FakeTier(5, asked)], {}, not_older_than=10) == Restored(5, "peer")
+    assert asked == ["4>=10: declined", "5>=10", "4>=6: declined", "4 superseded by 5"]
+
+
 class _Holds:
     """Stands in for an Iteration or a PeerState: restores `step` (or nothing) and records the bound."""
 

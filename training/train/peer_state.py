@@ -14,14 +14,24 @@ structure), and the `.ok` is removed before the slot is written and written (ato
 bytes and structure are complete. Two slots per shard alternate. The training thread copies the
 state into a slot; the thread checksums and commits it, sends it and waits for every partner to say it
 committed its copy. A save does not overwrite the older slot before the newer one is committed on every
-partner, so at any instant some step has every shard somewhere unless a node and all its partners are lost:
-a node lost at step t costs at most the steps since the save before the newest (interval 1: one step).
+partner, so at any instant some step has every shard somewhere unless a node and all its partners are lost.
+
+The interval is the promise: a node lost at any instant costs at most `interval` steps (a step counts as
+reached once `save` returned for it: rank 0's step event follows). A copy taken at step t only counts once
+every partner acknowledged it, so a copy every `interval` steps alone would leave up to the interval plus
+the send's length in steps (two intervals, with a send slower than one) behind the step reached. So copies
+are taken every `every` steps (at most the interval) and a copy in flight has until `interval` steps after
+the newest acknowledged one: `save` waits for it there, so no step counts as reached with the newest
+complete step further back than the interval, however slow the network. A fixed interval I takes a copy
+every I // 2 + 1 steps, each with (I + 1) // 2 steps to reach the partners (I = 1: every step, each copy
+acknowledged before the next step counts). The attempt's first step counts from where it resumed.
 
 Interval (peer_state.interval null): after the first saves, the copy's share of a step and the send's
-length in steps, medians over CALIBRATION_STEPS saves, the largest over all ranks (one all-reduce):
-every step if the copy costs at most COST_BUDGET of a step and the send keeps up, else as many steps as
-either needs. Measured again every RECHECK_SAVES saves, so a cost that grows (a bigger state, a slower
-network) moves the interval with it.
+length in steps, medians over CALIBRATION_STEPS saves, the largest over all ranks (one all-reduce): the
+send's length with SEND_HEADROOM (at least a step) is its deadline; a copy every max(deadline, the steps
+that keep the copy within COST_BUDGET of a step) steps; the interval (the promise) is that plus the deadline
+minus one (1 when both fit in a step). Measured again every RECHECK_SAVES saves, so a cost that grows (a
+bigger state, a slower network) moves the interval with it.
 
 Restore (collective, at resume, before the FSx checkpoint): every node reports its complete copies;
 the newest step for which every shard of this world has one (same world size and config) wins if it
@@ -75,7 +85,7 @@ _ALIGN = 64
 COST_BUDGET = 0.05  # interval=None: replicate every step if a save costs at most this share of a step
 CALIBRATION_STEPS = 5  # interval=None: steps saved every time before the interval is chosen
 RECHECK_SAVES = 20  # interval=None: saves after which the interval is measured and agreed again
-# interval=None: a send must end well within the steps between saves, or the next save waits for it
+# interval=None: a send must end well within its deadline, or the training thread waits for it
 SEND_HEADROOM = 1.5
 # For the replication thread to stop after an abort: a transfer with a live partner ends well within it; one
 # with a dead partner ends when the Wrapper's abort shuts the sockets, which may come only after the wait.
@@ -178,8 +188,12 @@ class NodeMemory:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
+    @staticmethod
+    def _name(shard: int, slot: int) -> str:
+        return f"shard{shard:05d}-slot{slot}"
+
     def _path(self, shard: int, slot: int, suffix: str) -> Path:
-        return self.root / f"shard{shard:05d}-slot{slot}.{suffix}"
+        return self.root / f"{self._name(shard, slot)}.{suffix}"
 
     def invalidate(self, shard: int, slot: int) -> None:
         """From here until the next commit the slot is no copy."""
@@ -215,16 +229,35 @@ class NodeMemory:
         return data, self._path(copy.shard, copy.slot, "meta").read_bytes()
 
     def prune(self, keep: set[int], newest: int) -> None:
-        """Remove the copies of every shard not in `keep` (shards this node no longer holds) and
-        every copy of a step after `newest` (a step the run goes back on: kept, such a copy could later be
-        taken for the same step trained again, which only a deterministic run would reproduce bit for bit)."""
+        """Remove every copy of a step after `newest` (a step the run goes back on: kept, such a copy could
+        later be taken for the same step trained again, which only a deterministic run would reproduce bit for
+        bit), and the copies of shards not in `keep` (shards this node no longer holds) but their copies of
+        `newest` itself: until a newer step is complete in the new roles, those may be the only copies of the
+        step the run goes on from (`release` drops them then)."""
+        held = set()
         for copy in self.copies():
             if copy.step > newest:
                 self.invalidate(copy.shard, copy.slot)
+            elif copy.step == newest and copy.shard not in keep:
+                held.add(self._name(copy.shard, copy.slot))
+        self._drop(keep, spare=held)
+
+    def release(self, keep: set[int]) -> None:
+        """Remove the copies of every shard not in `keep`, held over by `prune` or not."""
+        self._drop(keep, spare=set())
+
+    def _drop(self, keep: set[int], spare: set[str]) -> None:
+        """Remove the files of shards not in `keep`, but those of the (shard, slot) names in `spare`."""
         for path in self.root.iterdir():
             shard = path.name.removeprefix("shard")[:5]
-            if shard.isdigit() and int(shard) not in keep:
+            if shard.isdigit() and int(shard) not in keep and path.name.split(".")[0] not in spare:
                 path.unlink(missing_ok=True)
+
+
+def copy_every(interval: int) -> int:
+    """A fixed interval's steps between copies: about half, so that each copy has the other half to reach the
+    partners before the promise makes the training thread wait for it (module doc)."""
+    return interval // 2 + 1
 
 
 def memory_root(configured: str | None, run_dir: str) -> Path:
@@ -254,6 +287,9 @@ class PeerState:
         self.node = f"{os.uname().nodename}:{root}"
         self.events = events if self.rank == 0 else None  # rank 0 writes the run's events
         self.interval, self._adaptive = (interval, False) if interval else (1, True)
+        self.every = copy_every(self.interval)  # steps between copies (module doc)
+        self._pending: tuple[int, int] | None = None  # (step, slot) of the copy queued and not yet acknowledged
+        self._complete: int | None = None  # the newest step acknowledged by every partner (or resumed from)
         self._saves = 0
         self._window: list[tuple[float, float]] = []  # (copy s, step s) of the saves measured since the last agreement
         self._window_first = 0  # the number of the window's first save
@@ -268,6 +304,9 @@ class PeerState:
         # the training thread's agreements on the interval, apart from the replication thread's transfers
         self._agree = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._declined: list[str] | None = None  # restore found no step to load: each rank's node, for `discard`
+        # restored from copies some node holds outside its new roles (NodeMemory.prune): the step and each rank's
+        # node, until a newer step is acknowledged on every rank (`_release_held_over`)
+        self._held_over: tuple[int, list[str]] | None = None
         self._slot = 0
         self._sent = [threading.Event() for _ in range(PEER_STATE_SLOTS)]  # set: committed here and on the partners
         for event in self._sent:
@@ -285,18 +324,63 @@ class PeerState:
 
     # ---- save ------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Stateful], step_time_s: float, *, force: bool = False) -> float | None:
-        """Copy this rank's state at `step` into node memory and queue it for the partners, if `step`
-        is one the interval saves (or `force`: a drain); the seconds it took the training thread (a wait for the
-        previous copy to reach the partners included), or None if not saved."""
-        if step % self.interval and not force:
+        """After every step: copy this rank's state at `step` into node memory and queue it for the partners if
+        `step` is one of every `every` (or `force`: a drain), and wait for the copy in flight where the step
+        would otherwise count as reached more than `interval` steps past the newest acknowledged one (module
+        doc). The seconds it took the training thread (the waits included), or None if it neither copied nor
+        waited."""
+        if self._complete is None:
+            self._complete = step - 1  # the step this attempt resumed from
+        started = time.perf_counter()
+        copied = self._copy(step, state, step_time_s) if force or step % self.every == 0 else False
+        waited = self._keep_promise(step)
+        if copied and self._held_over is not None:
+            self._release_held_over()
+        if not (copied or waited):
             return None
+        return time.perf_counter() - started
+
+    def _keep_promise(self, step: int) -> bool:
+        """Wait for the copy in flight if without it the newest acknowledged step is more than `interval`
+        behind `step`; whether it waited."""
+        if self._pending is not None and self._sent[self._pending[1]].is_set():
+            self._acknowledged()
+        if self._pending is None or step - self._complete <= self.interval:
+            return False
+        self._acknowledged()
+        return True
+
+    def _release_held_over(self) -> None:
+        """After a restore that kept copies outside the nodes' new roles: once every rank's copy of a newer
+        step is acknowledged by its partners (one all-reduce per copy until then, on every rank alike), they go."""
+        acknowledged = torch.tensor([self._complete], dtype=torch.int64)
+        dist.all_reduce(acknowledged, op=dist.ReduceOp.MIN, group=self._agree)
+        assert self._held_over is not None
+        step, node_of = self._held_over
+        if int(acknowledged.item()) <= step:
+            return
+        self._held_over = None
+        if self.local_rank == 0:
+            self.memory.release(self._roles(node_of, self.node))
+
+    def _acknowledged(self) -> None:
+        """Wait until the copy in flight (if any) is committed on every partner; raises if replication failed."""
+        if self._pending is not None:
+            pending_step, slot = self._pending
+            self._sent[slot].wait()
+            self._pending = None
+            if self.error is None:
+                self._complete = pending_step
+        if self.error is not None:
+            raise RuntimeError(f"peer state: replication failed: {self.error}") from self.error
+
+    def _copy(self, step: int, state: dict[str, Stateful], step_time_s: float) -> bool:
+        """Copy the state at `step` into the next slot and queue it for the partners."""
         started = time.perf_counter()
         slot = self._slot
         # The copy before this one must be committed on every partner before the one before it, which this
         # slot holds, is overwritten: else a node lost now leaves no step with every shard (module doc).
-        self._sent[(slot - 1) % PEER_STATE_SLOTS].wait()
-        if self.error is not None:
-            raise RuntimeError(f"peer state: replication failed: {self.error}") from self.error
+        self._acknowledged()
         copying = time.perf_counter()
         target = self._slots[slot]
         copies = self._refill(target, state) if target is not None else None
@@ -313,13 +397,14 @@ class PeerState:
         meta = pickle.dumps((skeleton, target.specs))
         self._sent[slot].clear()
         self._queue.put(_Save(step, slot, target.data, meta))  # the thread commits it, then sends it
+        self._pending = (step, slot)
         self._slot = (slot + 1) % PEER_STATE_SLOTS
         done = time.perf_counter()
         self.newest_step, self.copy_s = step, done - started
         self._saves += 1
         self.bytes_per_rank = PEER_STATE_SLOTS * (1 + self.replicas) * target.data.numel()
         self._calibrate(step, done - copying, step_time_s)
-        return done - started
+        return True
 
     def _lay_out(self, slot: int, state: dict[str, Stateful]) -> tuple[_Slot, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Lay the slot out for the state as it is now, through every state_dict(); with the (buffer,
@@ -386,14 +471,17 @@ class PeerState:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
         copy_ratio, send_steps = measured.tolist()
         self._window = []
-        interval = max(1, math.ceil(copy_ratio / COST_BUDGET), math.ceil(send_steps * SEND_HEADROOM))
-        if interval == self.interval and self.chosen_at is not None:
+        deadline = max(1, math.ceil(send_steps * SEND_HEADROOM))
+        every = max(deadline, math.ceil(copy_ratio / COST_BUDGET))
+        interval = every + deadline - 1
+        if (interval, every) == (self.interval, self.every) and self.chosen_at is not None:
             return
         was = None if self.chosen_at is None else self.interval
-        self.interval, self.chosen_at = interval, step
+        self.interval, self.every, self.chosen_at = interval, every, step
         if self.rank == 0:
-            log.info("peer state: a copy costs %.1f%% of a step, a send %.2f steps: every %d step(s)%s",
-                     100 * copy_ratio, send_steps, interval, "" if was is None else f" (was every {was})")
+            log.info("peer state: a copy costs %.1f%% of a step, a send %.2f steps: a copy every %d step(s), "
+                     "at most %d step(s) lost to a node%s", 100 * copy_ratio, send_steps, every, interval,
+                     "" if was is None else f" (was {was})")
 
     def _replicate_loop(self) -> None:
         while (save := self._queue.get()) is not None:
@@ -483,9 +571,14 @@ class PeerState:
         self._slot = (copy.slot + 1) % PEER_STATE_SLOTS  # the restored copy's slot is the last to be overwritten
         dist.barrier(group=self.group)  # every transfer done: copies no node holds any more can go
         self._prune(node_of, newest=step)
+        outside = sorted({c.shard for node, copies, _ in reports for c in copies or ()
+                          if c.step == step and c.shard not in self._roles(node_of, node)})  # as prune keeps them
+        self._held_over = (step, node_of) if outside else None
         if self.rank == 0:
-            log.info("peer state: resumed at step %d from node memory (shards fetched from a partner node: %s)",
-                     step, [r for r in range(self.world) if node_of[r] not in dict(held[(r, step)])] or "none")
+            log.info("peer state: resumed at step %d from node memory (shards fetched from a partner node: %s)%s",
+                     step, [r for r in range(self.world) if node_of[r] not in dict(held[(r, step)])] or "none",
+                     f"; copies of shards {outside} outside their nodes' new roles kept until a newer step is on "
+                     "every partner" if outside else "")
         return step
 
     def _newest_complete(self, held: dict[tuple[int, int], list[tuple[str, Copy]]], newest_checkpoint: int) -> int | None:
@@ -563,12 +656,13 @@ class PeerState:
 
     def _prune(self, node_of: list[str], newest: int) -> None:
         """On each node (its local rank 0): drop what NodeMemory.prune drops for this world."""
-        if self.local_rank != 0:
-            return
-        here = [r for r in range(self.world) if node_of[r] == self.node]
-        per_node = len(here)
-        keep = set(here) | {(r - per_node * j) % self.world for r in here for j in range(1, self.replicas + 1)}
-        self.memory.prune(keep, newest)
+        if self.local_rank == 0:
+            self.memory.prune(self._roles(node_of, self.node), newest)
+
+    def _roles(self, node_of: list[str], node: str) -> set[int]:
+        """The shards `node` holds copies of in the world laid out as `node_of`: its ranks' and their sources'."""
+        here = [r for r in range(self.world) if node_of[r] == node]
+        return set(here) | {(r - len(here) * j) % self.world for r in here for j in range(1, self.replicas + 1)}
 
     def abort(self) -> None:
         """The attempt died, and this process may run the next (an in-process restart): stop the replication
