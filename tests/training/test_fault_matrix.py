@@ -456,7 +456,8 @@ def test_a_drain_under_the_wrapper_waits_through_slow_saves_without_tripping_its
     assert run.returncode == 0, run.output[-4000:]
     [drained] = events_named(run.run_dir, "drained")
     assert (drained["path"], drained["saved_step"]) == ("checkpoint", drained["step"])
-    assert drained["seconds"] > 3 * 2  # waited through two saves' worth of the delay
+    # at least the save of the step reached (8 s): longer than the Wrapper's hard timeout, and nothing tripped
+    assert drained["seconds"] > 8
     assert not [e for e in events_named(run.run_dir, "fault_detected") if "inprocess" in e["by"]]
     assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, drained["step"]]
     assert drained["step"] in [step for step, _ in committed_checkpoints(run.run_dir / "checkpoints")]
