@@ -62,6 +62,8 @@ class _Resolved:
 
 def _serve(conn: Connection) -> None:
     """The writer process's main loop: one request at a time until the pipe closes or None arrives."""
+    mapped = None  # the last request: with its shared memory still mapped, the next save's handles map to the
+    # same pages (torch's cache of received storages) instead of faulting a fresh mapping in page by page
     while True:
         try:
             request: WriteRequest | None = conn.recv()
@@ -76,7 +78,7 @@ def _serve(conn: Connection) -> None:
             answer: list[WriteResult] | BaseException = written.value()
         except BaseException as err:  # noqa: BLE001 (any failure of the write is the save's, sent back)
             answer = err
-        del request  # drop the shared-memory mappings before waiting for the next save
+        mapped = request  # noqa: F841 (held, not read)
         conn.send(answer)
 
 
