@@ -3,8 +3,8 @@
 An async save on CPU runs DCP's `async_save` in a background thread of the training process, which does
 the planning, the collectives and rank 0's `.metadata` (small), and hands each rank's shard write, the
 CPU-heavy part (serialising every tensor, the kernel's page-cache copy, fsync), to this process. In a
-thread of the training process that write competed with the training loop for the GIL and, where no core
-is spare, for the CPU (bench/stall.py measures both processes apart).
+thread of the training process that write would hold the GIL against the training loop and count as the
+rank's CPU time (bench/stall.py measures the two processes apart).
 
 The staged tensors are not copied again on the way: they live in shared memory (DefaultStager with
 use_shared_memory, reused from save to save), and torch.multiprocessing pickles a shared tensor as a handle
