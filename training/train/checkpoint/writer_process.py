@@ -62,8 +62,8 @@ class _Resolved:
 
 def _serve(conn: Connection) -> None:
     """The writer process's main loop: one request at a time until the pipe closes or None arrives."""
-    mapped = None  # the last request: with its shared memory still mapped, the next save's handles map to the
-    # same pages (torch's cache of received storages) instead of faulting a fresh mapping in page by page
+    mapped: list[WriteRequest] = []  # the last request: with its shared memory still mapped, the next save's
+    # handles map to the same pages (torch's cache of received storages), not to a fresh mapping faulted in
     while True:
         try:
             request: WriteRequest | None = conn.recv()
@@ -78,7 +78,7 @@ def _serve(conn: Connection) -> None:
             answer: list[WriteResult] | BaseException = written.value()
         except BaseException as err:  # noqa: BLE001 (any failure of the write is the save's, sent back)
             answer = err
-        mapped = request  # noqa: F841 (held, not read)
+        mapped[:] = [request]
         conn.send(answer)
 
 
