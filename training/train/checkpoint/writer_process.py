@@ -2,7 +2,7 @@
 
 An async save on CPU runs DCP's `async_save` in a background thread of the training process, which does
 the planning, the collectives and rank 0's `.metadata` (small), and hands each rank's shard write, the
-CPU-heavy part (serialising every tensor, the kernel's page-cache copy, fsync), to this process. In a
+CPU-heavy part (serialising every tensor, the write, fsync), to this process. In a
 thread of the training process that write would hold the GIL against the training loop and count as the
 rank's CPU time (bench/stall.py measures the two processes apart).
 
@@ -29,11 +29,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
+
+from training.train.checkpoint.direct_io import DirectFileSystem
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread exits
 
@@ -72,8 +75,11 @@ def _serve(conn: Connection) -> None:
         if request is None:
             return
         try:
-            # DCP's own writer, with the same defaults as the training process's (one file per rank, fsync).
-            written = dcp.FileSystemWriter(request.path).write_data(request.plan, _Resolved(request.data))
+            # DCP's own writer, with the same defaults as the training process's (one file per rank, fsync),
+            # its shard file written around the page cache (direct_io.py).
+            writer = dcp.FileSystemWriter(request.path)
+            writer.fs = DirectFileSystem()
+            written = writer.write_data(request.plan, _Resolved(request.data))
             written.wait()
             answer: list[WriteResult] | BaseException = written.value()
         except BaseException as err:  # noqa: BLE001 (any failure of the write is the save's, sent back)
@@ -149,6 +155,14 @@ class WriterProcess:
 def _main(fd: int) -> None:
     if sys.platform == "linux":  # a SIGKILLed training process must not leave its writer running
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Serialising and writing need no intra-op parallelism; torch's default (a thread per CPU) would
+    # spin threads on the CPUs the training ranks use.
+    torch.set_num_threads(1)
+    # The zip checksum torch.save computes over every byte is two thirds of this process's CPU time per
+    # save, and torch.load never checks it (a flipped data byte loads silently, tried with torch 2.13);
+    # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
+    # "Serialization semantics") turns it off for this process only.
+    torch.serialization.set_crc32_options(False)
     conn = Connection(fd)
     mp.current_process().authkey = conn.recv_bytes()
     _serve(conn)
