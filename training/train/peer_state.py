@@ -689,8 +689,9 @@ class PeerState:
         """Stop replicating; what is queued is sent first (the run ends on every rank alike)."""
         self._queue.put(None)
         self._thread.join(timeout=60)
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group(self.group)
+        for group in (self.group, self._agree):  # each a gloo group with a socket to every rank
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
