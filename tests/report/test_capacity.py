@@ -83,8 +83,9 @@ def test_peer_copy_send_and_the_interval_they_allow() -> None:
     # 8 gloo flows of 10 Gbps (cluster placement group), at half their line rate: 5 GB/s per node
     assert P5_48XLARGE.tcp_send_gbs == pytest.approx(5.0)
     assert c.peer_send_s == pytest.approx(48.18e9 / 5e9, rel=1e-3)
-    assert c.peer_interval_steps == math.ceil(c.peer_send_s / STEP_8B) == 10  # the send, not the copy, sets it
-    assert c.peer_steps_lost == 10 + 10 - 1  # a copy every 10 steps, each acknowledged within the next 10
+    # the send, not the copy, sets it: 9.04 steps, with peer state's 1.5x headroom a deadline of 14
+    assert c.peer_interval_steps == c.peer_deadline_steps == math.ceil(1.5 * c.peer_send_s / STEP_8B) == 14
+    assert c.peer_steps_lost == 14 + 14 - 1  # a copy every 14 steps, each acknowledged within the next 14
     # a configured interval is the promise: a copy every 3 steps, each with 2 to reach the partner, 4 lost at most
     promised = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000),
                            Schedule(200, 3, "async", 300, True, peer_interval=4))

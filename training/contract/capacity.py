@@ -66,8 +66,10 @@ ASSUMED_MFU = 0.40
 # the in-flight save plus a save of the step reached, each as long as the last one measured (training/train/drain.py
 # plans with it; the estimates are the last save's duration, and a save can take longer).
 DRAIN_SAVE_MARGIN = 2.0
-# training/train/peer_state.py (COST_BUDGET): with peer_state.interval null a copy may cost at most 5% of a step.
+# Peer state's schedule (training/train/peer_state.py, `peer_schedule` below): with peer_state.interval null a copy
+# may cost at most this share of a step, and a send must end within its deadline with this headroom.
 PEER_COPY_BUDGET = 0.05
+PEER_SEND_HEADROOM = 1.5
 # HSDP keeps per parameter fp32 weights (4 B), fp32 gradients (4 B: FSDP2's reduce_dtype in
 # training/train/parallelize.py) and two fp32 AdamW moments (8 B) on the GPU.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -290,20 +292,21 @@ class Capacity:
         return self.schedule.peer_replicas * self.node_bytes / (self.node.tcp_send_gbs * GB)
 
     @property
-    def peer_deadline_steps(self) -> int:
-        """Steps a copy has to reach its partners before training waits for it (training/train/peer_state.py):
-        with a configured interval I, (I + 1) // 2; else one send's length."""
+    def _peer_schedule(self) -> PeerSchedule:
         configured = self.schedule.peer_interval
-        return (configured + 1) // 2 if configured else max(1, math.ceil(self.peer_send_s / self.step_s))
+        if configured:
+            return PeerSchedule.fixed(configured)
+        return PeerSchedule.measured(self.peer_copy_s / self.step_s, self.peer_send_s / self.step_s)
+
+    @property
+    def peer_deadline_steps(self) -> int:
+        """Steps a copy has to reach its partners before training waits for it (PeerSchedule)."""
+        return self._peer_schedule.deadline
 
     @property
     def peer_interval_steps(self) -> int:
-        """Steps between peer copies (peer_state.py): with a configured interval I, I // 2 + 1; else the
-        copy's 5% budget, never fewer than the deadline (one send in flight at a time)."""
-        configured = self.schedule.peer_interval
-        if configured:
-            return configured // 2 + 1
-        return max(self.peer_deadline_steps, math.ceil(self.peer_copy_s / (PEER_COPY_BUDGET * self.step_s)))
+        """Steps between peer copies (PeerSchedule)."""
+        return self._peer_schedule.every
 
     @property
     def peer_shm_bytes(self) -> int:
@@ -327,9 +330,9 @@ class Capacity:
 
     @property
     def peer_steps_lost(self) -> int:
-        """A lost node resumed from peers: at most the steps between copies plus the deadline minus one (the
-        interval peer state keeps; a send slower than its deadline makes training wait, not lose more)."""
-        return self.peer_interval_steps + self.peer_deadline_steps - 1
+        """A lost node resumed from peers: at most the interval peer state keeps (a send slower than its
+        deadline makes training wait, not lose more)."""
+        return self._peer_schedule.interval
 
     @property
     def drain_steps_lost(self) -> int:
@@ -369,6 +372,30 @@ class Capacity:
                 f"{self.footprint_bytes / GIB:.0f} GiB, more than FSx's {self.fsx.storage_gib} GiB: lower "
                 f"checkpoint.keep or raise fsxStorageGib to {smallest_storage_gib(self.footprint_bytes)}")
         return out
+
+
+@dataclass(frozen=True)
+class PeerSchedule:
+    """Peer state's copies (training/train/peer_state.py, which the capacity model projects with the same rule):
+    a copy every `every` steps, each acknowledged by the partners within `deadline` steps (training waits for it
+    there), so a lost node costs at most `interval` steps."""
+    every: int
+    deadline: int
+    interval: int
+
+    @classmethod
+    def fixed(cls, interval: int) -> PeerSchedule:
+        """A configured interval: a copy about every half of it, each with the other half to reach the partners."""
+        return cls(interval // 2 + 1, (interval + 1) // 2, interval)
+
+    @classmethod
+    def measured(cls, copy_ratio: float, send_steps: float) -> PeerSchedule:
+        """From a copy's share of a step and a send's length in steps: the send with PEER_SEND_HEADROOM (at least
+        a step) is its deadline; a copy every max(deadline, the steps that keep the copy within PEER_COPY_BUDGET
+        of a step) steps; the promise is their sum minus one (1 when both fit in a step)."""
+        deadline = max(1, math.ceil(send_steps * PEER_SEND_HEADROOM))
+        every = max(deadline, math.ceil(copy_ratio / PEER_COPY_BUDGET))
+        return cls(every, deadline, every + deadline - 1)
 
 
 def gradient_reduce(setting: str, parameters: int, device_memory_bytes: float) -> str:

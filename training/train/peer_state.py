@@ -28,9 +28,10 @@ acknowledged before the next step counts). The attempt's first step counts from 
 
 Interval (peer_state.interval null): after the first saves, the copy's share of a step and the send's
 length in steps, medians over CALIBRATION_STEPS saves, the largest over all ranks (one all-reduce): the
-send's length with SEND_HEADROOM (at least a step) is its deadline; a copy every max(deadline, the steps
-that keep the copy within COST_BUDGET of a step) steps; the interval (the promise) is that plus the deadline
-minus one (1 when both fit in a step). Measured again every RECHECK_SAVES saves, so a cost that grows (a
+send's length with headroom (at least a step) is its deadline; a copy every max(deadline, the steps
+that keep the copy within a budget of a step) steps; the interval (the promise) is that plus the deadline
+minus one (1 when both fit in a step): training/contract/capacity.py PeerSchedule, which the capacity model
+projects with. Measured again every RECHECK_SAVES saves, so a cost that grows (a
 bigger state, a slower network) moves the interval with it.
 
 Restore (collective, at resume, before the FSx checkpoint): every node reports its complete copies;
@@ -76,6 +77,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from training.contract.capacity import PeerSchedule
 from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
@@ -86,11 +88,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MEMORY = "/dev/shm/training-peer-state"
 OWN, REPLICA = "own", "replica"
 _ALIGN = 64
-COST_BUDGET = 0.05  # interval=None: replicate every step if a save costs at most this share of a step
 CALIBRATION_STEPS = 5  # interval=None: steps saved every time before the interval is chosen
 RECHECK_SAVES = 20  # interval=None: saves after which the interval is measured and agreed again
-# interval=None: a send must end well within its deadline, or the training thread waits for it
-SEND_HEADROOM = 1.5
 # For the replication thread to stop after an abort: a transfer with a live partner ends well within it; one
 # with a dead partner ends when the Wrapper's abort shuts the sockets, which may come only after the wait.
 ABORT_WAIT_S = 1.0
@@ -258,12 +257,6 @@ class NodeMemory:
                 path.unlink(missing_ok=True)
 
 
-def copy_every(interval: int) -> int:
-    """A fixed interval's steps between copies: about half, so that each copy has the other half to reach the
-    partners before the promise makes the training thread wait for it (module doc)."""
-    return interval // 2 + 1
-
-
 def memory_root(configured: str | None, run_dir: str) -> Path:
     """This run's directory in the node's memory."""
     base = configured or os.environ.get(NODE_MEMORY_ENV) or DEFAULT_MEMORY
@@ -291,7 +284,7 @@ class PeerState:
         self.node = f"{os.uname().nodename}:{root}"
         self.events = events if self.rank == 0 else None  # rank 0 writes the run's events
         self.interval, self._adaptive = (interval, False) if interval else (1, True)
-        self.every = copy_every(self.interval)  # steps between copies (module doc)
+        self.every = PeerSchedule.fixed(self.interval).every  # steps between copies (module doc)
         self._pending: tuple[int, int] | None = None  # (step, slot) of the copy queued and not yet acknowledged
         self._complete: int | None = None  # the newest step acknowledged by every partner (or resumed from)
         self._saves = 0
@@ -476,9 +469,8 @@ class PeerState:
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
         copy_ratio, send_steps = measured.tolist()
         self._window = []
-        deadline = max(1, math.ceil(send_steps * SEND_HEADROOM))
-        every = max(deadline, math.ceil(copy_ratio / COST_BUDGET))
-        interval = every + deadline - 1
+        chosen = PeerSchedule.measured(copy_ratio, send_steps)
+        interval, every = chosen.interval, chosen.every
         if (interval, every) == (self.interval, self.every) and self.chosen_at is not None:
             return
         was = None if self.chosen_at is None else self.interval
