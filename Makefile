@@ -52,10 +52,11 @@ node_modules/.installed: package.json package-lock.json
 	touch $@
 
 # The fast tests (synthesis, manifests, units) on both cores; the multi-process training runs (marked slow)
-# one at a time, since their timeouts assume the machine is theirs.
+# one at a time, since their timeouts assume the machine is theirs. Each part lists its slowest tests, so a
+# suite that grows names what grew.
 test: setup
-	$(PY) -m pytest -q -m "not slow" -n 2
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "not slow" -n 2 --durations=10
+	$(PY) -m pytest -q -m slow --durations=20
 
 synth: setup
 	rm -rf cdk.out
