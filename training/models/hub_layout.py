@@ -10,8 +10,8 @@ then concatenated (Concatenate(dim=1)) into gate_up_proj, w2 stacked into down_p
 reverses it (the hub's layout) unless `save_original_format=False`, which writes the fused parameters under
 their own names; both load here, and an export writes the hub's.
 
-A `Piece` is one tensor of the files and its place in a parameter, so that a rank reads the rows and
-columns of its own shard from each piece and no rank holds a whole parameter it does not own.
+A `Piece` is one tensor of the files and its place in a parameter, so that a rank reads from each piece
+only the rows and columns inside its own shard, never more of a parameter than its shard.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 # a fused expert parameter of transformers' Mixtral (MixtralExperts)
 FUSED_EXPERTS = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
@@ -36,9 +37,13 @@ class Piece:
     expert: int | None = None
     first_row: int = 0
 
+    @property
+    def whole(self) -> bool:
+        return self.expert is None
+
     def of(self, parameter: torch.Tensor) -> torch.Tensor:
         """This piece of the whole `parameter` (a view)."""
-        if self.expert is None:
+        if self.whole:
             return parameter
         return parameter[self.expert, self.first_row:self.first_row + self.shape[0]]
 
@@ -82,8 +87,6 @@ def read_pieces(pieces: Sequence[Piece], files: Mapping[str, Path], shard: torch
                 continue  # another rank's
             file = files[piece.name]
             if file not in opened:
-                from safetensors import safe_open
-
                 opened[file] = stack.enter_context(safe_open(file, framework="pt"))
             block = opened[file].get_slice(piece.name)[rows[0] - piece.first_row:rows[1] - piece.first_row,
                                                        start[2]:end[2]]

@@ -9,6 +9,7 @@ layout, but for Mixtral's experts, which the hub holds one by one and transforme
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from functools import cached_property
 from pathlib import Path
 
@@ -100,7 +101,7 @@ class HuggingFaceSpec:
                 found |= {name: (list(f.get_slice(name).get_shape()), file) for name in f.keys()}
         return found
 
-    def _file_layout(self, state: dict[str, torch.Tensor], found: dict) -> dict[str, list[Piece]]:
+    def _file_layout(self, state: dict[str, torch.Tensor], found: Collection[str]) -> dict[str, list[Piece]]:
         return file_layout(self.config.model_type, {name: t.shape for name, t in state.items()}, found)
 
     def check_weights(self) -> None:
@@ -135,12 +136,12 @@ class HuggingFaceSpec:
         # in place: the state dict's tensors are the model's (sharded) parameters. A parameter whole in the
         # files is read by name through DCP, each rank its slices; one in pieces (Mixtral's experts on the
         # hub) is assembled by each rank from the slices of the pieces that fall in its shard.
-        whole = {pieces[0].name: state[name] for name, pieces in layout.items() if pieces[0].expert is None}
+        whole = {pieces[0].name: state[name] for name, pieces in layout.items() if pieces[0].whole}
         dcp.load(whole, storage_reader=HuggingFaceStorageReader(str(self.path)))
         files = {name: file for name, (_, file) in found.items()}
         with torch.no_grad():
             for name, pieces in layout.items():
-                if pieces[0].expert is not None:
+                if not pieces[0].whole:
                     read_pieces(pieces, files, *_local_shard(state[name]))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
         model.tie_weights()
