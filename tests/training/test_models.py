@@ -1,6 +1,7 @@
 """Models as specs (training/models/): a Hugging Face causal LM from a local directory is built, sharded,
-loaded and exported as a preset is, and every room takes its numbers from it. Tiny configs of three
-families, written here (no hub). A bad model directory is refused before any rank starts, nothing written."""
+loaded and exported as a preset is, and every room takes its numbers from it. Tiny configs of four
+families, written here (no hub), Mixtral's experts in the hub's layout (one tensor per expert) and fused.
+A bad model directory is refused before any rank starts, nothing written."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM
@@ -19,12 +22,14 @@ from training.contract.config import ModelConfig, TrainConfigError, load_train_c
 from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.flops import flops_per_token
+from training.contract.launcher import free_port
 from training.contract.model_source import ModelSourceError, hf_shape, model_shape
 from training.data.prepare import prepare
 from training.export.export import ExportError, export
+from training.models.hub_layout import hub_pieces, read_pieces
 from training.models.spec import model_spec
 from training.models.tiny import FAMILIES, write_tiny_model
-from training.train.distributed import init_distributed, teardown
+from training.train.distributed import DistInfo, init_distributed, teardown
 from training.train.trainer import build
 from training_helpers import run_local
 
@@ -37,15 +42,29 @@ def hf(path: Path) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    """Each family's tiny model with weights; llama with tied embeddings and Mixtral's config besides."""
+    """Each family's tiny model with weights (Mixtral's experts one by one, as on the hub); llama with tied
+    embeddings, and Mixtral's experts fused as transformers builds them (save_original_format=False) besides."""
     root = tmp_path_factory.mktemp("models")
     out = {family: write_tiny_model(root / family, family) for family in FAMILIES}
     out["llama-tied"] = write_tiny_model(root / "llama-tied", "llama", tie_word_embeddings=True)
-    out["mixtral"] = write_tiny_model(root / "mixtral", "mixtral", weights=False)
+    out["mixtral-fused"] = root / "mixtral-fused"
+    mixtral = AutoModelForCausalLM.from_pretrained(out["mixtral"])
+    mixtral.save_pretrained(out["mixtral-fused"], save_original_format=False)
     return out
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied", "mixtral"])
+def _tensor_names(directory: Path) -> set[str]:
+    return set(load_file(directory / "model.safetensors"))
+
+
+def test_mixtral_files_hold_the_experts_in_both_layouts(tiny_models):
+    """What the tests below load: the hub's per-expert tensors, and transformers' fused ones."""
+    hub, fused = _tensor_names(tiny_models["mixtral"]), _tensor_names(tiny_models["mixtral-fused"])
+    assert {"model.layers.1.block_sparse_moe.experts.3.w1.weight", "model.layers.1.block_sparse_moe.gate.weight"} <= hub
+    assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight"} <= fused
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "llama-tied"])
 def test_config_json_gives_the_shape_transformers_builds(tiny_models, name):
     spec = model_spec(hf(tiny_models[name]))
     config = json.loads((tiny_models[name] / "config.json").read_text())
@@ -95,7 +114,7 @@ def one_rank():
     teardown()
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "qwen2"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2", "mixtral", "mixtral-fused"])
 def test_pretrained_weights_load_into_the_sharded_model(tiny_models, one_rank, name):
     cfg = load_train_config(None, ["model.source=huggingface", f"model.path={tiny_models[name]}"])
     spec = model_spec(cfg.model)
@@ -105,26 +124,88 @@ def test_pretrained_weights_load_into_the_sharded_model(tiny_models, one_rank, n
     torch.testing.assert_close(model(TOKENS), expected, rtol=0, atol=1e-6)
 
 
-def _finished_run(run_dir: Path, model_cfg: ModelConfig) -> torch.nn.Module:
-    """A run directory as a finished run leaves it: run_start in its event log, the final state."""
+@pytest.mark.parametrize("name, offsets, shape", [
+    ("gate_up_proj", (1, 100, 5), (2, 60, 35)),  # experts 1-2, rows across w1's end and w3's start
+    ("gate_up_proj", (3, 0, 0), (1, 256, 64)),  # FSDP2's: whole experts
+    ("gate_up_proj", (4, 0, 0), (0, 256, 64)),  # a rank past the last expert holds none
+    ("down_proj", (0, 10, 100), (4, 20, 28)),
+])
+def test_a_shard_of_mixtrals_experts_is_read_from_the_slices_within_it(tiny_models, name, offsets, shape):
+    """Any block of a fused expert parameter (a rank's shard: FSDP2 splits the experts, other placements rows
+    and columns too) assembled from the hub's per-expert tensors, reading only what lies inside it."""
+    name = f"model.layers.1.mlp.experts.{name}"
+    fused = load_file(tiny_models["mixtral-fused"] / "model.safetensors")[name]
+    pieces = hub_pieces("mixtral", name, fused.shape)
+    shard = torch.full(shape, float("nan"))
+    read_pieces(pieces, {p.name: tiny_models["mixtral"] / "model.safetensors" for p in pieces}, shard, offsets)
+    assert torch.equal(shard, fused[tuple(slice(o, o + n) for o, n in zip(offsets, shape))])
+
+
+def _load_on_rank(rank: int, port: int, model_dir: str, results: dict) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    info = init_distributed("cpu", 60)
+    cfg = load_train_config(None, ["model.source=huggingface", f"model.path={model_dir}"])
+    spec = model_spec(cfg.model)
+    model, _ = build(cfg, spec, info)
+    assert spec.load_pretrained(model)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    results[rank] = (experts.__create_chunk_list__()[0].offsets[0], experts.to_local().shape[0],
+                     {name: t.full_tensor() for name, t in model.state_dict().items()})
+    teardown()
+
+
+@pytest.mark.slow
+def test_mixtrals_experts_load_into_two_ranks_shards(tiny_models):
+    """Two gloo ranks, each holding two of the four experts of every layer, load the hub's per-expert files:
+    the sharded model then holds what transformers' from_pretrained builds, every parameter."""
+    results = mp.Manager().dict()
+    mp.spawn(_load_on_rank, args=(free_port(), str(tiny_models["mixtral"]), results), nprocs=2)
+    assert [results[rank][:2] for rank in (0, 1)] == [(0, 2), (2, 2)]  # each rank its own experts
+    loaded, expected = results[0][2], AutoModelForCausalLM.from_pretrained(tiny_models["mixtral"]).state_dict()
+    assert loaded.keys() == expected.keys() and all(torch.equal(t, expected[name]) for name, t in loaded.items())
+
+
+def _finished_run(run_dir: Path, model_cfg: ModelConfig, loaded_on: DistInfo | None = None) -> torch.nn.Module:
+    """A run directory as a finished run leaves it: run_start in its event log, the final state. The model
+    seeded whole, or `loaded_on` a process group: sharded, loaded from its pretrained weights, 0 steps."""
     cfg = load_train_config(None, [f"run_dir={run_dir}", f"model.source={model_cfg.source}",
                                    f"model.preset={model_cfg.preset}", f"model.path={model_cfg.path or 'null'}"])
     spec = model_spec(cfg.model)
-    model = spec.build("cpu")
-    spec.init_weights(model, 7)
+    if loaded_on is None:
+        model = spec.build("cpu")
+        spec.init_weights(model, 7)
+    else:
+        model, _ = build(cfg, spec, loaded_on)
+        assert spec.load_pretrained(model)
     EventLog(run_dir, "rank0").emit("run_start", world_size=1, nodes=1, config=cfg.to_dict())
-    dcp.save({"model": model.state_dict()}, checkpoint_id=run_dir / "final", no_dist=True)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=run_dir / "final", no_dist=True)
     return model
 
 
-@pytest.mark.parametrize("source", ["preset", "qwen2", "llama-tied"])
+@pytest.mark.parametrize("source", ["preset", "qwen2", "llama-tied", "mixtral"])
 def test_export_round_trips_through_from_pretrained(tmp_path, tiny_models, source):
     model_cfg = ModelConfig() if source == "preset" else hf(tiny_models[source])
     model = _finished_run(tmp_path / "run", model_cfg)
     export(tmp_path / "run", tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    # the preset's rotary layout differs from transformers' Llama: its wq/wk rows are permuted on export
+    # the preset's rotary rows differ from transformers' Llama: its wq/wk rows are permuted on export
     torch.testing.assert_close(loaded(TOKENS).logits, model(TOKENS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "mixtral-fused"])
+def test_mixtral_loaded_and_exported_comes_back_in_the_hubs_layout(tmp_path, tiny_models, one_rank, name):
+    """Mixtral's pretrained experts, one by one as on the hub or fused, loaded into the sharded model and
+    exported after 0 steps: the export holds the hub's tensors, and from_pretrained computes with it exactly
+    what it computes with the pretrained directory."""
+    _finished_run(tmp_path / "run", hf(tiny_models[name]), loaded_on=one_rank)
+    export(tmp_path / "run", tmp_path / "out")
+    assert _tensor_names(tmp_path / "out") == _tensor_names(tiny_models["mixtral"])
+    expected = AutoModelForCausalLM.from_pretrained(tiny_models[name])(TOKENS).logits
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "out")(TOKENS).logits, expected,
+                               rtol=0, atol=0)
 
 
 def test_a_run_directory_moved_elsewhere_exports_with_its_model_directory(tmp_path, tiny_models):
@@ -181,13 +262,25 @@ def _misshaped(d: Path) -> str:
     return "model.layers.0.mlp.down_proj.weight: [64, 128] in model.safetensors, the config makes [64, 96]"
 
 
+def _mixtral_experts(d: Path) -> str:
+    """The hub's per-expert files with one expert's w3 left out and another's w1 cut short."""
+    write_tiny_model(d, "mixtral")
+    weights = load_file(d / "model.safetensors")
+    moe = "model.layers.{}.block_sparse_moe.experts.{}.{}.weight"
+    del weights[moe.format(1, 3, "w3")]
+    weights[moe.format(0, 2, "w1")] = weights[moe.format(0, 2, "w1")][:96]
+    save_file(weights, d / "model.safetensors")
+    return (f"missing 1 tensor(s): ['{moe.format(1, 3, 'w3')}']; shapes differ: "
+            f"['{moe.format(0, 2, 'w1')}: [96, 64] in model.safetensors, the config makes [128, 64]']")
+
+
 def _big_tokenizer(d: Path) -> str:
     write_tiny_model(d, "mistral", weights=False)
     _vocabulary(d / "tokenizer.json", 300)
     return "emits ids up to 299, beyond the model's vocabulary of 256"
 
 
-@pytest.mark.parametrize("make", [_no_config, _not_causal, _missing, _misshaped, _big_tokenizer])
+@pytest.mark.parametrize("make", [_no_config, _not_causal, _missing, _misshaped, _mixtral_experts, _big_tokenizer])
 def test_a_model_directory_that_cannot_train_is_refused_before_any_rank_starts(tmp_path, make):
     expected = make(tmp_path / "model")
     run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",

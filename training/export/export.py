@@ -1,16 +1,17 @@
 """`python -m training.export RUN_DIR --out DIR [--checkpoint PATH] [--dtype bfloat16]`: the model of a
 finished run (`<run_dir>/final`, written with checkpoint.save_final) or of any committed checkpoint (the
 newest by default, or the one named) as a Hugging Face model directory: config.json, safetensors in the
-model's own layout (5 GB shards and their index, as transformers writes them) and the source's tokenizer
-files. `AutoModelForCausalLM.from_pretrained(DIR)` loads it. A preset exports as a LlamaForCausalLM.
+hub's layout (5 GB shards and their index, as transformers' save_pretrained writes them; Mixtral's experts
+one tensor per expert) and the source's tokenizer files. `AutoModelForCausalLM.from_pretrained(DIR)` loads
+it. A preset exports as a LlamaForCausalLM.
 
 The run's config comes from its event log (run_start), so the exported model is the one that ran; its
 final state and checkpoints are looked up under RUN_DIR as given (a run directory copied elsewhere exports
 as well), checkpoints in a checkpoint.dir of their own where the config put them, and a Hugging Face
 model's directory (config.json, tokenizer files) at model.path unless --model-dir names where it is now.
 The tool reads the model's tensors only (not the optimizer's) into one process, in float32: an 8B model
-takes 32 GB of memory; --dtype bfloat16 converts one tensor at a time (a tensor more at its peak) and
-halves what is written.
+takes 32 GB of memory; --dtype bfloat16 converts one tensor at a time (a tensor more at its peak: for Mixtral
+a layer's fused experts) and halves what is written.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ ones (training/contract/model_source.py) and those that need the model built on 
 *.safetensors' names and shapes), for a caller that imports no torch: training.local, before any rank starts.
 Exit 0 with the model's shape, or CONFIG_ERROR with the reason on stderr.
 
-`python -m training.models tiny DIR [--family llama|qwen2|mistral] [--no-weights]`: a tiny Hugging Face
+`python -m training.models tiny DIR [--family llama|qwen2|mistral|mixtral] [--no-weights]`: a tiny Hugging Face
 model directory written from its config (tiny.py), for trying the Hugging Face path without a download."""
 from __future__ import annotations
 

@@ -2,12 +2,14 @@
 config.json (AutoModelForCausalLM.from_config, never from a hub), sharded per decoder layer (the classes the
 model declares in `_no_split_modules`), initialised with its own `_init_weights` from the seed, or loaded
 from the directory's *.safetensors at step 0 through torch DCP's HuggingFaceStorageReader: each rank reads
-the slices of its own shards, so no rank ever holds the whole model. Its state dict is already in the
-Hugging Face layout.
+the slices of its own shards, so no rank ever holds the whole model. Its state dict is the Hugging Face
+layout, but for Mixtral's experts, which the hub holds one by one and transformers builds fused
+(hub_layout.py): a rank reads its shard of them from each expert's slices, and an export splits them again.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from functools import cached_property
 from pathlib import Path
 
@@ -16,11 +18,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from training.contract.model_source import HF_CONFIG, ModelSourceError, hf_shape, read_hf_config
 from training.contract.shapes import ModelShape
+from training.models.hub_layout import Piece, file_layout, hub_pieces, read_pieces
 from training.models.layout import counted_shape, layout_fingerprint, units_of_classes, untied_state
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def _logits_only(module: nn.Module, args: tuple, output) -> torch.Tensor:
     """transformers returns a ModelOutput; the trainer (and every spec's forward) gives float logits."""
     return output.logits.float()
+
+
+def _local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A parameter's local shard and where it starts in the whole (a plain tensor is its own shard)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.dim()
+    chunks = tensor.__create_chunk_list__()  # what DCP asks a DTensor: where its local shard lies
+    return tensor.to_local(), tuple(chunks[0].offsets) if chunks else (0,) * tensor.dim()
 
 
 class HuggingFaceSpec:
@@ -79,27 +91,32 @@ class HuggingFaceSpec:
     def fingerprint(self) -> str:
         return layout_fingerprint(self.build("meta"))
 
-    @property
-    def weight_files(self) -> list[Path]:
-        return sorted(self.path.glob("*.safetensors"))
+    def _tensors_in_files(self) -> dict[str, tuple[list[int], Path]]:
+        """Name -> (shape, file) of every tensor in the directory's *.safetensors, from their headers."""
+        from safetensors import safe_open
+
+        found: dict[str, tuple[list[int], Path]] = {}
+        for file in sorted(self.path.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                found |= {name: (list(f.get_slice(name).get_shape()), file) for name in f.keys()}
+        return found
+
+    def _file_layout(self, state: dict[str, torch.Tensor], found: Collection[str]) -> dict[str, list[Piece]]:
+        return file_layout(self.config.model_type, {name: t.shape for name, t in state.items()}, found)
 
     def check_weights(self) -> None:
         """The directory's *.safetensors against the model the config builds: every tensor the model needs
-        (a weight tied to another may be left out), with the model's shape. Reads the files' headers only."""
-        from safetensors import safe_open
-
-        files = self.weight_files
-        if not files:
+        (a weight tied to another may be left out; Mixtral's experts one by one as on the hub, or fused as
+        transformers builds them: hub_layout.py), with the model's shape. Reads the files' headers only."""
+        found = self._tensors_in_files()
+        if not found:
             return
-        found: dict[str, tuple[list[int], Path]] = {}
-        for file in files:
-            with safe_open(file, framework="pt") as f:
-                found |= {name: (list(f.get_slice(name).get_shape()), file) for name in f.keys()}
         model = self.build("meta")
-        expected = untied_state(model, get_model_state_dict(model))
+        layout = self._file_layout(untied_state(model, get_model_state_dict(model)), found)
+        expected = {piece.name: list(piece.shape) for pieces in layout.values() for piece in pieces}
         missing = sorted(set(expected) - set(found))
-        misshaped = [f"{name}: {found[name][0]} in {found[name][1].name}, the config makes {list(t.shape)}"
-                     for name, t in expected.items() if name in found and found[name][0] != list(t.shape)]
+        misshaped = [f"{name}: {found[name][0]} in {found[name][1].name}, the config makes {shape}"
+                     for name, shape in expected.items() if name in found and found[name][0] != shape]
         if missing or misshaped:
             raise ModelSourceError(
                 f"{self.path}: the *.safetensors do not match {HF_CONFIG}"
@@ -111,11 +128,21 @@ class HuggingFaceSpec:
             log.warning("%s: %d tensor(s) the model does not use are ignored: %s", self.path, len(unused), unused[:8])
 
     def load_pretrained(self, model: nn.Module) -> bool:
-        if not self.weight_files:
+        found = self._tensors_in_files()
+        if not found:
             return False
         state = untied_state(model, get_model_state_dict(model))
-        # in place: the state dict's tensors are the model's (sharded) parameters; each rank reads its slices
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(self.path)))
+        layout = self._file_layout(state, found)
+        # in place: the state dict's tensors are the model's (sharded) parameters. A parameter whole in the
+        # files is read by name through DCP, each rank its slices; one in pieces (Mixtral's experts on the
+        # hub) is assembled by each rank from the slices of the pieces that fall in its shard.
+        whole = {pieces[0].name: state[name] for name, pieces in layout.items() if pieces[0].whole}
+        dcp.load(whole, storage_reader=HuggingFaceStorageReader(str(self.path)))
+        files = {name: file for name, (_, file) in found.items()}
+        with torch.no_grad():
+            for name, pieces in layout.items():
+                if not pieces[0].whole:
+                    read_pieces(pieces, files, *_local_shard(state[name]))
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
         model.tie_weights()
         return True
@@ -124,7 +151,9 @@ class HuggingFaceSpec:
         return self.config
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return state
+        """The hub's layout (Mixtral's experts one by one, as views of the fused parameters)."""
+        return {piece.name: piece.of(tensor) for name, tensor in state.items()
+                for piece in hub_pieces(self.config.model_type, name, tensor.shape)}
 
     @property
     def source_files(self) -> list[Path]:

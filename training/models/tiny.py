@@ -9,11 +9,9 @@ import torch
 # transformers config classes and the tiny shape they share: 2 layers of width 64, grouped-query attention.
 TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024)
-FAMILIES = ("llama", "qwen2", "mistral")  # what trains here from its own safetensors
-# mixtral: a mixture of experts, each layer's feed-forward 4 experts of which a token goes through 2. Its
-# sizes are counted (model_source.py), but it trains from its seed only: transformers saves its experts
-# per expert (block_sparse_moe.experts.N.w1) and builds them fused (mlp.experts.gate_up_proj), which the
-# safetensors check refuses.
+FAMILIES = ("llama", "qwen2", "mistral", "mixtral")  # what trains here, from its own safetensors too
+# mixtral: a mixture of experts, each layer's feed-forward 4 experts of which a token goes through 2; its
+# safetensors hold them one by one, as the hub's do (save_pretrained's default layout, hub_layout.py).
 FAMILY_SHAPES = {**{family: {} for family in FAMILIES}, "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 
 
