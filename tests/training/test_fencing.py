@@ -16,7 +16,8 @@ from training.train.checkpoint.layout import committed_checkpoints, current_gene
 from training.train.checkpoint.manager import CheckpointManager
 from training_helpers import REPO_ROOT
 
-# Generation 1: saves step 1, then saves step 2 (w = 2.0) late, pausing at POINT until told to go on:
+# Generation 1 (sync, or async through its writer process): saves step 1, then saves step 2 (w = 2.0) late,
+# pausing at POINT until told to go on:
 # `commit` before the save starts (its shards and commit come after generation 2 started),
 # `write` inside its write of the shards (after generation 2 started, while it saves step 2 itself).
 _OLD_GENERATION = r"""
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from training.train.checkpoint.manager import CheckpointManager
 
-directory, point, signals = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+directory, point, signals, mode = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
 
 def wait_for(name):
     while not (signals / name).exists():
@@ -41,12 +42,14 @@ def pause_in_write(step, write):
     finally:
         (signals / "old-wrote").touch()
 
-m = CheckpointManager(directory, mode="sync", keep=3, write_hook=pause_in_write if point == "write" else None)
+m = CheckpointManager(directory, mode=mode, keep=3, write_hook=pause_in_write if point == "write" else None)
 m.save(1, {"w": torch.full((1024,), 1.0)})
+m.wait()
 if point == "commit":
     (signals / "old-paused").touch()
     wait_for("old-go")
 m.save(2, {"w": torch.full((1024,), 2.0)})
+m.close()  # async: the commit of step 2 is tried here
 """
 
 
@@ -57,8 +60,8 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
         time.sleep(0.01)
 
 
-def _start_old_generation(directory: Path, point: str, signals: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _OLD_GENERATION, str(directory), point, str(signals)], cwd=REPO_ROOT,
+def _start_old_generation(directory: Path, point: str, signals: Path, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _OLD_GENERATION, str(directory), point, str(signals), mode], cwd=REPO_ROOT,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stderr=subprocess.PIPE, text=True)
     _wait_for(signals / "old-paused", proc)
     return proc
@@ -79,9 +82,10 @@ def signals(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process DCP
-def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tmp_path, signals):
+@pytest.mark.parametrize("old_mode", ["sync", "async"])
+def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tmp_path, signals, old_mode):
     directory = tmp_path / "ckpt"
-    old = _start_old_generation(directory, "commit", signals)
+    old = _start_old_generation(directory, "commit", signals, old_mode)
     new = CheckpointManager(directory, mode="sync", keep=3)
     assert (new.generation, current_generation(directory)) == (2, 2)
     new.save(2, {"w": torch.full((1024,), 2.5)})  # the newer generation's step 2 (its state differs here)
@@ -98,9 +102,10 @@ def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tm
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_a_late_shard_write_never_lands_in_a_newer_generations_save(tmp_path, signals):
+@pytest.mark.parametrize("old_mode", ["sync", "async"])
+def test_a_late_shard_write_never_lands_in_a_newer_generations_save(tmp_path, signals, old_mode):
     directory = tmp_path / "ckpt"
-    old = _start_old_generation(directory, "write", signals)  # paused inside its write of step 2's shards
+    old = _start_old_generation(directory, "write", signals, old_mode)  # paused inside its write of step 2's shards
 
     def let_the_old_writer_write_first(step, write):
         (signals / "old-go").touch()

@@ -1,0 +1,172 @@
+"""The writer process: writes a rank's checkpoint shards outside the training process.
+
+An async save on CPU runs DCP's `async_save` in a background thread of the training process, which does
+the planning, the collectives and rank 0's `.metadata` (small), and hands each rank's shard write, the
+CPU-heavy part (serialising every tensor, the write, fsync), to this process. In a
+thread of the training process that write would hold the GIL against the training loop and count as the
+rank's CPU time (bench/stall.py measures the two processes apart).
+
+The staged tensors are not copied again on the way: they live in shared memory (DefaultStager with
+use_shared_memory, reused from save to save), and torch.multiprocessing pickles a shared tensor as a handle
+to its memory, so the request carries only the plan and those handles.
+
+Protocol, one write in flight: the parent sends WriteRequest(path, plan, data); the process answers with
+the list of WriteResults or with the exception the write raised. It never commits anything (the training
+process's rank 0 does, layout.commit), so a writer process outliving its training iteration can at most
+leave files in an uncommitted `.tmp-` directory. It dies with its parent (PR_SET_PDEATHSIG) and when its
+pipe closes; `abort()` kills it mid-write.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from training.train.checkpoint.direct_io import DirectFileSystem
+
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread exits
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    path: Path  # the save's `.tmp-` directory
+    plan: SavePlan  # this rank's final local plan (its items and DCP's file prefix for the rank)
+    data: dict[MetadataIndex, Any]  # each item's resolved data: a tensor in shared memory, or BytesIO
+
+
+class WriterProcessDied(RuntimeError):
+    """The writer process ended while a write was in flight (killed, out of memory): the save fails,
+    and the next save starts a new process."""
+
+
+class _Resolved:
+    """The one thing FileSystemWriter.write_data asks of its planner: each item's data."""
+
+    def __init__(self, data: dict[MetadataIndex, Any]) -> None:
+        self._data = data
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        return self._data[item.index]
+
+
+def _serve(conn: Connection) -> None:
+    """The writer process's main loop: one request at a time until the pipe closes or None arrives."""
+    mapped: list[WriteRequest] = []  # the last request: with its shared memory still mapped, the next save's
+    # handles map to the same pages (torch's cache of received storages), not to a fresh mapping faulted in
+    while True:
+        try:
+            request: WriteRequest | None = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        try:
+            # DCP's own writer, with the same defaults as the training process's (one file per rank, fsync),
+            # its shard file written around the page cache (direct_io.py).
+            writer = dcp.FileSystemWriter(request.path)
+            writer.fs = DirectFileSystem()
+            written = writer.write_data(request.plan, _Resolved(request.data))
+            written.wait()
+            answer: list[WriteResult] | BaseException = written.value()
+        except BaseException as err:  # noqa: BLE001 (any failure of the write is the save's, sent back)
+            answer = err
+        mapped[:] = [request]
+        conn.send(answer)
+
+
+class WriterProcess:
+    """The parent's handle on one writer process, started at once (importing torch takes a while, and
+    costs the training process nothing) and again by `ensure_running` after it died.
+
+    A plain `python -m` of this module, not multiprocessing's spawn: spawn re-runs the parent's main
+    script in the child unless it is guarded, and the training runs from several (ft_launcher's `-m`,
+    prefork's runpy, tests' scripts). Call from the training thread: PR_SET_PDEATHSIG fires when the
+    thread that started the process ends."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+        self.ensure_running()
+
+    def ensure_running(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            return
+        if self._process is not None:
+            self._conn.close()
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[3])  # where `training` is importable from
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+        self._process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        # torch passes a shared tensor's memory as a file descriptor that the receiver fetches from this
+        # process's resource sharer, which admits only holders of this process's authkey.
+        self._conn.send_bytes(bytes(mp.current_process().authkey))
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def write(self, request: WriteRequest) -> list[WriteResult]:
+        """Write one rank's shards (blocks the calling thread, not the CPU); raises what the write raised."""
+        try:
+            self._conn.send(request)
+            answer = self._conn.recv()
+        except (EOFError, OSError) as err:
+            raise WriterProcessDied(f"checkpoint writer process {self.pid} died mid-write "
+                                    f"(exit code {self._process.wait()})") from err
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        """No write in flight: ask the process to end, and wait for it."""
+        try:
+            self._conn.send(None)
+            self._process.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.abort()
+        self._conn.close()
+
+    def abort(self) -> None:
+        """The iteration dies: kill the process whatever it is doing (a save thread waiting on it gets
+        WriterProcessDied). Its `.tmp-` directory stays uncommitted (only the training process commits)
+        and is removed by the next manager."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
+def _main(fd: int) -> None:
+    if sys.platform == "linux":  # a SIGKILLed training process must not leave its writer running
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Serialising and writing need no intra-op parallelism; torch's default (a thread per CPU) would
+    # spin threads on the CPUs the training ranks use.
+    torch.set_num_threads(1)
+    # The zip checksum torch.save computes over every byte is two thirds of this process's CPU time per
+    # save, and torch.load never checks it (a flipped data byte loads silently, tried with torch 2.13);
+    # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
+    # "Serialization semantics") turns it off for this process only.
+    torch.serialization.set_crc32_options(False)
+    conn = Connection(fd)
+    mp.current_process().authkey = conn.recv_bytes()
+    _serve(conn)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))
