@@ -14,7 +14,8 @@ Protocol, one write in flight: the parent sends WriteRequest(path, plan, data); 
 the list of WriteResults or with the exception the write raised. It never commits anything (the training
 process's rank 0 does, layout.commit), so a writer process outliving its training iteration can at most
 leave files in an uncommitted `.tmp-` directory. It dies with its parent (PR_SET_PDEATHSIG) and when its
-pipe closes; `abort()` kills it mid-write.
+pipe closes; `abort()` kills it mid-write. Signals to the rank's process group (a drain's SIGTERM) do not
+reach it: a drain waits for the write in flight to commit.
 """
 from __future__ import annotations
 
@@ -109,8 +110,11 @@ class WriterProcess:
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[3])  # where `training` is importable from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
+        # A process group of its own: ft_launcher stops (and a drain signals) a rank with SIGTERM to the rank's
+        # group (os.killpg), which would end a write the drain is waiting to commit. Its life is its parent's
+        # (PR_SET_PDEATHSIG) and abort()'s, not its group's.
         self._process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=env)
+                                         pass_fds=[theirs.fileno()], env=env, process_group=0)
         theirs.close()
         self._conn = Connection(ours.detach())
         # torch passes a shared tensor's memory as a file descriptor that the receiver fetches from this
