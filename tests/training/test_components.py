@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
 from training.train.trainer import build, lr_at, run, train_step
+from training_helpers import REPO_ROOT
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -261,6 +264,34 @@ def test_abort_kills_the_writer_process_and_its_save_never_commits(tmp_path):
     again.save(1, {"w": torch.ones(4)})
     again.close()
     assert [s for s, _ in committed_checkpoints(again.dir)] == [1]
+
+
+# A rank as training.pod.prefork starts it: forked with os.fork, which runs none of multiprocessing's
+# after-fork hooks, from a process that had handed a shared tensor to another process through
+# multiprocessing (its fd-passing listener started; the fork copies the listener's state, not its thread)
+# and had a writer process of its own.
+_FORKED_RANK = r"""
+import os, sys, torch
+import torch.multiprocessing  # torch's reductions: a shared tensor pickles as a handle to its memory
+from multiprocessing.reduction import ForkingPickler
+from training.train.checkpoint.manager import CheckpointManager
+ForkingPickler.dumps(torch.ones(4).share_memory_())
+parents = CheckpointManager(sys.argv[1] + "-parent", mode="async", keep=1).writer_pid
+pid = os.fork()
+if pid == 0:
+    m = CheckpointManager(sys.argv[1], mode="async", keep=1)
+    assert m.writer_pid != parents, "the forked rank writes through its parent's writer process"
+    m.save(1, {"w": torch.full((1024,), 1.0)})
+    m.close()
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_rank_forked_without_multiprocessings_hooks_saves_through_its_own_writer_process(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _FORKED_RANK, str(tmp_path / "ckpt")], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=120)
+    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [1], proc.stderr[-2000:]
 
 
 def _bytes_written(pid):

@@ -7,14 +7,18 @@ thread of the training process that write would hold the GIL against the trainin
 rank's CPU time (bench/stall.py measures the two processes apart).
 
 The staged tensors are not copied again on the way: they live in shared memory (DefaultStager with
-use_shared_memory, reused from save to save), and torch.multiprocessing pickles a shared tensor as a handle
-to its memory, so the request carries only the plan and those handles.
+use_shared_memory, reused from save to save), and a request pickles each of them as a reference to its
+memory's file descriptor, which travels beside the pickle over this process's own socket (SCM_RIGHTS,
+unix(7)). multiprocessing's way, a listener thread in the training process that the writer connects to
+once per tensor, is not used: a rank forked with os.fork (training.pod.prefork) without multiprocessing's
+after-fork hooks inherits that listener's state without its thread, and every handle fetched from it
+fails; the listener also costs the training process a connection and an HMAC handshake per tensor.
 
 Protocol, one write in flight: the parent sends WriteRequest(path, plan, data); the process answers with
 the list of WriteResults or with the exception the write raised. It never commits anything (the training
 process's rank 0 does, layout.commit), so a writer process outliving its training iteration can at most
 leave files in an uncommitted `.tmp-` directory. It dies with its parent (PR_SET_PDEATHSIG) and when its
-pipe closes; `abort()` kills it mid-write. Signals to the rank's process group (a drain's SIGTERM) do not
+socket closes; `abort()` kills it mid-write. Signals to the rank's process group (a drain's SIGTERM) do not
 reach it: a drain waits for the write in flight to commit.
 """
 from __future__ import annotations
@@ -25,19 +29,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from training.train.checkpoint.direct_io import DirectFileSystem
+from training.train.checkpoint.shm_channel import ShmChannel
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread exits
 
@@ -64,17 +68,16 @@ class _Resolved:
         return self._data[item.index]
 
 
-def _serve(conn: Connection) -> None:
-    """The writer process's main loop: one request at a time until the pipe closes or None arrives."""
-    mapped: list[WriteRequest] = []  # the last request: with its shared memory still mapped, the next save's
-    # handles map to the same pages (torch's cache of received storages), not to a fresh mapping faulted in
+def _serve(channel: ShmChannel) -> None:
+    """The writer process's main loop: one request at a time until the socket closes."""
     while True:
         try:
-            request: WriteRequest | None = conn.recv()
+            request: WriteRequest = channel.recv()
         except EOFError:
             return
-        if request is None:
-            return
+        except Exception as err:  # noqa: BLE001 (a request that could not be read fails its save, not the process)
+            channel.send(err)
+            continue
         try:
             # DCP's own writer, with the same defaults as the training process's (one file per rank, fsync),
             # its shard file written around the page cache (direct_io.py).
@@ -85,13 +88,12 @@ def _serve(conn: Connection) -> None:
             answer: list[WriteResult] | BaseException = written.value()
         except BaseException as err:  # noqa: BLE001 (any failure of the write is the save's, sent back)
             answer = err
-        mapped[:] = [request]
-        conn.send(answer)
+        channel.send(answer)
 
 
 class WriterProcess:
     """The parent's handle on one writer process, started at once (importing torch takes a while, and
-    costs the training process nothing) and again by `ensure_running` after it died.
+    costs the training process nothing) and again by `ensure_running` after it died or was aborted.
 
     A plain `python -m` of this module, not multiprocessing's spawn: spawn re-runs the parent's main
     script in the child unless it is guarded, and the training runs from several (ft_launcher's `-m`,
@@ -100,13 +102,14 @@ class WriterProcess:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
+        self._one_write = threading.Lock()  # two managers of one process (tests) take turns
         self.ensure_running()
 
     def ensure_running(self) -> None:
         if self._process is not None and self._process.poll() is None:
             return
         if self._process is not None:
-            self._conn.close()
+            self._channel.close()
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[3])  # where `training` is importable from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
@@ -116,10 +119,7 @@ class WriterProcess:
         self._process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], env=env, process_group=0)
         theirs.close()
-        self._conn = Connection(ours.detach())
-        # torch passes a shared tensor's memory as a file descriptor that the receiver fetches from this
-        # process's resource sharer, which admits only holders of this process's authkey.
-        self._conn.send_bytes(bytes(mp.current_process().authkey))
+        self._channel = ShmChannel(ours)
 
     @property
     def pid(self) -> int:
@@ -128,24 +128,15 @@ class WriterProcess:
     def write(self, request: WriteRequest) -> list[WriteResult]:
         """Write one rank's shards (blocks the calling thread, not the CPU); raises what the write raised."""
         try:
-            self._conn.send(request)
-            answer = self._conn.recv()
+            with self._one_write:
+                self._channel.send(request)
+                answer = self._channel.recv()
         except (EOFError, OSError) as err:
             raise WriterProcessDied(f"checkpoint writer process {self.pid} died mid-write "
                                     f"(exit code {self._process.wait()})") from err
         if isinstance(answer, BaseException):
             raise answer
         return answer
-
-    def close(self) -> None:
-        """No write in flight: ask the process to end, and wait for it."""
-        try:
-            self._conn.send(None)
-            self._process.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        self.abort()
-        self._conn.close()
 
     def abort(self) -> None:
         """The iteration dies: kill the process whatever it is doing (a save thread waiting on it gets
@@ -154,6 +145,30 @@ class WriterProcess:
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+
+
+_shared: WriterProcess | None = None
+
+
+def shared_writer_process() -> WriterProcess:
+    """This process's writer process, running: one per process, not one per CheckpointManager, so that the
+    next manager (an in-process restart's, a test's) does not pay a new interpreter's imports of torch and
+    DCP again (3-5 CPU-s here). It ends with this process, or by an abort (then the next call starts anew)."""
+    global _shared
+    if _shared is None:
+        _shared = WriterProcess()
+    _shared.ensure_running()
+    return _shared
+
+
+def _forget_the_parents_writer() -> None:
+    """In a forked child: the parent's writer is the parent's (its socket would mix both processes'
+    requests). os.fork runs this hook also where multiprocessing's own are not run (training.pod.prefork)."""
+    global _shared
+    _shared = None
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_writer)
 
 
 def _main(fd: int) -> None:
@@ -167,9 +182,7 @@ def _main(fd: int) -> None:
     # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
     # "Serialization semantics") turns it off for this process only.
     torch.serialization.set_crc32_options(False)
-    conn = Connection(fd)
-    mp.current_process().authkey = conn.recv_bytes()
-    _serve(conn)
+    _serve(ShmChannel(socket.socket(fileno=fd)))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils._pytree import tree_map_only
 
 from training.contract.launcher import SAVE_DELAY_ENV
-from training.train.checkpoint.writer_process import WriteRequest, WriterProcess
+from training.train.checkpoint.writer_process import WriteRequest, WriterProcess, shared_writer_process
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class _TorchAsyncWriter:
         self._future = None
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
                                                     use_async_staging=False, use_non_blocking_copy=False))
-        self._process = WriterProcess()
+        self._process = shared_writer_process()
 
     @property
     def writer_pid(self) -> int | None:
@@ -159,12 +159,11 @@ class _TorchAsyncWriter:
     def close(self, abort: bool) -> None:
         # abort: the writer process is killed at once (its save thread then fails); a thread cannot be
         # stopped, but it only waits for the process and for collectives on groups being torn down.
+        # Otherwise the process stays for this process's next manager (shared_writer_process).
         # Closing the stager frees its staging copy of the state now, not when a cyclic GC finds it
         # (every in-process restart builds a new writer).
         if abort:
             self._process.abort()
-        else:
-            self._process.close()
         self._stager.close()
 
 
