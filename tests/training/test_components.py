@@ -276,8 +276,10 @@ import torch.multiprocessing  # torch's reductions: a shared tensor pickles as a
 from multiprocessing.reduction import ForkingPickler
 from training.train.checkpoint.manager import CheckpointManager
 ForkingPickler.dumps(torch.ones(4).share_memory_())
-parents = CheckpointManager(sys.argv[1] + "-parent", mode="async", keep=1).writer_pid
+parent = CheckpointManager(sys.argv[1] + "-parent", mode="async", keep=1)
+parents = parent.writer_pid
 pid = os.fork()
+parent.abort()  # (in both) its writer's imports would only slow the child's down
 if pid == 0:
     m = CheckpointManager(sys.argv[1], mode="async", keep=1)
     assert m.writer_pid != parents, "the forked rank writes through its parent's writer process"

@@ -93,7 +93,9 @@ def _serve(channel: ShmChannel) -> None:
 
 class WriterProcess:
     """The parent's handle on one writer process, started at once (importing torch takes a while, and
-    costs the training process nothing) and again by `ensure_running` after it died or was aborted.
+    costs the training process nothing). After it died or was aborted, `shared_writer_process` starts
+    another; a save thread that still holds this handle can only fail (WriterProcessDied), never reach
+    the next process.
 
     A plain `python -m` of this module, not multiprocessing's spawn: spawn re-runs the parent's main
     script in the child unless it is guarded, and the training runs from several (ft_launcher's `-m`,
@@ -101,15 +103,6 @@ class WriterProcess:
     thread that started the process ends."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen | None = None
-        self._one_write = threading.Lock()  # two managers of one process (tests) take turns
-        self.ensure_running()
-
-    def ensure_running(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            return
-        if self._process is not None:
-            self._channel.close()
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[3])  # where `training` is importable from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
@@ -120,10 +113,15 @@ class WriterProcess:
                                          pass_fds=[theirs.fileno()], env=env, process_group=0)
         theirs.close()
         self._channel = ShmChannel(ours)
+        self._one_write = threading.Lock()  # two managers of one process (tests) take turns
 
     @property
     def pid(self) -> int:
         return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        return self._process.poll() is None
 
     def write(self, request: WriteRequest) -> list[WriteResult]:
         """Write one rank's shards (blocks the calling thread, not the CPU); raises what the write raised."""
@@ -142,7 +140,7 @@ class WriterProcess:
         """The iteration dies: kill the process whatever it is doing (a save thread waiting on it gets
         WriterProcessDied). Its `.tmp-` directory stays uncommitted (only the training process commits)
         and is removed by the next manager."""
-        if self._process.poll() is None:
+        if self.running:
             self._process.kill()
             self._process.wait()
 
@@ -152,12 +150,11 @@ _shared: WriterProcess | None = None
 
 def shared_writer_process() -> WriterProcess:
     """This process's writer process, running: one per process, not one per CheckpointManager, so that the
-    next manager (an in-process restart's, a test's) does not pay a new interpreter's imports of torch and
-    DCP again (3-5 CPU-s here). It ends with this process, or by an abort (then the next call starts anew)."""
+    next manager (after a clean close; a test's) does not pay a new interpreter's imports of torch and DCP
+    again (3-5 CPU-s here). It ends with this process, or by an abort (then the next call starts anew)."""
     global _shared
-    if _shared is None:
+    if _shared is None or not _shared.running:
         _shared = WriterProcess()
-    _shared.ensure_running()
     return _shared
 
 

@@ -143,7 +143,7 @@ class _TorchAsyncWriter:
         return self._process.pid
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
-        self._process.ensure_running()  # after a writer process died mid-save: a new one for this save
+        self._process = shared_writer_process()  # after a writer process died or was aborted: a new one
         self._future = dcp.async_save(_plain(state), storage_writer=_HandOffWriter(path, step, self._hook, self._process),
                                       process_group=self._pg, async_stager=self._stager)
 
