@@ -131,6 +131,12 @@ class CheckpointManager:
         charges its CPU time to the writer, not to the rank)."""
         return self._writer.writer_pid if self._writer is not None else None
 
+    def wait_for_writer(self) -> None:
+        """Async mode: block until the background writer can take a save (on CPU, its process has imported
+        torch: seconds). Called at the end of the rank's setup, so that the first saves do not wait for it."""
+        if self._writer is not None:
+            self._writer.wait_ready()
+
     # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> None:
         if self.mode == "off":

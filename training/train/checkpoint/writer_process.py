@@ -32,7 +32,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from training.train.checkpoint.direct_io import DirectFileSystem
 from training.train.checkpoint.shm_channel import ShmChannel
 
+T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread exits
 
 
@@ -114,6 +115,7 @@ class WriterProcess:
         theirs.close()
         self._channel = ShmChannel(ours)
         self._one_write = threading.Lock()  # two managers of one process (tests) take turns
+        self._ready = False  # its first message (None) came: its imports are done
 
     @property
     def pid(self) -> int:
@@ -123,18 +125,34 @@ class WriterProcess:
     def running(self) -> bool:
         return self._process.poll() is None
 
+    def wait_ready(self) -> None:
+        """Block until the process has imported torch and DCP (seconds after its start, more on a loaded
+        host), so that the wait lands where the caller chooses (the rank's setup) rather than in its first
+        saves: there a save waiting for the one before it can outlast NVRx's checkpoint section timeout,
+        calculated from quick saves, and the rank monitor kills the rank."""
+        self._exchange(lambda: None)
+
     def write(self, request: WriteRequest) -> list[WriteResult]:
         """Write one rank's shards (blocks the calling thread, not the CPU); raises what the write raised."""
-        try:
-            with self._one_write:
-                self._channel.send(request)
-                answer = self._channel.recv()
-        except (EOFError, OSError) as err:
-            raise WriterProcessDied(f"checkpoint writer process {self.pid} died mid-write "
-                                    f"(exit code {self._process.wait()})") from err
+        def send_and_receive() -> list[WriteResult] | BaseException:
+            self._channel.send(request)
+            return self._channel.recv()
+
+        answer = self._exchange(send_and_receive)
         if isinstance(answer, BaseException):
             raise answer
         return answer
+
+    def _exchange(self, talk: Callable[[], T]) -> T:
+        try:
+            with self._one_write:
+                if not self._ready:
+                    self._channel.recv()
+                    self._ready = True
+                return talk()
+        except (EOFError, OSError) as err:
+            raise WriterProcessDied(f"checkpoint writer process {self.pid} died "
+                                    f"(exit code {self._process.wait()})") from err
 
     def abort(self) -> None:
         """The iteration dies: kill the process whatever it is doing (a save thread waiting on it gets
@@ -179,7 +197,9 @@ def _main(fd: int) -> None:
     # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
     # "Serialization semantics") turns it off for this process only.
     torch.serialization.set_crc32_options(False)
-    _serve(ShmChannel(socket.socket(fileno=fd)))
+    channel = ShmChannel(socket.socket(fileno=fd))
+    channel.send(None)  # ready: imports done
+    _serve(channel)
 
 
 if __name__ == "__main__":

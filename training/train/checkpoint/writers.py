@@ -114,6 +114,8 @@ class AsyncWriter(Protocol):
     @property
     def writer_pid(self) -> int | None:
         """The process that writes this rank's shards, where it is known (its CPU time is not the rank's)."""
+    def wait_ready(self) -> None:
+        """Block until the writer can take a save at once (its process has started)."""
     def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
@@ -141,6 +143,9 @@ class _TorchAsyncWriter:
     @property
     def writer_pid(self) -> int | None:
         return self._process.pid
+
+    def wait_ready(self) -> None:
+        self._process.wait_ready()
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         self._process = shared_writer_process()  # after a writer process died or was aborted: a new one
@@ -180,6 +185,9 @@ class _NvrxAsyncWriter:
         self._queue = AsyncCallsQueue(persistent=True)
 
     writer_pid = None  # NVRx's persistent worker is the queue's own
+
+    def wait_ready(self) -> None:
+        """NVRx starts its persistent worker at the first save."""
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         from functools import partial
