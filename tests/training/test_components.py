@@ -266,6 +266,13 @@ def test_abort_kills_the_writer_process_and_its_save_never_commits(tmp_path):
     assert [s for s, _ in committed_checkpoints(again.dir)] == [1]
 
 
+def test_the_writer_process_is_out_of_reach_of_a_signal_to_the_ranks_process_group(tmp_path):
+    """ft_launcher stops, and a drain signals, a rank with SIGTERM to its process group (os.killpg): the
+    write a drain waits to commit must not get it."""
+    m = _manager(tmp_path, "async")
+    assert os.getpgid(m.writer_pid) == m.writer_pid != os.getpgid(0)
+
+
 # A rank as training.pod.prefork starts it: forked with os.fork, which runs none of multiprocessing's
 # after-fork hooks, from a process that had handed a shared tensor to another process through
 # multiprocessing (its fd-passing listener started; the fork copies the listener's state, not its thread)

@@ -89,7 +89,10 @@ def _serve(channel: ShmChannel) -> None:
             answer: list[WriteResult] | BaseException = written.value()
         except BaseException as err:  # noqa: BLE001 (any failure of the write is the save's, sent back)
             answer = err
-        channel.send(answer)
+        try:
+            channel.send(answer)
+        except OSError:  # the rank is gone (killed mid-save): nobody to answer
+            return
 
 
 class WriterProcess:
