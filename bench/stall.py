@@ -261,6 +261,7 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
     managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
                 for mode, path in run_dirs.items()}
+    managers["async"].wait_for_writer()  # as a rank's setup does: its start-up is no save's
     writer = _process_cpu_s(managers["async"].writer_pid)
     walls = dict.fromkeys(MODES, 0.0)
     cpus: dict[str, list[float]] = {mode: [] for mode in (*MODES, WRITER)}
