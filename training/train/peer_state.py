@@ -67,6 +67,7 @@ import statistics
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -290,7 +291,9 @@ class PeerState:
         self._saves = 0
         self._window: list[tuple[float, float]] = []  # (copy s, step s) of the saves measured since the last agreement
         self._window_first = 0  # the number of the window's first save
-        self.send_times: list[float] = []  # the replication thread's seconds for each save, in order
+        # the replication thread's seconds for each of the latest saves, in order: as many as a measuring window
+        # (RECHECK_SAVES) reads, not one per save for the life of the process
+        self.send_times: deque[float] = deque(maxlen=RECHECK_SAVES)
         self.chosen_at: int | None = None  # the step at which the interval was settled, or last changed
         # What a drain weighs (training/train/drain.py): the newest step copied and its copy's seconds on the
         # training thread; `send_s`, the last send's.
@@ -462,8 +465,10 @@ class PeerState:
             return
         step_s = max(statistics.median(s for _, s in self._window), 1e-9)
         copy_ratio = statistics.median(c / max(s, 1e-9) for c, s in self._window)
-        # every save before this one has been sent (save waited for it): the same sends on every rank
-        sends = self.send_times[self._window_first - 1:self._saves - 1]
+        # every save before this one has been sent (save waited for it): the same sends on every rank, the window's
+        # saves but this one
+        window_sends = self._saves - self._window_first
+        sends = list(self.send_times)[-window_sends:] if window_sends else []
         send_steps = statistics.median(sends) / step_s if sends else 0.0
         measured = torch.tensor([copy_ratio, send_steps], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
