@@ -410,3 +410,21 @@ def test_a_long_run_keeps_only_the_send_times_its_measurement_reads(tmp_path, on
     assert peer.chosen_at is not None and peer._saves == 3 * RECHECK_SAVES  # measured, every step copied
     assert 0 < len(peer.send_times) <= RECHECK_SAVES
     peer.close()
+
+
+def test_pruning_removes_an_older_formats_files_and_keeps_the_newest_complete_step(tmp_path):
+    """Files named as an earlier version named copies (kind first: `own-shard…`, `replica-shard…`) are read by
+    nothing and used to outlive every prune, in a pod's /dev/shm; a prune drops them with the rest, and the copies
+    of the step the run goes on from stay."""
+    memory = NodeMemory(tmp_path)
+    for kind in ("own", "replica"):
+        for suffix in ("bin", "meta", "ok"):
+            (tmp_path / f"{kind}-shard00000-slot0.{suffix}").write_bytes(b"old")
+    data = memory.begin(0, 1, 64)
+    newest = Copy(OWN, 0, 1, 7, 1, FINGERPRINT, 64, 3, checksum(data, b"abc"))
+    memory.commit(newest, b"abc")
+    assert memory.copies() == [newest]  # an older format's record is no copy
+    memory.prune(keep={0}, newest=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard00000-slot1.bin", "shard00000-slot1.meta",
+                                                          "shard00000-slot1.ok"]
+    assert memory.copies() == [newest]

@@ -63,6 +63,7 @@ import math
 import os
 import pickle
 import queue
+import re
 import statistics
 import threading
 import time
@@ -192,6 +193,8 @@ class NodeMemory:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
+    _NAMED = re.compile(r"shard(\d{5})-slot\d+\.")  # a (shard, slot)'s files, in _name's format
+
     @staticmethod
     def _name(shard: int, slot: int) -> str:
         return f"shard{shard:05d}-slot{slot}"
@@ -220,7 +223,7 @@ class NodeMemory:
 
     def copies(self) -> list[Copy]:
         found = []
-        for ok in sorted(self.root.glob("*.ok")):
+        for ok in sorted(self.root.glob("shard*-slot*.ok")):  # not an older format's record
             try:
                 found.append(Copy(**json.loads(ok.read_text())))
             except (OSError, ValueError, TypeError):
@@ -251,11 +254,13 @@ class NodeMemory:
         self._drop(keep, spare=set())
 
     def _drop(self, keep: set[int], spare: set[str]) -> None:
-        """Remove the files of shards not in `keep`, but those of the (shard, slot) names in `spare`."""
+        """Remove the files of shards not in `keep`, but those of the (shard, slot) names in `spare`, and every
+        file not named as a copy's (an older format's: `own-shard…`, `replica-shard…`), which nothing reads."""
         for path in self.root.iterdir():
-            shard = path.name.removeprefix("shard")[:5]
-            if shard.isdigit() and int(shard) not in keep and path.name.split(".")[0] not in spare:
-                path.unlink(missing_ok=True)
+            named = self._NAMED.match(path.name)
+            if named is None or (int(named[1]) not in keep and path.name.split(".")[0] not in spare):
+                if path.is_file():
+                    path.unlink(missing_ok=True)
 
 
 def memory_root(configured: str | None, run_dir: str) -> Path:
