@@ -11,6 +11,8 @@ node 1 is lost and a spare with empty memory restores in its place.
   send      the replication thread, beside training: CRC-32, commit, the exchange with the partner node and
             its acknowledgement (medians over the same saves)
   restore   PeerState.restore on the spare: its shard fetched from node 0's memory, checked and loaded
+  CRC-32    the checksum of one rank's copy alone (peer_state.checksum, zlib; the send and the restore each take
+            one): its rate is the capacity model's CRC32_GBS (training/contract/capacity.py)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from training.contract.launcher import free_port
 from training.contract.shapes import PEER_STATE_SLOTS, STATE_BYTES_PER_PARAMETER, parameter_count
 
 PEER_SAVES = PEER_STATE_SLOTS + 3  # every slot laid out once, then three measured saves
+CHECKSUM_RUNS = 3
 NODES = 2
 
 
@@ -39,6 +42,11 @@ class PeerSize:
     copy_s: float
     send_s: float
     restore_s: float
+    checksum_s: float  # CRC-32 of one rank's copy (median of CHECKSUM_RUNS)
+
+    @property
+    def checksum_gbs(self) -> float:
+        return self.bytes_per_rank / self.checksum_s / 1e9
 
 
 def state_bytes_per_rank(preset: str) -> int:
@@ -67,7 +75,7 @@ class _ShardState:
 def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) -> None:
     import torch.distributed as dist
 
-    from training.train.peer_state import PeerState
+    from training.train.peer_state import OWN, NodeMemory, PeerState, checksum
 
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NODES)
@@ -78,8 +86,16 @@ def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) 
         peer.settle()  # the copy alone: not the wait for the previous send
         copies.append(peer.save(step, state, step_time_s=1.0))
     peer.settle()
-    sends = peer.send_times[PEER_STATE_SLOTS:]
+    sends = list(peer.send_times)[PEER_STATE_SLOTS:]
     peer.close()
+    memory = NodeMemory(Path(roots[rank]))
+    [newest] = [c for c in memory.copies() if c.kind == OWN and c.step == PEER_SAVES]
+    data, meta = memory.read(newest)
+    checksums = []
+    for _ in range(CHECKSUM_RUNS):
+        started = time.perf_counter()
+        checksum(data, meta)
+        checksums.append(time.perf_counter() - started)
     spare = PeerState(Path(roots[NODES if rank == 1 else rank]), preset, interval=1, replicas=1, timeout_s=600)
     dist.barrier()
     started = time.perf_counter()
@@ -89,7 +105,8 @@ def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) 
     dist.destroy_process_group()
     if restored != PEER_SAVES:
         raise RuntimeError(f"peer state restored step {restored}, not {PEER_SAVES}")
-    results[rank] = (statistics.median(copies[PEER_STATE_SLOTS:]), statistics.median(sends), restore_s)
+    results[rank] = (statistics.median(copies[PEER_STATE_SLOTS:]), statistics.median(sends), restore_s,
+                     statistics.median(checksums))
 
 
 def measure_peer_size(preset: str) -> PeerSize:
@@ -104,8 +121,9 @@ def measure_peer_size(preset: str) -> PeerSize:
         mp.spawn(_worker, args=(free_port(), preset, roots, results), nprocs=NODES)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    copy_s, send_s, _ = results[0]
-    return PeerSize(preset, state_bytes_per_rank(preset), copy_s, send_s, restore_s=results[1][2])  # the spare's
+    copy_s, send_s, _, checksum_s = results[0]
+    return PeerSize(preset, state_bytes_per_rank(preset), copy_s, send_s, restore_s=results[1][2],  # the spare's
+                    checksum_s=checksum_s)
 
 
 def measure_peer_sizes(presets: tuple[str, ...]) -> tuple[PeerSize, ...]:

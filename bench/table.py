@@ -121,13 +121,14 @@ def peer_sizes_table(r: BenchResult) -> list[str]:
     base = r.peer_sizes[0]
     lines = [f"{title}: one rank's state (its shard of the preset's fp32 parameters and AdamW moments, 2 nodes of "
              "1 rank) copied into node memory on the training thread, sent to the partner node beside training "
-             "(CRC-32, commit, acknowledgement), and restored on a spare from the partner; growth against "
-             f"{base.preset}", "",
-             *_header("preset", "state per rank", "copy", "send", "restore", "state x", "copy x", "send x",
+             "(CRC-32, commit, acknowledgement), and restored on a spare from the partner; the CRC-32 of one copy "
+             f"alone (the capacity model's CRC32_GBS); growth against {base.preset}", "",
+             *_header("preset", "state per rank", "copy", "send", "restore", "CRC-32", "state x", "copy x", "send x",
                       "restore x")]
     for x in r.peer_sizes:
         lines.append(_row(x.preset, f"{x.bytes_per_rank / 2**20:.1f} MiB", _fmt(x.copy_s, "s"), _fmt(x.send_s, "s"),
-                          _fmt(x.restore_s, "s"), f"{x.bytes_per_rank / base.bytes_per_rank:.0f}x",
+                          _fmt(x.restore_s, "s"), f"{_fmt(x.checksum_s, 's')} ({x.checksum_gbs:.2f} GB/s)",
+                          f"{x.bytes_per_rank / base.bytes_per_rank:.0f}x",
                           f"{x.copy_s / base.copy_s:.0f}x", f"{x.send_s / base.send_s:.0f}x",
                           f"{x.restore_s / base.restore_s:.0f}x"))
     return lines

@@ -20,8 +20,8 @@ from training.contract.k8s_delays import EKS
 T0 = 1_767_000_000.0
 PEER = PeerResult(save_s=0.0015, step_s=0.05, cost_ratio=0.03, steps=120, interval=1, replicas=1,
                   bytes_per_rank=4 << 20)
-PEER_SIZES = (PeerSize("tiny", bytes_per_rank=1 << 20, copy_s=0.002, send_s=0.01, restore_s=0.1),
-              PeerSize("small", bytes_per_rank=300 << 20, copy_s=0.4, send_s=2.0, restore_s=3.0))
+PEER_SIZES = (PeerSize("tiny", bytes_per_rank=1 << 20, copy_s=0.002, send_s=0.01, restore_s=0.1, checksum_s=0.003),
+              PeerSize("small", bytes_per_rank=300 << 20, copy_s=0.4, send_s=2.0, restore_s=3.0, checksum_s=1.0))
 
 
 def write_events(run_dir: Path, records: list[dict]) -> Path:

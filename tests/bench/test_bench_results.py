@@ -216,7 +216,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| hot spare (spare node and standby pod): this repository's default | 50 s |" in text
     assert "| 1.50 ms | 50.0 ms | 3.0% | 1 step(s) | 1 | 4.0 MiB |" in text  # peer state
     assert "| peer state copy per step / step time (peer-state run) | 3.0% | <= 5% | target | PASS |" in text
-    assert "| small | 300.0 MiB | 0.40 s | 2.00 s | 3.00 s | 300x | 200x | 200x | 30x |" in text  # growth, measured
+    assert "| small | 300.0 MiB | 0.40 s | 2.00 s | 3.00 s | 1.00 s (0.31 GB/s) | 300x | 200x | 200x | 30x |" in text  # growth, measured
     no_sizes = format_markdown(replace(result, peer_sizes=(), unavailable={"peer_sizes": "/dev/shm full"}))
     assert "Peer state as the state grows (bench/peer_sizes.py): not measured (/dev/shm full)" in no_sizes
     png = plot_result(result, tmp_path / "r.png")

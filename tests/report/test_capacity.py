@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from training.contract.capacity import (P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
+from training.contract.capacity import (CRC32_GBS, P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
                                         format_capacity, gradient_reduce, smallest_storage_gib)
 from training.contract.config import load_train_config
 from training.train.drain import IMPOSSIBLE, DrainView, checkpoint_cost, plan_drain
@@ -82,18 +82,20 @@ def test_peer_copy_send_and_the_interval_they_allow() -> None:
     assert c.peer_copy_s == pytest.approx(6.02e9 / 25e9, rel=1e-3)  # one GPU's shard at 25 GB/s
     # 8 gloo flows of 10 Gbps (cluster placement group), at half their line rate: 5 GB/s per node
     assert P5_48XLARGE.tcp_send_gbs == pytest.approx(5.0)
-    assert c.peer_send_s == pytest.approx(48.18e9 / 5e9, rel=1e-3)
-    # the send, not the copy, sets it: 9.04 steps, with peer state's 1.5x headroom a deadline of 14
-    assert c.peer_interval_steps == c.peer_deadline_steps == math.ceil(1.5 * c.peer_send_s / STEP_8B) == 14
-    assert c.peer_steps_lost == 14 + 14 - 1  # a copy every 14 steps, each acknowledged within the next 14
+    # the thread checksums the copy (CRC-32, one core, the bench's rate), then sends the node's 48 GB
+    assert c.peer_checksum_s == pytest.approx(6.02e9 / (CRC32_GBS * 1e9), rel=1e-3)
+    assert c.peer_send_s == pytest.approx(c.peer_checksum_s + 48.18e9 / 5e9, rel=1e-3)
+    # the send, not the copy, sets it: 16.3 steps, with peer state's 1.5x headroom a deadline of 25
+    assert c.peer_interval_steps == c.peer_deadline_steps == math.ceil(1.5 * c.peer_send_s / STEP_8B) == 25
+    assert c.peer_steps_lost == 25 + 25 - 1  # a copy every 25 steps, each acknowledged within the next 25
     # a configured interval is the promise: a copy every 3 steps, each with 2 to reach the partner, 4 lost at most
     promised = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000),
                            Schedule(200, 3, "async", 300, True, peer_interval=4))
     assert (promised.peer_interval_steps, promised.peer_deadline_steps, promised.peer_steps_lost) == (3, 2, 4)
-    assert c.restore_peer_s == pytest.approx(c.peer_send_s)
+    assert c.restore_peer_s == pytest.approx(c.peer_send_s)  # the same bytes received, then checked
     two_replicas = capacity_of(EIGHT_B, P5_48XLARGE, 4, FsxSpec(1200, 1000),
                                Schedule(200, 3, "async", 360, True, peer_replicas=2))
-    assert two_replicas.peer_send_s == pytest.approx(2 * 24.09e9 / 5e9, rel=1e-3)
+    assert two_replicas.peer_send_s == pytest.approx(3.01e9 / (CRC32_GBS * 1e9) + 2 * 24.09e9 / 5e9, rel=1e-3)
 
 
 def test_steps_lost_per_mechanism() -> None:

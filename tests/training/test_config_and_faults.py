@@ -23,6 +23,8 @@ from training.contract.faults import KINDS, FaultSpecError, parse_fault, parse_f
     (["model.preset=70b"], "one of ['tiny', 'small', '1b', '8b']"),
     (["fault_tolerance.rendezvous_join_timeout_s=10"],
      "fault_tolerance.rendezvous_join_timeout_s=10.0 is not allowed: at least 60 seconds"),
+    (["fault_tolerance.rendezvous_last_call_s=-1"], "fault_tolerance.rendezvous_last_call_s=-1 is not allowed: 0 or more"),
+    (["fault_tolerance.rendezvous_last_call_s=2.5"], "fault_tolerance.rendezvous_last_call_s=2.5: expected a whole number"),
     (["training.global_batch_size=0"], "training.global_batch_size=0 is not allowed: a positive multiple of "
                                        "training.batch_size (4)"),
     (["training.global_batch_size=-8"], "training.global_batch_size=-8 is not allowed: a positive multiple"),

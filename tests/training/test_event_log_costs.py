@@ -105,6 +105,27 @@ def test_a_file_that_cannot_be_read_is_read_later_not_lost(tmp_path):
     assert [r["event"] for r in tail.read_new()] == ["fault_detected", "step"] and not tail.unreadable
 
 
+def test_a_tail_from_now_begins_at_the_next_whole_line(tmp_path):
+    """A tail started while a line is half written (a writer's line in flight, or a torn one a later writer
+    appends to) skips that line and returns the whole lines after it; its offsets are lines' ends all along, so a
+    tail resumed from them (from_offsets) never starts inside a line either."""
+    log = EventLog(tmp_path, "rank0")
+    log.emit("step", step=1, loss=1.0, step_time_s=1.0, tokens=1)
+    path = events_dir(tmp_path) / "rank0.jsonl"
+    whole = path.stat().st_size
+    with path.open("ab") as f:
+        f.write(b'{"t": 1.5, "event": "step", "st')  # half of a line, begun before the tail
+    tail = EventTail.from_now(tmp_path)
+    assert tail.offsets() == {"rank0.jsonl": whole}
+    assert tail.read_new() == [] and tail.offsets() == {"rank0.jsonl": whole}
+    with path.open("ab") as f:
+        f.write(b'ep": 2, "loss": 1.0}\n')
+    log.emit("step", step=3, loss=1.0, step_time_s=1.0, tokens=1)
+    assert [r["step"] for r in tail.read_new()] == [3]
+    assert tail.offsets() == {"rank0.jsonl": path.stat().st_size}
+    log.close()
+
+
 def _figures_match_the_report(metrics: dict[str, float], run_dir) -> None:
     report = build_report(read_events(run_dir))
     assert metrics["training_goodput_ratio"] == pytest.approx(report.training_goodput, rel=1e-9)

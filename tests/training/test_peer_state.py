@@ -385,3 +385,46 @@ def test_an_iteration_that_dies_leaves_no_replication_thread_behind(tmp_path, mo
         with pytest.raises(FaultInjected):
             run(cfg)
     assert [t for t in threading.enumerate() if t.name == "peer-state" and t.is_alive()] == []
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torch.distributed in this process, a world of one rank on one node."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_long_run_keeps_only_the_send_times_its_measurement_reads(tmp_path, one_rank):
+    """interval=None measures sends over windows of RECHECK_SAVES saves: a run of many saves keeps no more than
+    that (one float per save for the life of the process was ~40 MB per rank over two weeks at interval 1)."""
+    from training.train.peer_state import RECHECK_SAVES, PeerState
+
+    peer = PeerState(tmp_path, FINGERPRINT, interval=None, replicas=1, timeout_s=30)
+    state = {"model": Weights(torch.zeros(10))}
+    for step in range(1, 3 * RECHECK_SAVES + 1):
+        peer.save(step, state, step_time_s=10.0)  # copy and send: far below 5% of a step, so one every step
+    peer.settle()
+    assert peer.chosen_at is not None and peer._saves == 3 * RECHECK_SAVES  # measured, every step copied
+    assert 0 < len(peer.send_times) <= RECHECK_SAVES
+    peer.close()
+
+
+def test_pruning_removes_an_older_formats_files_and_keeps_the_newest_complete_step(tmp_path):
+    """Files named as an earlier version named copies (kind first: `own-shard…`, `replica-shard…`) are read by
+    nothing and used to outlive every prune, in a pod's /dev/shm; a prune drops them with the rest, and the copies
+    of the step the run goes on from stay."""
+    memory = NodeMemory(tmp_path)
+    for kind in ("own", "replica"):
+        for suffix in ("bin", "meta", "ok"):
+            (tmp_path / f"{kind}-shard00000-slot0.{suffix}").write_bytes(b"old")
+    data = memory.begin(0, 1, 64)
+    newest = Copy(OWN, 0, 1, 7, 1, FINGERPRINT, 64, 3, checksum(data, b"abc"))
+    memory.commit(newest, b"abc")
+    assert memory.copies() == [newest]  # an older format's record is no copy
+    memory.prune(keep={0}, newest=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard00000-slot1.bin", "shard00000-slot1.meta",
+                                                          "shard00000-slot1.ok"]
+    assert memory.copies() == [newest]

@@ -55,6 +55,12 @@ GLOO_TCP_EFFICIENCY = 0.5
 # Assumption: NCCL over EFA reaches this share of the EFA line rate: the NCCL preflight's all_reduce floor
 # (infra/instances.py BUSBW_FLOOR_FRACTIONS), which a healthy p5 fabric passes.
 NCCL_EFA_EFFICIENCY = 0.75
+# Measured, not on p5: CRC-32 (zlib, one core) of one rank's peer-state copy, GB/s. The replication thread checksums
+# each copy before it sends it, and a restore checks it before it loads it (training/train/peer_state.py), each
+# rank on its own core. bench/peer_sizes.py's CRC-32 column, small preset (332 MiB per rank), 2026-12-02 on the
+# 2-vCPU bench VM at load 11: 0.45 s, 0.78 GB/s (a cache-resident 0.8 MiB copy: 2.8 GB/s). Assumption: a p5
+# host core checksums no slower.
+CRC32_GBS = 0.78
 # Assumption: one GPU's copy of its shard to pinned host memory (async staging, peer state's copy), GB/s: p5's
 # hosts are 3rd-generation AMD EPYC (PCIe Gen4, 32 GB/s each way per x16 link) and eight GPUs copy at once
 # through one host's memory (README, "In-memory rollback at 8b on p5": the same figure).
@@ -288,8 +294,14 @@ class Capacity:
         return self.gpu_bytes / (HOST_COPY_GBS * GB)
 
     @property
+    def peer_checksum_s(self) -> float:
+        """CRC-32 of one rank's copy, on its own core: before each send and before a restore loads it."""
+        return self.gpu_bytes / (CRC32_GBS * GB)
+
+    @property
     def peer_send_s(self) -> float:
-        return self.schedule.peer_replicas * self.node_bytes / (self.node.tcp_send_gbs * GB)
+        """The replication thread's part of a save: the copy's checksum, then the node's send over TCP."""
+        return self.peer_checksum_s + self.schedule.peer_replicas * self.node_bytes / (self.node.tcp_send_gbs * GB)
 
     @property
     def _peer_schedule(self) -> PeerSchedule:
@@ -318,8 +330,9 @@ class Capacity:
 
     @property
     def restore_peer_s(self) -> float:
-        """The lost node's replacement receives its node's shards from a partner over TCP."""
-        return self.node_bytes / (self.node.tcp_send_gbs * GB)
+        """The lost node's replacement receives its node's shards from a partner over TCP, and each rank checks
+        its copy's checksum before loading it."""
+        return self.node_bytes / (self.node.tcp_send_gbs * GB) + self.peer_checksum_s
 
     # steps lost, worst case
     @property
@@ -495,8 +508,8 @@ def format_capacity(c: Capacity) -> str:
                   f"{c.drain_grace_for_step_s:.0f} s also saves the step reached"),
         ("keep", f"{s.keep} + {IN_FLIGHT_CHECKPOINTS} in flight = {c.footprint_bytes / GIB:.0f} GiB of "
                  f"{c.fsx.storage_gib} GiB: {'fits' if c.footprint_fits else 'DOES NOT FIT'}"),
-        ("peer state", (f"copy {c.peer_copy_s:.2f} s, send {c.peer_send_s:.1f} s over TCP "
-                        f"({c.node.tcp_send_gbs:.1f} GB/s per node): every {c.peer_interval_steps} steps; "
+        ("peer state", (f"copy {c.peer_copy_s:.2f} s, send {c.peer_send_s:.1f} s (CRC-32 {c.peer_checksum_s:.1f} s, "
+                        f"then TCP at {c.node.tcp_send_gbs:.1f} GB/s per node): every {c.peer_interval_steps} steps; "
                         f"/dev/shm {c.peer_shm_bytes / GIB:.0f} of {c.node.shm_bytes / GIB:.0f} GiB"
                         f"{'' if c.peer_fits_shm else ': DOES NOT FIT'}")
          if s.peer_state else "off"),

@@ -202,6 +202,15 @@ class FaultToleranceConfig:
                                                     "(bench/projection.py: about 11 min); a first start pulls the "
                                                     "image on every node. Past it a launcher gives up and its pod is "
                                                     "retried.")
+    rendezvous_last_call_s: int | None = _doc(
+        None, "After a fault, how long the store holds a restart round open for the previous round's nodes before "
+              "hot spares take their places (NVRx's last_call_timeout, 1 s by default). A survivor is still stopping "
+              "its ranks meanwhile (ft_launcher's --workers-stop-timeout; under restart=both the Wrapper gives up "
+              "first); one left out stands by while a spare, or an early replacement, trains in its place, and the "
+              "peer-state copies in its memory are lost to the run (the resume falls back to the checkpoint). NVRx "
+              "cannot tell a lost node from a late survivor, so each node loss with a spare waits this long. null: "
+              "the launchers' worker-stop timeout plus NVRx's rejoin polls (training/contract/launcher.py "
+              "rendezvous_last_call_s: 18 s on the cluster, 8 s on the local one).")
     inprocess_max_restarts: int = _doc(3, "per process: the Wrapper's restarts in a row without progress")
     inprocess_soft_timeout: float = _doc(60.0, f"{_INPROCESS}. A rank making no progress for this long makes "
                                                "every rank restart in-process.")
@@ -511,6 +520,9 @@ def _validate(c: TrainConfig) -> None:
     if not ft.rendezvous_join_timeout_s >= 60:
         fail("fault_tolerance.rendezvous_join_timeout_s", ft.rendezvous_join_timeout_s,
              "at least 60 seconds (a round must outlast a node's restart)")
+    if ft.rendezvous_last_call_s is not None and ft.rendezvous_last_call_s < 0:
+        fail("fault_tolerance.rendezvous_last_call_s", ft.rendezvous_last_call_s,
+             "0 or more whole seconds (0: spares are taken at once), or null (derived from the worker-stop timeout)")
     if ft.inprocess_max_restarts < 0:
         fail("fault_tolerance.inprocess_max_restarts", ft.inprocess_max_restarts, "0 or more")
     if not 0 < ft.inprocess_soft_timeout < ft.inprocess_hard_timeout:

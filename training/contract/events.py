@@ -123,6 +123,7 @@ class EventTail:
         self._pending: dict[str, bytes] = {}  # file name -> a last line still without its newline
         self.unreadable: dict[str, str] = {}  # file name -> the error of the last read
         self.behind = False
+        self._mid_line: dict[str, int] = {}  # file name -> the start of a line begun before `from_now`, skipped
 
     @classmethod
     def from_offsets(cls, run_dir: str | os.PathLike, offsets: dict[str, int]) -> EventTail:
@@ -133,14 +134,21 @@ class EventTail:
 
     @classmethod
     def from_now(cls, run_dir: str | os.PathLike) -> EventTail:
-        """A tail whose first `read_new` returns only what is appended after this call."""
+        """A tail whose first `read_new` returns only the records appended after this call. A line being written
+        at this instant began before it: it is skipped, and the tail starts at the next whole line."""
         directory = events_dir(run_dir)
-        return cls.from_offsets(run_dir, {path.name: path.stat().st_size
-                                          for path in (directory.glob("*.jsonl") if directory.is_dir() else ())})
+        tail = cls(run_dir)
+        for path in directory.glob("*.jsonl") if directory.is_dir() else ():
+            size = path.stat().st_size
+            tail._offsets[path.name] = size
+            if (start := _line_start(path, size)) < size:
+                tail._mid_line[path.name] = start
+        return tail
 
     def offsets(self) -> dict[str, int]:
         """How far each file has been read, to the end of its last complete line (`from_offsets` goes on there)."""
-        return {name: offset - len(self._pending.get(name, b"")) for name, offset in self._offsets.items()}
+        return {name: self._mid_line.get(name, offset - len(self._pending.get(name, b"")))
+                for name, offset in self._offsets.items()}
 
     def read_new(self, limit: int = -1) -> list[dict[str, Any]]:
         directory = events_dir(self.run_dir)
@@ -162,9 +170,28 @@ class EventTail:
             self._offsets[path.name] = f.tell()
         self.behind |= 0 < limit <= len(new)
         data = self._pending.get(path.name, b"") + new
+        if path.name in self._mid_line:  # the rest of a line begun before from_now: up to its newline
+            _, newline, data = data.partition(b"\n")
+            if not newline:
+                return []
+            del self._mid_line[path.name]
         complete, _, pending = data.rpartition(b"\n")
         self._pending[path.name] = pending
         return list(_parse(complete.decode(errors="replace").split("\n")))  # str: json.loads needs no detection
+
+
+def _line_start(path: Path, size: int, chunk: int = 1 << 16) -> int:
+    """The offset just after the last newline in the first `size` bytes of `path` (0: none)."""
+    with path.open("rb") as f:
+        end = size
+        while end > 0:
+            begin = max(0, end - chunk)
+            f.seek(begin)
+            newline = f.read(end - begin).rfind(b"\n")
+            if newline >= 0:
+                return begin + newline + 1
+            end = begin
+    return 0
 
 
 def record_attempt(run_dir: str | os.PathLike, attempt: int, restart_kind: str) -> None:

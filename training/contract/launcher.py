@@ -31,6 +31,23 @@ SAVE_DELAY_ENV = "TRAINING_EMULATED_SAVE_DELAY_S"
 LAUNCHER_EXIT_MARGIN_S = 30
 
 
+# ft_launcher's --workers-stop-timeout when none is given (NVRx 0.7.0 fault_tolerance/launcher.py, 15 s): after a
+# fault, a survivor's launcher SIGKILLs ranks still alive this long after its SIGTERM. The Job passes none.
+WORKERS_STOP_TIMEOUT_S = 15
+# After its ranks stopped, a survivor's launcher finds the open round by polling the store once a second (NVRx
+# 0.7.0 ft_rendezvous_barrier.py, Step 0), and a launcher still on the round before syncs to it there (its
+# stale-round scan): a few polls, with room for a loaded machine.
+REJOIN_POLLS_S = 3
+
+
+def rendezvous_last_call_s(ft: FaultToleranceConfig, workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> int:
+    """How long a restart round waits for the previous round's nodes before it takes hot spares in their place
+    (fault_tolerance.rendezvous_last_call_s; null: a survivor's worker stop and its rejoin polls)."""
+    if ft.rendezvous_last_call_s is not None:
+        return ft.rendezvous_last_call_s
+    return workers_stop_timeout_s + REJOIN_POLLS_S
+
+
 def resume_step_file(checkpoint_dir: str | os.PathLike) -> Path:
     return Path(checkpoint_dir) / RESUME_STEP_FILE
 
@@ -66,13 +83,17 @@ def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[st
     ]
 
 
-def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes: int, spares: int) -> list[str]:
+def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes: int, spares: int,
+                    workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> list[str]:
     """The rendezvous flags of the store (nvrx-control) and of every node's ft_launcher: `nodes`
     training nodes and up to `spares` hot spares. NVRx 0.7.0's barrier rendezvous keeps the world at
-    `nodes`; the others wait as standby and take a failed node's place in the next round."""
+    `nodes`; the others wait as standby and take a failed node's place in the next round, once the
+    survivors had the last call to rejoin (`workers_stop_timeout_s`: the launchers')."""
     return [f"--nnodes={nodes}:{nodes + spares}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", "--rdzv-conf=" + ",".join((
                 f"join_timeout={ft.rendezvous_join_timeout_s:g}", "is_host=false",
+                # the store (is_host) applies it; the launchers parse it as whole seconds
+                f"last_call_timeout={rendezvous_last_call_s(ft, workers_stop_timeout_s)}",
                 # a launcher may start before the store (its pod still pulling the image on a
                 # system node): probe for it this long instead of failing after one connect timeout
                 f"store_connect_wait_seconds={ft.rendezvous_join_timeout_s:.0f}"))]
@@ -95,13 +116,14 @@ def rendezvous_endpoint(command: list[str]) -> str | None:
 
 
 def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, spares: int,
-                  bin_dir: str = "") -> list[str]:
+                  bin_dir: str = "", workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> list[str]:
     """The rendezvous store, off the training nodes: NVRx 0.7.0's `nvrx-control` owns the TCPStore and
     closes every round, so every node's ft_launcher is a client (is_host=false) and losing any node,
     index 0 too, costs the same. The store listens on `port` of every interface of its host (its own
     client connects over loopback). It exits when the rendezvous shuts down: the run ended, or a
     launcher stopped for good."""
-    return [os.path.join(bin_dir, "nvrx-control"), *rendezvous_args(ft, f"127.0.0.1:{port}", run_id, nodes, spares),
+    return [os.path.join(bin_dir, "nvrx-control"), *rendezvous_args(ft, f"127.0.0.1:{port}", run_id, nodes, spares,
+                                                                    workers_stop_timeout_s),
             "--ft-enable-log-server=false"]  # the launchers write their own logs
 
 

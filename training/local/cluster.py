@@ -83,6 +83,9 @@ from training.report.cli import write_report
 from training.report.goodput import ReportError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# SIGKILL a node's workers still alive this long after its launcher's SIGTERM (ft_launcher's default: 15 s); the
+# restart round's last call for the survivors follows it (training.contract.launcher.rendezvous_last_call_s)
+WORKERS_STOP_TIMEOUT_S = 5
 DEMO_FAULTS = ("exception@60:rank=1", "sigkill@140:rank=3")
 # The demo: tiny model, async checkpoints every 20 steps, short gloo timeouts (a CPU collective
 # cannot be aborted; a short timeout bounds how long survivors of a fault can hang).
@@ -193,7 +196,8 @@ class Cluster:
         with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
             command = [sys.executable, "-m", "training.pod.store", "--config", str(self.config_path), "--",
                        *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
-                                      self.spares, bin_dir=str(Path(sys.executable).parent))]
+                                      self.spares, bin_dir=str(Path(sys.executable).parent),
+                                      workers_stop_timeout_s=WORKERS_STOP_TIMEOUT_S)]
             self.store = psutil.Popen(command,
                                       cwd=REPO_ROOT, env=self.env(), stdout=log_file, stderr=log_file,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
@@ -206,10 +210,10 @@ class Cluster:
             *launcher_wrapper(ft, sys.executable),
             str(Path(sys.executable).parent / "ft_launcher"),
             *rendezvous_args(self.cfg.fault_tolerance, f"{self.store_host}:{self.store_port}", self.run_id,
-                             self.training_nodes, self.spares),
+                             self.training_nodes, self.spares, WORKERS_STOP_TIMEOUT_S),
             *([f"--local-addr={node.machine.address}"] if node.machine else []),  # what its peers dial
             f"--nproc-per-node={self.nproc_per_node}",
-            "--workers-stop-timeout=5",  # SIGKILL workers still alive 5 s after SIGTERM (default 30 s)
+            f"--workers-stop-timeout={WORKERS_STOP_TIMEOUT_S}",
             *launcher_ft_args(ft, str(resume_step_file(self.cfg.checkpoint_dir))),
             *worker_entrypoint(ft), "--config", str(self.config_path),
         ]

@@ -63,10 +63,12 @@ import math
 import os
 import pickle
 import queue
+import re
 import statistics
 import threading
 import time
 import zlib
+from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -191,6 +193,8 @@ class NodeMemory:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
+    _NAMED = re.compile(r"shard(\d{5})-slot\d+\.")  # a (shard, slot)'s files, in _name's format
+
     @staticmethod
     def _name(shard: int, slot: int) -> str:
         return f"shard{shard:05d}-slot{slot}"
@@ -219,7 +223,7 @@ class NodeMemory:
 
     def copies(self) -> list[Copy]:
         found = []
-        for ok in sorted(self.root.glob("*.ok")):
+        for ok in sorted(self.root.glob("shard*-slot*.ok")):  # not an older format's record
             try:
                 found.append(Copy(**json.loads(ok.read_text())))
             except (OSError, ValueError, TypeError):
@@ -250,11 +254,13 @@ class NodeMemory:
         self._drop(keep, spare=set())
 
     def _drop(self, keep: set[int], spare: set[str]) -> None:
-        """Remove the files of shards not in `keep`, but those of the (shard, slot) names in `spare`."""
+        """Remove the files of shards not in `keep`, but those of the (shard, slot) names in `spare`, and every
+        file not named as a copy's (an older format's: `own-shard…`, `replica-shard…`), which nothing reads."""
         for path in self.root.iterdir():
-            shard = path.name.removeprefix("shard")[:5]
-            if shard.isdigit() and int(shard) not in keep and path.name.split(".")[0] not in spare:
-                path.unlink(missing_ok=True)
+            named = self._NAMED.match(path.name)
+            if named is None or (int(named[1]) not in keep and path.name.split(".")[0] not in spare):
+                if path.is_file():
+                    path.unlink(missing_ok=True)
 
 
 def memory_root(configured: str | None, run_dir: str) -> Path:
@@ -290,7 +296,9 @@ class PeerState:
         self._saves = 0
         self._window: list[tuple[float, float]] = []  # (copy s, step s) of the saves measured since the last agreement
         self._window_first = 0  # the number of the window's first save
-        self.send_times: list[float] = []  # the replication thread's seconds for each save, in order
+        # the replication thread's seconds for each of the latest saves, in order: as many as a measuring window
+        # (RECHECK_SAVES) reads, not one per save for the life of the process
+        self.send_times: deque[float] = deque(maxlen=RECHECK_SAVES)
         self.chosen_at: int | None = None  # the step at which the interval was settled, or last changed
         # What a drain weighs (training/train/drain.py): the newest step copied and its copy's seconds on the
         # training thread; `send_s`, the last send's.
@@ -462,8 +470,10 @@ class PeerState:
             return
         step_s = max(statistics.median(s for _, s in self._window), 1e-9)
         copy_ratio = statistics.median(c / max(s, 1e-9) for c, s in self._window)
-        # every save before this one has been sent (save waited for it): the same sends on every rank
-        sends = self.send_times[self._window_first - 1:self._saves - 1]
+        # every save before this one has been sent (save waited for it): the same sends on every rank, the window's
+        # saves but this one
+        window_sends = self._saves - self._window_first
+        sends = list(self.send_times)[-window_sends:] if window_sends else []
         send_steps = statistics.median(sends) / step_s if sends else 0.0
         measured = torch.tensor([copy_ratio, send_steps], dtype=torch.float64)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
