@@ -39,7 +39,7 @@ def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[
                 max(0.0, recovery[name].median_recovery_s - injob))
 
     detect = ("survivors detect the lost peer (NVRx step section timeout)", d.lost_peer_detection_s)
-    evict = ("node NotReady, toleration, pod replaced", d.node_not_ready_s + d.toleration_s + d.pod_replacement_s)
+    evict = ("node NotReady, toleration, pod replaced", d.lost_pod_replaced_s)
     restart = ("workers of every node restart on p5 (AWS post, in-job)", d.gpu_restart_s)
     new_node = ("a new p5 node boots and joins, in parallel with the eviction", max(0.0, d.node_boot_join_s - evict[1]))
     hung_pod_deleted = ("node NotReady, then out of service: PodGC force-deletes its pod",

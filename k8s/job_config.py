@@ -111,6 +111,12 @@ class JobConfig:
         return self.nodes + self.spares
 
     @property
+    def lost_pod_replaced_s(self) -> float:
+        """From a node's loss to its pod's replacement (NotReady, this Job's toleration, the new pod): the
+        soonest that replacement can join a restart round (training.contract.launcher.rendezvous_last_call_s)."""
+        return EKS.node_not_ready_s + self.node_failure_toleration_s + EKS.pod_replacement_s
+
+    @property
     def store_name(self) -> str:
         """The rendezvous store's Deployment and Service."""
         return f"{self.name}-rendezvous"

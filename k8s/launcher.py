@@ -41,7 +41,7 @@ def launcher_args(job: JobConfig) -> list[str]:
     # (training.contract.launcher).
     ft = job.train.fault_tolerance
     return [
-        *rendezvous_args(ft, job.rendezvous_endpoint, job.name, job.nodes, job.spares),
+        *rendezvous_args(ft, job.rendezvous_endpoint, job.name, job.nodes, job.spares, job.lost_pod_replaced_s),
         "--nproc-per-node", str(job.instance.gpus),
         "--ft-cfg-path", FT_CONFIG_PATH,
         *launcher_ft_args(ft, str(resume_step_file(job.train.checkpoint_dir))),

@@ -293,7 +293,8 @@ def _store_container(job: JobConfig, train_config: _ConfigFile) -> dict:
         "imagePullPolicy": "IfNotPresent",
         # training.pod.store starts nvrx-control over when the run stalls with no node left to open a round
         "command": ["python", "-m", "training.pod.store", "--config", train_config.path, "--",
-                    *store_command(job.train.fault_tolerance, RENDEZVOUS_PORT, job.name, job.nodes, job.spares)],
+                    *store_command(job.train.fault_tolerance, RENDEZVOUS_PORT, job.name, job.nodes, job.spares,
+                                  job.lost_pod_replaced_s)],
         "ports": [{"name": STORE_COMPONENT, "containerPort": RENDEZVOUS_PORT}],
         # A TCPStore of a few dozen nodes holds kilobytes: the Python process (torch imported) is the cost.
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},

@@ -21,7 +21,8 @@ from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s_render import fitting
 from training.contract.config import RESTART_MODES, load_train_config
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS
-from training.contract.launcher import REJOIN_POLLS_S, RESUME_STEP_FILE, STORE_ENDPOINT_ENV, WORKERS_STOP_TIMEOUT_S
+from training.contract.launcher import (NVRX_LAST_CALL_S, REJOIN_POLLS_S, RESUME_STEP_FILE, STORE_ENDPOINT_ENV,
+                                       WORKERS_STOP_TIMEOUT_S, rendezvous_last_call_s)
 from training.pod.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +67,8 @@ def test_installed_ft_launcher_parses_the_command(render, instance_type, mode):
     conf = dict(kv.split("=") for kv in args.rdzv_conf.split(","))
     join_timeout = train.fault_tolerance.rendezvous_join_timeout_s
     assert conf == {"join_timeout": f"{join_timeout:g}", "is_host": "false",  # a client of the store
-                    "last_call_timeout": str(WORKERS_STOP_TIMEOUT_S + REJOIN_POLLS_S),  # the store's gate, below
+                    # one spare, replacements after NotReady: no survivor can lose its place (below)
+                    "last_call_timeout": str(NVRX_LAST_CALL_S),
                     "store_connect_wait_seconds": f"{join_timeout:.0f}"}  # which may start later than this pod
     assert args.ft_restart_policy == "any-failed"
     assert args.max_restarts == train.fault_tolerance.max_restarts_total  # in every mode
@@ -97,27 +99,54 @@ def test_installed_nvrx_control_parses_the_store_command_of_the_same_rendezvous(
     assert store_args.ft_enable_log_server is False
 
 
+def _store_gate(store_deployment: dict, previous_active: dict):
+    """The store's last-call gate, as NVRx 0.7.0 builds it from the store command of `store_deployment`."""
+    from nvidia_resiliency_ext.fault_tolerance.ft_rendezvous_barrier import _PreviousActiveLastCallGate
+
+    (container,) = store_deployment["spec"]["template"]["spec"]["containers"]
+    argv = container["command"][container["command"].index("--") + 2:]
+    conf = nvrx_control._parse_rendezvous_config(nvrx_control.get_args_parser().parse_args(argv).rdzv_conf)
+    timeout = float(conf["last_call_timeout"])
+    return _PreviousActiveLastCallGate(previous_active, timeout_seconds=timeout, enabled=True), timeout
+
+
 def test_a_restart_round_keeps_a_survivors_place_while_it_stops_its_ranks(render):
     """Issue 23's lost peer state: after node 1's loss, the hot spare and node 1's quick replacement made the
     next round while node 0, the survivor holding every copy, was still stopping its rank; NVRx's store waited
     its default 1 s for the previous round's nodes ("Previous-active last_call expired; closing round without
-    infra ranks"), node 0 stood by, and the resume fell back to the checkpoint. The store's gate, as NVRx 0.7.0
-    builds it from the store command, keeps the round open for a survivor whose launcher SIGKILLs its ranks at
-    the worker-stop timeout and then polls for the round."""
-    from nvidia_resiliency_ext.fault_tolerance.ft_rendezvous_barrier import _PreviousActiveLastCallGate
-
-    (container,) = render().store["spec"]["template"]["spec"]["containers"]
-    argv = container["command"][container["command"].index("--") + 2:]
-    conf = nvrx_control._parse_rendezvous_config(nvrx_control.get_args_parser().parse_args(argv).rdzv_conf)
-    gate = _PreviousActiveLastCallGate({0: None, 1: None}, timeout_seconds=float(conf["last_call_timeout"]),
-                                       enabled=True)
-    spares = [("spare", 2, 0, None), ("replacement", 3, 0, None)]  # enough to train without node 0
+    infra ranks"), node 0 stood by, and the resume fell back to the checkpoint. With two spares the round can
+    fill without node 0, and the store's gate keeps it open for a survivor whose launcher SIGKILLs its ranks
+    at the worker-stop timeout and then polls for the round."""
+    gate, timeout = _store_gate(render("--nodes", "2", "--spares", "2").store, {0: None, 1: None})
+    spares = [("spare", 2, 0, None), ("spare", 3, 0, None)]  # enough to train without node 0
     assert not gate.evaluate(spares, now=0.0).should_close
     survivor_back = WORKERS_STOP_TIMEOUT_S + 2.0  # its ranks killed, then two of NVRx's once-a-second polls
     assert not gate.evaluate(spares, now=survivor_back).should_close
     # it closes with node 0 back at the deadline: NVRx cannot tell lost node 1 from a late survivor
-    closing = gate.evaluate([*spares, ("node 0", 0, 0, None)], now=float(conf["last_call_timeout"]))
+    closing = gate.evaluate([*spares, ("node 0", 0, 0, None)], now=timeout)
     assert closing.should_close and closing.missing_previous_active == (1,)
+
+
+def test_with_one_spare_a_node_loss_waits_no_longer_than_nvrxs_last_call(render):
+    """With one spare the round is full only with every survivor in it (node 1's pod is replaced after
+    NotReady and the toleration, 85 s): a long last call would keep no survivor's place, and every node loss
+    would wait it out for the lost node."""
+    job = render()
+    gate, timeout = _store_gate(job.store, {0: None, 1: None})
+    round_without_node_1 = [("node 0", 0, 0, None), ("spare", 2, 0, None)]
+    assert timeout == NVRX_LAST_CALL_S
+    assert gate.evaluate(round_without_node_1, now=0.0).should_close is False
+    assert gate.evaluate(round_without_node_1, now=NVRX_LAST_CALL_S).should_close
+
+
+def test_the_local_clusters_quick_replacement_keeps_a_survivors_place():
+    """training.local replaces a lost node's launcher at once by default (--replacement-delay 0): with one
+    spare, the spare and that replacement fill the round without a slow survivor, so the wait is the
+    survivor's worker stop and polls; a replacement later than that needs none, two spares always do."""
+    ft = load_train_config(REPO / "k8s" / "train.yaml").fault_tolerance
+    assert rendezvous_last_call_s(ft, spares=1, replacement_s=0.0, workers_stop_timeout_s=5) == 5 + REJOIN_POLLS_S
+    assert rendezvous_last_call_s(ft, spares=1, replacement_s=30.0, workers_stop_timeout_s=5) == NVRX_LAST_CALL_S
+    assert rendezvous_last_call_s(ft, spares=2, replacement_s=30.0, workers_stop_timeout_s=5) == 5 + REJOIN_POLLS_S
 
 
 def test_the_image_has_nvrx_control_on_its_path():

@@ -123,7 +123,7 @@ def test_headless_service_names_the_pods_and_the_store_service_is_the_rendezvous
     assert f"--rdzv-endpoint={host}:{RENDEZVOUS_PORT}" in r.container["args"]
     [conf] = [a.removeprefix("--rdzv-conf=") for a in r.container["args"] if a.startswith("--rdzv-conf=")]
     assert dict(kv.split("=") for kv in conf.split(",")) == {
-        "join_timeout": "1800", "is_host": "false", "last_call_timeout": "18", "store_connect_wait_seconds": "1800"}
+        "join_timeout": "1800", "is_host": "false", "last_call_timeout": "1", "store_connect_wait_seconds": "1800"}
 
 
 def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):

@@ -209,8 +209,10 @@ class FaultToleranceConfig:
               "first); one left out stands by while a spare, or an early replacement, trains in its place, and the "
               "peer-state copies in its memory are lost to the run (the resume falls back to the checkpoint). NVRx "
               "cannot tell a lost node from a late survivor, so each node loss with a spare waits this long. null: "
-              "the launchers' worker-stop timeout plus NVRx's rejoin polls (training/contract/launcher.py "
-              "rendezvous_last_call_s: 18 s on the cluster, 8 s on the local one).")
+              "where the round could fill without a survivor (two spares or more, or a lost node's replacement "
+              "sooner than a survivor is back), the launchers' worker-stop timeout plus NVRx's rejoin polls (18 s "
+              "on the cluster, 8 s on the local one); else NVRx's 1 s (training/contract/launcher.py "
+              "rendezvous_last_call_s).")
     inprocess_max_restarts: int = _doc(3, "per process: the Wrapper's restarts in a row without progress")
     inprocess_soft_timeout: float = _doc(60.0, f"{_INPROCESS}. A rank making no progress for this long makes "
                                                "every rank restart in-process.")

@@ -54,6 +54,11 @@ class KubernetesDelays:
     # ft_launcher on 2-8 p5 nodes.
     gpu_restart_s: float = 17.0
 
+    @property
+    def lost_pod_replaced_s(self) -> float:
+        """From a node's loss to its pod's replacement being created: NotReady, the toleration, the Job's new pod."""
+        return self.node_not_ready_s + self.toleration_s + self.pod_replacement_s
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

@@ -38,14 +38,26 @@ WORKERS_STOP_TIMEOUT_S = 15
 # 0.7.0 ft_rendezvous_barrier.py, Step 0), and a launcher still on the round before syncs to it there (its
 # stale-round scan): a few polls, with room for a loaded machine.
 REJOIN_POLLS_S = 3
+# NVRx 0.7.0's last_call_timeout when none is given (ft_rendezvous_barrier.py, RendezvousTimeout)
+NVRX_LAST_CALL_S = 1
 
 
-def rendezvous_last_call_s(ft: FaultToleranceConfig, workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> int:
+def rendezvous_last_call_s(ft: FaultToleranceConfig, spares: int, replacement_s: float,
+                           workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> int:
     """How long a restart round waits for the previous round's nodes before it takes hot spares in their place
-    (fault_tolerance.rendezvous_last_call_s; null: a survivor's worker stop and its rejoin polls)."""
+    (fault_tolerance.rendezvous_last_call_s). null: a survivor's worker stop and its rejoin polls where the
+    round could reach its size without that survivor, else NVRx's 1 s. After one node's loss the round holds
+    the survivors, the spares and a replacement already started: without a survivor it is full only with two
+    spares or more, or with one spare and the lost node's replacement (`replacement_s` after the loss) joining
+    before the survivor is back. Otherwise the long wait keeps no survivor's place, and every node loss would
+    wait it out for the lost node, which NVRx cannot tell from a late survivor (without spares NVRx waits for
+    every node anyway)."""
     if ft.rendezvous_last_call_s is not None:
         return ft.rendezvous_last_call_s
-    return workers_stop_timeout_s + REJOIN_POLLS_S
+    survivor_back_s = workers_stop_timeout_s + REJOIN_POLLS_S
+    if spares >= 2 or (spares == 1 and replacement_s < survivor_back_s):
+        return survivor_back_s
+    return NVRX_LAST_CALL_S
 
 
 def resume_step_file(checkpoint_dir: str | os.PathLike) -> Path:
@@ -84,16 +96,17 @@ def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[st
 
 
 def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes: int, spares: int,
-                    workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> list[str]:
+                    replacement_s: float, workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> list[str]:
     """The rendezvous flags of the store (nvrx-control) and of every node's ft_launcher: `nodes`
     training nodes and up to `spares` hot spares. NVRx 0.7.0's barrier rendezvous keeps the world at
     `nodes`; the others wait as standby and take a failed node's place in the next round, once the
-    survivors had the last call to rejoin (`workers_stop_timeout_s`: the launchers')."""
+    survivors had the last call to rejoin (rendezvous_last_call_s: a lost node's replacement starts
+    `replacement_s` after its loss; `workers_stop_timeout_s` is the launchers')."""
     return [f"--nnodes={nodes}:{nodes + spares}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={run_id}", "--rdzv-conf=" + ",".join((
                 f"join_timeout={ft.rendezvous_join_timeout_s:g}", "is_host=false",
                 # the store (is_host) applies it; the launchers parse it as whole seconds
-                f"last_call_timeout={rendezvous_last_call_s(ft, workers_stop_timeout_s)}",
+                f"last_call_timeout={rendezvous_last_call_s(ft, spares, replacement_s, workers_stop_timeout_s)}",
                 # a launcher may start before the store (its pod still pulling the image on a
                 # system node): probe for it this long instead of failing after one connect timeout
                 f"store_connect_wait_seconds={ft.rendezvous_join_timeout_s:.0f}"))]
@@ -115,7 +128,7 @@ def rendezvous_endpoint(command: list[str]) -> str | None:
     return None
 
 
-def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, spares: int,
+def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, spares: int, replacement_s: float,
                   bin_dir: str = "", workers_stop_timeout_s: int = WORKERS_STOP_TIMEOUT_S) -> list[str]:
     """The rendezvous store, off the training nodes: NVRx 0.7.0's `nvrx-control` owns the TCPStore and
     closes every round, so every node's ft_launcher is a client (is_host=false) and losing any node,
@@ -123,7 +136,7 @@ def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, 
     client connects over loopback). It exits when the rendezvous shuts down: the run ended, or a
     launcher stopped for good."""
     return [os.path.join(bin_dir, "nvrx-control"), *rendezvous_args(ft, f"127.0.0.1:{port}", run_id, nodes, spares,
-                                                                    workers_stop_timeout_s),
+                                                                    replacement_s, workers_stop_timeout_s),
             "--ft-enable-log-server=false"]  # the launchers write their own logs
 
 

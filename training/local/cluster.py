@@ -196,7 +196,7 @@ class Cluster:
         with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
             command = [sys.executable, "-m", "training.pod.store", "--config", str(self.config_path), "--",
                        *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
-                                      self.spares, bin_dir=str(Path(sys.executable).parent),
+                                      self.spares, self.replacement_delay_s, bin_dir=str(Path(sys.executable).parent),
                                       workers_stop_timeout_s=WORKERS_STOP_TIMEOUT_S)]
             self.store = psutil.Popen(command,
                                       cwd=REPO_ROOT, env=self.env(), stdout=log_file, stderr=log_file,
@@ -210,7 +210,7 @@ class Cluster:
             *launcher_wrapper(ft, sys.executable),
             str(Path(sys.executable).parent / "ft_launcher"),
             *rendezvous_args(self.cfg.fault_tolerance, f"{self.store_host}:{self.store_port}", self.run_id,
-                             self.training_nodes, self.spares, WORKERS_STOP_TIMEOUT_S),
+                             self.training_nodes, self.spares, self.replacement_delay_s, WORKERS_STOP_TIMEOUT_S),
             *([f"--local-addr={node.machine.address}"] if node.machine else []),  # what its peers dial
             f"--nproc-per-node={self.nproc_per_node}",
             f"--workers-stop-timeout={WORKERS_STOP_TIMEOUT_S}",
