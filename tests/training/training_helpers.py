@@ -16,15 +16,15 @@ from training.train.final_state import bitwise_mismatch, load_final_state  # loa
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The fault runs' common shape (tests/training/conftest.py's `reference` is their uninterrupted run).
-STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
+STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S, RANKS, GLOBAL_BATCH = 20, 5, 30, 2, 8
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
           "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
           # each of the 2 ranks accumulates 2 micro-batches of 2 (training.global_batch_size): every exact
           # resume below covers gradient accumulation, with FSDP2's reduce after the last micro-batch only
-          "training.batch_size=2", "training.global_batch_size=8",
+          "training.batch_size=2", f"training.global_batch_size={GLOBAL_BATCH}",
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
           "fault_tolerance.timeout_safety_factor=50")
-# Both shapes have world size 2 with the same shards: one uninterrupted run is the reference of all.
+# Both shapes have world size RANKS (2) with the same shards: one uninterrupted run is the reference of all.
 ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
 TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")
 
