@@ -106,7 +106,7 @@ def test_persistent_fault_fires_on_every_attempt(tmp_path):
 
 # ---- the matrix in the local cluster -------------------------------------------------------------
 
-REPLACEMENT_DELAY_S = 30  # with a hot spare: far longer than the spare needs to take over
+REPLACEMENT_DELAY_S = 20  # with a hot spare: 2x its takeover at load 10 (3.5 s idle); the run's end waits it out
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
 SAMPLE_LOG = "logging.sample_log=true"  # each rank's sample indices per step: the exactly-once data check
 
