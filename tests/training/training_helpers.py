@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from training.contract.events import read_events
+from training.contract.launcher import free_port
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +85,56 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 def events_named(run_dir: Path, name: str) -> list[dict]:
     """The run's events of one kind (training.contract.events), in time order."""
     return [e for e in read_events(run_dir) if e["event"] == name]
+
+
+Metrics = dict[tuple[str, tuple], float]  # (name, sorted labels) -> value
+
+
+def scrape(port: int) -> Metrics:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrape_when(port: int, ready, timeout: float = 60) -> Metrics:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            metrics = scrape(port)
+            if ready(metrics):
+                return metrics
+        except OSError:  # not bound yet, or between the old rank 0 and the new
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"no scrape of port {port} met the condition within {timeout} s")
+
+
+@dataclass
+class StoppedRun:
+    run_dir: Path
+    returncode: int
+    output: str
+    metrics: Metrics  # rank 0's endpoint, scraped once step SCRAPED_STEP was reached
+    tree: list[psutil.Process]  # every process the controller had started, just before Ctrl-C
+
+
+SCRAPED_STEP = 25
+
+
+def run_stopped_by_ctrl_c(run_dir: Path) -> StoppedRun:
+    """2 nodes x 1 rank with rank 0's metrics endpoint, no end in sight: rank 1 fails at step 15 (ft_launcher
+    restarts the whole group, and the new rank 0 binds the port again); once step SCRAPED_STEP is reached, the
+    endpoint is scraped, the process tree noted, and the controller gets SIGINT (Ctrl-C)."""
+    port = free_port()
+    proc = start_local(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "100000",
+                       "--faults", "exception@15:rank=1", f"metrics.port={port}", "metrics.event_log_refresh_s=0",
+                       "checkpoint.interval=10", "fault_tolerance.timeout_safety_factor=50")
+    try:
+        wait_for_step(run_dir, SCRAPED_STEP, proc)
+        metrics = scrape_when(port, lambda m: m.get(("training_step", ()), 0) >= SCRAPED_STEP)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    return StoppedRun(run_dir, proc.returncode, out, metrics, tree)
