@@ -223,6 +223,10 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _fake_peer_sizes(presets):
+    return sample_result().peer_sizes
+
+
 @pytest.mark.parametrize("cpus, spare_world", [(2, 1), (16, None)])
 def test_the_spare_cpu_stall_pass_runs_where_the_first_pass_leaves_no_cpu_spare(monkeypatch, tmp_path: Path, cpus,
                                                                                  spare_world) -> None:
@@ -236,12 +240,14 @@ def test_the_spare_cpu_stall_pass_runs_where_the_first_pass_leaves_no_cpu_spare(
     monkeypatch.setattr(run.os, "cpu_count", lambda: cpus)
     monkeypatch.setattr(run, "measure_stall", fake_stall)
     monkeypatch.setattr(run, "measure_floor", lambda world, repeats: FloorResult(1.0, (1.0,), world))
+    monkeypatch.setattr(run, "measure_peer_sizes", _fake_peer_sizes)  # real: ~20 s at the small preset's state
     profile = replace(FULL, mechanisms=())
     result = run.run_bench(profile, tmp_path, "2026-11-30_000000")
     assert specs[0][0] == StallSpec(FULL.state_bytes, 2, FULL.stall_saves, FULL.matmuls_per_step, "cpu")
     spare_figures = [c.figure for c in result.checks if SPARE_CPU_FIGURE in c.figure]
     values = {c.figure: c.measured for c in result.checks}
     assert values["training efficiency, async checkpoints"] == 0.6  # the first pass's, 2 ranks
+    assert result.peer_sizes == sample_result().peer_sizes
     if spare_world is None:
         assert len(specs) == 1 and result.checkpoint_spare_cpu is None and spare_figures == []
         return
@@ -263,6 +269,7 @@ def test_the_rollback_cost_is_measured_on_the_inprocess_run(monkeypatch, tmp_pat
     monkeypatch.setattr(run, "measure_floor", lambda world, repeats: FloorResult(1.0, (1.0,), world))
     monkeypatch.setattr(run, "measure_mechanism", lambda m, p, run_dir: replace(mechanism(1.0), run_dir=str(run_dir)))
     monkeypatch.setattr(run, "measure_rollback", lambda *args: measured.append(args) or sample_result().rollback)
+    monkeypatch.setattr(run, "measure_peer_sizes", _fake_peer_sizes)
     result = run.run_bench(replace(QUICK, mechanisms=("inprocess", "injob")), tmp_path, "x")
     assert measured == [(tmp_path / "inprocess", QUICK.rollback_copy_bytes, "cpu")]
     assert result.rollback == sample_result().rollback

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from training.train.distributed import DistInfo
-from training_helpers import COMMON, ONE_NODE, completed, run_local
+from training_helpers import COMMON, ONE_NODE, StoppedRun, completed, run_local, run_stopped_by_ctrl_c
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,12 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """The uninterrupted run that every fault run of the COMMON shape must end equal to, bit for bit."""
     return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
+
+
+@pytest.fixture(scope="session")
+def stopped_by_ctrl_c(tmp_path_factory) -> StoppedRun:
+    """One run for the metrics endpoint (test_metrics.py) and Ctrl-C (test_local_cluster.py)."""
+    return run_stopped_by_ctrl_c(tmp_path_factory.mktemp("ctrl-c") / "run")
 
 
 @pytest.fixture()

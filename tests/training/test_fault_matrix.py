@@ -5,9 +5,11 @@ uninterrupted run); a persistent fault ends the job after its restart budget. Fi
 parsing and the injector's bookkeeping, in-process."""
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -19,8 +21,8 @@ from training.contract.faults import ENV_VAR, KINDS, FaultSpecError, parse_fault
 from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.faults import FaultInjected, FaultInjector
-from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed,
-                              events_named, load_final_state, run_local)
+from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, GLOBAL_BATCH, ONE_NODE, RANKS, STEPS, TWO_NODES,
+                              assert_bitwise_equal, completed, events_named, load_final_state, run_local)
 
 # ---- specs and the injector, in-process ---------------------------------------------------------
 
@@ -104,8 +106,9 @@ def test_persistent_fault_fires_on_every_attempt(tmp_path):
 
 # ---- the matrix in the local cluster -------------------------------------------------------------
 
-REPLACEMENT_DELAY_S = 30  # with a hot spare: far longer than the spare needs to take over
+REPLACEMENT_DELAY_S = 20  # with a hot spare: 2x its takeover at load 10 (3.5 s idle); the run's end waits it out
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
+SAMPLE_LOG = "logging.sample_log=true"  # each rank's sample indices per step: the exactly-once data check
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ CASES = {
     "node-loss-spare": Case((*TWO_NODES, "--spares", "1", "--replacement-delay", str(REPLACEMENT_DELAY_S)), "sync",
                             "node-loss@12:node=1", 10),
     # rank 1 dies writing the save of step 10: back to step 5
-    "ckpt-crash": Case(ONE_NODE, "async", "ckpt-crash@10:rank=1", 5),
+    "ckpt-crash": Case(ONE_NODE, "async", "ckpt-crash@10:rank=1", 5, (SAMPLE_LOG,)),
     # the saves of steps 10 and 15 fail; training goes on, step 20 commits
     "disk-full": Case(ONE_NODE, "async", "disk-full@8:count=2", None, via_env=True),
 }
@@ -290,9 +293,48 @@ def test_crash_mid_save_never_commits_that_save(fault_run):
     run = fault_run("ckpt-crash")
     [injected] = events_named(run.run_dir, "fault_injected")
     assert (injected["rank"], injected["step"]) == (1, 10)
+    assert (run.run_dir / "faults" / "fired" / parse_fault(CASES["ckpt-crash"].spec).key).is_file()  # once per run
+    assert [(e["attempt"], e["restart_kind"]) for e in events_named(run.run_dir, "attempt_start")] == [
+        (0, "fresh"), (1, "injob")]
     restarted = events_named(run.run_dir, "attempt_start")[1]["t"]
     committed_before = [e["step"] for e in events_named(run.run_dir, "ckpt_committed") if e["t"] < restarted]
     assert committed_before == [5]  # the save of step 10 started but never became visible
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ckpt-crash", "mixed-injob"])
+def test_every_sample_is_consumed_exactly_once_across_restarts(name, fault_run):
+    """ckpt-crash: an async save's crash, steps 6-10 done again; mixed-injob: an exception, a SIGKILL, a lost
+    node, a hang and a corrupt checkpoint, each restart replaying steps. The last time a step ran, its ranks
+    took the samples an uninterrupted run takes, each once."""
+    run = fault_run(name)
+    records_per_step: Counter[int] = Counter()
+    final: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> indices; a replayed step overwrites
+    for path in sorted((run.run_dir / "samples").glob("rank*.jsonl")):
+        rank = int(path.stem.removeprefix("rank"))
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            final[(rank, record["step"])] = record["indices"]
+            records_per_step[record["step"]] += 1
+    assert any(n > RANKS for n in records_per_step.values()), "the faults should have made some steps run twice"
+    assert sorted({step for _, step in final}) == list(range(1, STEPS + 1))
+    counts = Counter(i for indices in final.values() for i in indices)
+    assert sorted(counts) == list(range(STEPS * GLOBAL_BATCH))
+    assert set(counts.values()) == {1}
+
+
+@pytest.mark.slow
+def test_run_ends_with_the_goodput_report_and_timeline(fault_run):
+    run = fault_run("ckpt-crash")
+    out = run.output
+    assert f"Run: completed, final step {STEPS}, 2 attempt(s)" in out
+    assert "Training goodput" in out and "Infra goodput" in out
+    (fault_row,) = [line for line in out.splitlines() if line.strip().startswith("1  ckpt-crash")]
+    # rank 1, in-job restart, 5 steps recomputed (6-10) back to the checkpoint at step 5
+    assert fault_row.split()[2] == "1" and "injob" in fault_row and fault_row.endswith("5 (back to 5)")
+    report = json.loads((run.run_dir / "report.json").read_text())
+    assert report["faults"][0]["time_lost_s"] > 0 and report["final_loss"] < report["first_loss"]
+    assert (run.run_dir / "timeline.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow
@@ -376,7 +418,7 @@ def test_fifty_faults_of_every_kind_with_the_default_budgets_run_to_completion(t
 # 2-core box. The injob run is also the hang's and the corrupt checkpoint's own test (above).
 MIXED = ("exception@3:rank=1", "sigkill@7:rank=1", "node-loss@11:node=0", "hang@14:rank=1", "corrupt-ckpt@18")
 MIXED_OVERRIDES = {
-    "injob": ("fault_tolerance.timeout_safety_factor=20",),
+    "injob": ("fault_tolerance.timeout_safety_factor=20", SAMPLE_LOG),
     "both": ("fault_tolerance.timeout_safety_factor=5", "fault_tolerance.inprocess_soft_timeout=4",
              "fault_tolerance.inprocess_hard_timeout=15"),
 }

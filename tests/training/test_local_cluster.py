@@ -3,7 +3,6 @@
 These test it as the adapter of the Job's rules; what the rules decide, case by case, test_job_rules.py tests."""
 from __future__ import annotations
 
-import signal
 import subprocess
 
 import psutil
@@ -51,16 +50,12 @@ def test_controller_replaces_a_dead_node(tmp_path):
     assert not _alive(orphans)
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "100000",
-                  "fault_tolerance.timeout_safety_factor=50")
-    _wait_for_step(run_dir, 3, proc)
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    assert len(tree) >= 9  # the store; 2 nodes, each training.pod.launch, ft_launcher, a rank and a rank monitor at least
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out[-3000:]
-    assert not _alive(tree), [p.pid for p in _alive(tree)]
-    assert "stop requested" in out
-    assert [e["status"] for e in read_events(run_dir) if e["event"] == "run_end"] == ["stopped"]
+def test_ctrl_c_stops_every_process(stopped_by_ctrl_c):
+    """The run: training_helpers.run_stopped_by_ctrl_c (its metrics: test_metrics.py)."""
+    run = stopped_by_ctrl_c
+    # the store; 2 nodes, each training.pod.launch, ft_launcher, a rank and a rank monitor at least
+    assert len(run.tree) >= 9
+    assert run.returncode == 130, run.output[-3000:]
+    assert not _alive(run.tree), [p.pid for p in _alive(run.tree)]
+    assert "stop requested" in run.output
+    assert [e["status"] for e in read_events(run.run_dir) if e["event"] == "run_end"] == ["stopped"]

@@ -1,55 +1,19 @@
 """Rank 0's Prometheus endpoint, scraped during a real local-cluster run, against the run's event log."""
 from __future__ import annotations
 
-import signal
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from training.contract.events import read_events
-from training.contract.launcher import free_port
 from training.report.goodput import build_report
-from training_helpers import start_local, wait_for_step
 
 pytestmark = pytest.mark.slow
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _scrape_when(port: int, ready, timeout: float = 60) -> dict[tuple[str, tuple], float]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            metrics = _scrape(port)
-            if ready(metrics):
-                return metrics
-        except OSError:  # not bound yet, or between the old rank 0 and the new
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"no scrape of port {port} met the condition within {timeout} s")
-
-
-def test_rank0_metrics_match_the_event_log(tmp_path: Path):
-    run_dir, port = tmp_path / "run", free_port()
-    # rank 1 fails at step 15: ft_launcher restarts the whole group, and the new rank 0 binds the port again
-    proc = start_local(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "100000",
-                       "--faults", "exception@15:rank=1", f"metrics.port={port}", "metrics.event_log_refresh_s=0",
-                       "checkpoint.interval=10", "fault_tolerance.timeout_safety_factor=50")
-    try:
-        wait_for_step(run_dir, 25, proc)
-        metrics = _scrape_when(port, lambda m: m.get(("training_step", ()), 0) >= 25)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-
+def test_rank0_metrics_match_the_event_log(stopped_by_ctrl_c):
+    """The run: training_helpers.run_stopped_by_ctrl_c (rank 1 fails at step 15, scraped at step 25)."""
+    run_dir, metrics = stopped_by_ctrl_c.run_dir, stopped_by_ctrl_c.metrics
     events = read_events(run_dir)
     value = lambda name, **labels: metrics[(name, tuple(sorted(labels.items())))]  # noqa: E731
     step = int(value("training_step"))

@@ -2,29 +2,34 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from training.contract.events import read_events
+from training.contract.launcher import free_port
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The fault runs' common shape (tests/training/conftest.py's `reference` is their uninterrupted run).
-STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S = 20, 5, 30
+STEPS, INTERVAL, COLLECTIVE_TIMEOUT_S, RANKS, GLOBAL_BATCH = 20, 5, 30, 2, 8
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.save_final=true",
           "logging.log_interval=10", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
           # each of the 2 ranks accumulates 2 micro-batches of 2 (training.global_batch_size): every exact
           # resume below covers gradient accumulation, with FSDP2's reduce after the last micro-batch only
-          "training.batch_size=2", "training.global_batch_size=8",
+          "training.batch_size=2", f"training.global_batch_size={GLOBAL_BATCH}",
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
           "fault_tolerance.timeout_safety_factor=50")
-# Both shapes have world size 2 with the same shards: one uninterrupted run is the reference of all.
+# Both shapes have world size RANKS (2) with the same shards: one uninterrupted run is the reference of all.
 ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
 TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")
 
@@ -80,3 +85,56 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 def events_named(run_dir: Path, name: str) -> list[dict]:
     """The run's events of one kind (training.contract.events), in time order."""
     return [e for e in read_events(run_dir) if e["event"] == name]
+
+
+Metrics = dict[tuple[str, tuple], float]  # (name, sorted labels) -> value
+
+
+def scrape(port: int) -> Metrics:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrape_when(port: int, ready, timeout: float = 60) -> Metrics:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            metrics = scrape(port)
+            if ready(metrics):
+                return metrics
+        except OSError:  # not bound yet, or between the old rank 0 and the new
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"no scrape of port {port} met the condition within {timeout} s")
+
+
+@dataclass
+class StoppedRun:
+    run_dir: Path
+    returncode: int
+    output: str
+    metrics: Metrics  # rank 0's endpoint, scraped once step SCRAPED_STEP was reached
+    tree: list[psutil.Process]  # every process the controller had started, just before Ctrl-C
+
+
+SCRAPED_STEP = 25
+
+
+def run_stopped_by_ctrl_c(run_dir: Path) -> StoppedRun:
+    """2 nodes x 1 rank with rank 0's metrics endpoint, no end in sight: rank 1 fails at step 15 (ft_launcher
+    restarts the whole group, and the new rank 0 binds the port again); once step SCRAPED_STEP is reached, the
+    endpoint is scraped, the process tree noted, and the controller gets SIGINT (Ctrl-C)."""
+    port = free_port()
+    proc = start_local(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "100000",
+                       "--faults", "exception@15:rank=1", f"metrics.port={port}", "metrics.event_log_refresh_s=0",
+                       "checkpoint.interval=10", "fault_tolerance.timeout_safety_factor=50")
+    try:
+        wait_for_step(run_dir, SCRAPED_STEP, proc)
+        metrics = scrape_when(port, lambda m: m.get(("training_step", ()), 0) >= SCRAPED_STEP)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    return StoppedRun(run_dir, proc.returncode, out, metrics, tree)
