@@ -114,7 +114,7 @@ class JobConfig:
     def lost_pod_replaced_s(self) -> float:
         """From a node's loss to its pod's replacement (NotReady, this Job's toleration, the new pod): the
         soonest that replacement can join a restart round (training.contract.launcher.rendezvous_last_call_s)."""
-        return EKS.node_not_ready_s + self.node_failure_toleration_s + EKS.pod_replacement_s
+        return replace(EKS, toleration_s=self.node_failure_toleration_s).lost_pod_replaced_s
 
     @property
     def store_name(self) -> str:
