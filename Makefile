@@ -28,6 +28,9 @@ setup:
 	$(MAKE) --jobs=3 --output-sync=target $(VENV)/.installed $(CHECKOV_VENV)/.installed node_modules/.installed
 
 $(VENV)/.installed: requirements.txt Makefile  # a changed recipe (e.g. a new console script) reinstalls
+	@# mkdir first: the checkov venv, made beside this one, creates .venv/ too, and venv's own makedirs
+	@# fails with 'File exists' when that lands between its check and its mkdir
+	mkdir -p $(VENV)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip uninstall --quiet --yes nvidia-resiliency-ext pynvml  # an older NVRx, its pynvml shim
