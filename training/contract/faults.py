@@ -16,7 +16,10 @@ environment variable, comma-separated, added to the config's list at every worke
     node-loss@50:node=1          node 1's pod (training.pod.launch, ft_launcher and every process they
                                  started) is SIGKILLed halfway through step 50 (fired by the node's
                                  local rank 0, so a hot spare's index fires once it trains); the Job /
-                                 local controller replaces the node, a spare takes its place if any
+                                 local controller replaces the node, a spare takes its place if any.
+                                 Node faults of the same step land together: node-loss@50:node=0 and
+                                 node-loss@50:node=1 lose both nodes in step 50 (each strikes once the
+                                 other fired), as a rack's power loss would
     drain@50:node=1              node 1 is drained, as `kubectl drain` or a spot/capacity-block end
                                  would: training.local's controller (the kubelet here) sends SIGTERM
                                  to its launcher and SIGKILL after the grace period; every rank

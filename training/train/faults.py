@@ -15,7 +15,8 @@ import errno
 import logging
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,33 +66,19 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals) -> None
     """Halfway through the step (half the previous one's duration from now: a failing node mostly fails
     mid-step, not at a step's edge), send `sig` to this node's top process first (the pod's PID 1,
     training.pod.launch, or else ft_launcher; so that nothing can restart or report anything), then to every
-    process under it, this one last: what a lost or hung machine does to a pod."""
+    process under it, this one last: what a lost or hung machine does to a pod. A process of its own strikes
+    (training/train/node_strike.py), after the other node faults of this step fired too."""
     me = psutil.Process()
     node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
                                             for part in p.cmdline())]
     if not node:
         raise FaultInjected(f"injected fault {spec.text}: neither training.pod.launch nor ft_launcher among this rank's "
                             "parent processes")
-
-    def strike() -> None:
-        time.sleep(ctx.step_s / 2)
-        top = node[-1]  # the outermost
-        others = [p for p in top.children(recursive=True) if p.pid != me.pid]
-        # Inside a container PID 1 ignores SIGKILL (and SIGSTOP) sent from inside its own PID namespace;
-        # SIGTERM stops it instead (training.pod.launch passes it on to ft_launcher): a lost pod fails all the
-        # same. A hung one keeps its PID 1, whose children stop.
-        if top.pid != 1:
-            top.send_signal(sig)
-        elif sig == signal.SIGKILL:
-            top.send_signal(signal.SIGTERM)
-        for p in others:
-            try:
-                p.send_signal(sig)
-            except psutil.Error:  # already gone
-                pass
-        os.kill(os.getpid(), sig)
-
-    threading.Thread(target=strike, name=f"fault {spec.text}", daemon=True).start()
+    wait_for = [arg for path in ctx.together for arg in ("--wait-for", str(path))]
+    # A session of its own: the launcher's stop of this worker's process group does not reach it.
+    subprocess.Popen([sys.executable, "-m", "training.train.node_strike", "--at", str(time.monotonic() + ctx.step_s / 2),
+                      "--signal", str(int(sig)), "--top", str(node[-1].pid), "--rank", str(me.pid), *wait_for],
+                     start_new_session=True, stdin=subprocess.DEVNULL)
 
 
 def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
@@ -169,6 +156,7 @@ class FireContext:
     run_dir: Path
     checkpoint_dir: Path
     step_s: float  # how long the previous step took (0 before the second)
+    together: tuple[Path, ...] = ()  # node faults: the fired records of the other node faults of this step
 
 
 # What each kind does: before the step (KINDS' when="step"), or in place of this rank's write of a save.
@@ -176,6 +164,7 @@ AT_STEP: dict[str, Callable[[FaultSpec, FireContext], None]] = {
     "exception": _raise, "sigkill": _sigkill, "hang": _hang, "node-loss": _lose_node, "node-hang": _hang_node,
     "drain": _request_drain, "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
 }
+NODE_STRIKES = frozenset({"node-loss", "node-hang"})  # kinds that strike the whole node (node_strike.py)
 IN_WRITE: dict[str, Callable[[FaultSpec, Callable[[], T]], T]] = {"ckpt-crash": _crash_mid_save,
                                                                  "disk-full": _disk_full}
 assert {k for k, v in KINDS.items() if v.when == "step"} == set(AT_STEP), "every step fault kind needs an action"
@@ -190,6 +179,7 @@ class FaultInjector:
                  checkpoint_dir: str | os.PathLike | None = None) -> None:
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
         self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
+        self._node_faults = [s for s in specs if s.kind in NODE_STRIKES]
         self._dir = fired_dir(run_dir)
         self._run_dir = Path(run_dir)
         self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
@@ -205,7 +195,9 @@ class FaultInjector:
             at_step = AT_STEP.get(spec.kind)
             if at_step is not None and spec.step == step and self._due(spec):
                 self._fire(spec, step)
-                at_step(spec, FireContext(self._run_dir, self._checkpoint_dir, step_s))
+                together = tuple(self._dir / s.key for s in self._node_faults
+                                 if spec.kind in NODE_STRIKES and s.step == step and s.key != spec.key)
+                at_step(spec, FireContext(self._run_dir, self._checkpoint_dir, step_s, together))
 
     def around_write(self, step: int, write: Callable[[], T]) -> T:
         """Run `write` (this rank's part of the save of `step`), or the fault that replaces it."""

@@ -1,0 +1,72 @@
+"""The node fault's strike (training/train/node_strike.py): a process of its own, so that a node lost in
+the same step as another is lost even if its firing rank died first (a broken collective), and node faults
+of one step land together."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from training.train import node_strike
+
+FAKE_NODE = ("import subprocess, time; kids = [subprocess.Popen(['sleep', '60']) for _ in range(2)]; "
+             "print(*(k.pid for k in kids), flush=True); time.sleep(60)")
+
+
+def fake_node() -> tuple[subprocess.Popen, int, int]:
+    """A node's top process with two processes under it: the firing rank and another."""
+    top = subprocess.Popen([sys.executable, "-c", FAKE_NODE], stdout=subprocess.PIPE, text=True)
+    rank, other = map(int, top.stdout.readline().split())
+    return top, rank, other
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def strike(top: int, rank: int, *wait_for: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "training.train.node_strike", "--at", str(time.monotonic()),
+                             "--signal", "9", "--top", str(top), "--rank", str(rank),
+                             *(a for f in wait_for for a in ("--wait-for", f))], start_new_session=True)
+
+
+def test_the_strike_waits_for_the_other_node_faults_of_its_step_then_kills_the_whole_node(tmp_path):
+    top, rank, other = fake_node()
+    fired = tmp_path / "node-loss@12:node=1"
+    striker = strike(top.pid, rank, str(fired))
+    time.sleep(1.0)
+    assert striker.poll() is None and all(map(alive, (top.pid, rank, other))), "struck before the other fault fired"
+    fired.write_text("node-loss@12:node=1")
+    assert striker.wait(timeout=10) == 0
+    assert top.wait(timeout=10) == -9
+    deadline = time.monotonic() + 10
+    while (alive(rank) or alive(other)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(rank) and not alive(other)
+
+
+def test_a_rank_gone_before_the_strike_leaves_no_survivor_on_its_node():
+    """The late node's rank died of the early node's loss (its collective broke) before its strike: the
+    strike still takes the rest of that node, whose memory holds the peer-state copies."""
+    top, rank, other = fake_node()
+    psutil.Process(rank).kill()
+    assert strike(top.pid, rank).wait(timeout=10) == 0
+    assert top.wait(timeout=10) == -9
+    deadline = time.monotonic() + 10
+    while alive(other) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(other)
+
+
+def test_it_strikes_without_the_other_fault_after_its_longest_wait(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(node_strike, "WAIT_S", 0.2)
+    victim = subprocess.Popen(["sleep", "60"])
+    node_strike.strike(time.monotonic(), node_strike.signal.SIGKILL, psutil.Process(victim.pid), None,
+                       [str(tmp_path / "never")])
+    assert victim.wait(timeout=10) == -9
+    assert "striking without waiting further" in capsys.readouterr().err
