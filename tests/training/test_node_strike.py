@@ -30,9 +30,12 @@ def alive(pid: int) -> bool:
 
 
 def strike(top: int, rank: int, *wait_for: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "training.train.node_strike", "--at", str(time.monotonic()),
-                             "--signal", "9", "--top", str(top), "--rank", str(rank),
-                             *(a for f in wait_for for a in ("--wait-for", f))], start_new_session=True)
+    """A striker started ahead, as a rank that may fire a node fault starts it, then told to strike now."""
+    striker = subprocess.Popen([sys.executable, "-m", "training.train.node_strike"], stdin=subprocess.PIPE,
+                               start_new_session=True)
+    striker.stdin.write(node_strike.Strike(time.monotonic(), 9, top, rank, wait_for).line())
+    striker.stdin.flush()
+    return striker
 
 
 def test_the_strike_waits_for_the_other_node_faults_of_its_step_then_kills_the_whole_node(tmp_path):
@@ -61,6 +64,12 @@ def test_a_rank_gone_before_the_strike_leaves_no_survivor_on_its_node():
     while alive(other) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(other)
+
+
+def test_a_striker_whose_rank_ends_without_firing_leaves():
+    striker = subprocess.Popen([sys.executable, "-m", "training.train.node_strike"], stdin=subprocess.PIPE)
+    striker.stdin.close()
+    assert striker.wait(timeout=30) == 0
 
 
 def test_it_strikes_without_the_other_fault_after_its_longest_wait(tmp_path, monkeypatch, capsys):

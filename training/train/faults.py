@@ -29,6 +29,7 @@ from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir,
                                       partitioned_marker)
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training.train.checkpoint.layout import committed_checkpoints
+from training.train.node_strike import Strike
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,19 +67,41 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals) -> None
     """Halfway through the step (half the previous one's duration from now: a failing node mostly fails
     mid-step, not at a step's edge), send `sig` to this node's top process first (the pod's PID 1,
     training.pod.launch, or else ft_launcher; so that nothing can restart or report anything), then to every
-    process under it, this one last: what a lost or hung machine does to a pod. A process of its own strikes
-    (training/train/node_strike.py), after the other node faults of this step fired too."""
+    process under it, this one last: what a lost or hung machine does to a pod. This rank's striker process
+    strikes (training/train/node_strike.py), after the other node faults of this step fired too."""
     me = psutil.Process()
     node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
                                             for part in p.cmdline())]
     if not node:
         raise FaultInjected(f"injected fault {spec.text}: neither training.pod.launch nor ft_launcher among this rank's "
                             "parent processes")
-    wait_for = [arg for path in ctx.together for arg in ("--wait-for", str(path))]
-    # A session of its own: the launcher's stop of this worker's process group does not reach it.
-    subprocess.Popen([sys.executable, "-m", "training.train.node_strike", "--at", str(time.monotonic() + ctx.step_s / 2),
-                      "--signal", str(int(sig)), "--top", str(node[-1].pid), "--rank", str(me.pid), *wait_for],
-                     start_new_session=True, stdin=subprocess.DEVNULL)
+    striker = _striker()
+    striker.stdin.write(Strike(time.monotonic() + ctx.step_s / 2, int(sig), node[-1].pid, me.pid,
+                               tuple(map(str, ctx.together))).line())
+    striker.stdin.flush()
+
+
+_striker_process: subprocess.Popen | None = None
+
+
+def _striker() -> subprocess.Popen:
+    """This process's node_strike process, started at once: a rank that may fire a node fault starts it
+    with its injector, so that a strike halfway through a step of a few milliseconds does not wait for
+    an interpreter's start. A session of its own: the launcher's stop of this rank's process group does
+    not reach it; it leaves at EOF, when this process ends without firing."""
+    global _striker_process
+    if _striker_process is None or _striker_process.poll() is not None:
+        _striker_process = subprocess.Popen([sys.executable, "-m", "training.train.node_strike"],
+                                            stdin=subprocess.PIPE, start_new_session=True)
+    return _striker_process
+
+
+def _forget_the_parents_striker() -> None:
+    global _striker_process
+    _striker_process = None  # a forked child's strikes are its own
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_striker)
 
 
 def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
@@ -187,6 +210,8 @@ class FaultInjector:
         self._rank = rank
         self._events = events
         self._failures_left: dict[str, int] = {}  # disk-full: saves still to fail in this firing
+        if any(s.kind in NODE_STRIKES and self._due(s) for s in self._mine):
+            _striker()
 
     def maybe_fire(self, step: int) -> None:
         now = time.monotonic()

@@ -1,24 +1,26 @@
-"""What strikes a node when a node fault (node-loss, node-hang) fires: a process of its own, started by the
-firing rank in a session of its own, so that the strike lands whatever the rank does meanwhile. A thread of
-the rank would die with it, and a rank dies quickly once another node's loss breaks a collective: two
-nodes lost in the same step would then lose one and leave the other's processes (and its peer-state copies)
-alive. Standard library and psutil only: it starts in a fraction of the step it strikes in.
+"""What strikes a node when a node fault (node-loss, node-hang) fires: a process of its own, started by a rank
+that may fire one ahead of time (its imports then cost the strike nothing) in a session of its own, so that
+the strike lands whatever the rank does meanwhile. A thread of the rank would die with it, and a rank dies
+quickly once another node's loss breaks a collective: two nodes lost in the same step would then lose one
+and leave the other's processes (and its peer-state copies) alive. Standard library and psutil only.
 
-    python -m training.train.node_strike --at MONOTONIC --signal N --top PID --rank PID [--wait-for FILE …]
+    python -m training.train.node_strike     reads one strike as a JSON line on stdin; at EOF, leaves
 
-At `--at` (time.monotonic(), which every process on the machine shares), once every `--wait-for` file
-exists (the fired records of the other node faults of the same step, so that faults meant together land
-together; at most WAIT_S), send the signal to the node's top process (unless it is PID 1: inside a
-container PID 1 ignores SIGKILL sent from its own PID namespace, SIGTERM stops it instead), then to every
-process under it, the firing rank last.
+{"at": MONOTONIC, "signal": N, "top": PID, "rank": PID, "wait_for": [FILE, …]}: at `at` (time.monotonic(),
+which every process on the machine shares), once every `wait_for` file exists (the fired records of the
+other node faults of the same step, so that faults meant together land together; at most WAIT_S), send the
+signal to the node's top process (unless it is PID 1: inside a container PID 1 ignores SIGKILL sent from its
+own PID namespace, SIGTERM stops it instead), then to every process under it, the firing rank last.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import json
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -50,25 +52,36 @@ def strike(at: float, sig: signal.Signals, top: psutil.Process, rank: psutil.Pro
             pass
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m training.train.node_strike", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--at", type=float, required=True, help="time.monotonic() at which to strike")
-    parser.add_argument("--signal", type=int, required=True, choices=[signal.SIGKILL, signal.SIGSTOP])
-    parser.add_argument("--top", type=int, required=True, help="the node's outermost process")
-    parser.add_argument("--rank", type=int, required=True, help="the firing rank's process (struck last)")
-    parser.add_argument("--wait-for", action="append", default=[], help="a file that must exist first")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class Strike:
+    at: float  # time.monotonic() at which to strike
+    signal: int  # SIGKILL (node-loss) or SIGSTOP (node-hang)
+    top: int  # the node's outermost process
+    rank: int  # the firing rank's process, struck last
+    wait_for: tuple[str, ...] = ()  # files that must exist first
+
+    def line(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
+
+
+def main() -> None:
+    line = sys.stdin.readline()
+    if not line:  # the rank ended without firing
+        return
+    s = Strike(**json.loads(line))
+    if s.signal not in (signal.SIGKILL, signal.SIGSTOP):
+        sys.exit(f"node_strike: signal {s.signal} is neither SIGKILL nor SIGSTOP")
     # Identities now: a pid reused after its process ended is not struck (psutil checks the start time).
     # The rank may be gone already (a peer's loss broke its collective): the rest of its node is struck.
     try:
-        top = psutil.Process(args.top)
+        top = psutil.Process(s.top)
     except psutil.NoSuchProcess:
-        sys.exit(f"node_strike: the node's top process {args.top} is gone already")
+        sys.exit(f"node_strike: the node's top process {s.top} is gone already")
     try:
-        rank: psutil.Process | None = psutil.Process(args.rank)
+        rank: psutil.Process | None = psutil.Process(s.rank)
     except psutil.NoSuchProcess:
         rank = None
-    strike(args.at, signal.Signals(args.signal), top, rank, args.wait_for)
+    strike(s.at, signal.Signals(s.signal), top, rank, list(s.wait_for))
 
 
 if __name__ == "__main__":
