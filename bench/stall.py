@@ -22,11 +22,14 @@ Figures (blocking from the event logs through training.report):
                       of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
                       from a background write together
   efficiency          step wall time without checkpoints / with them
-  CPU time per save   (CPU): the CPU time a rank's process spent in a round of a mode, less what it spent
-                      in the same round with checkpoints off (mean over ranks), median over the rounds, as
-                      blocking: for async, the staging and the background write together. A background
-                      write hides its wait, not its CPU time: where the ranks keep every CPU busy, that
-                      time comes out of training.
+  CPU time per save   (CPU), charged to whom it costs, medians over the rounds, means over the ranks:
+                      the training rank: its process's CPU time in a round of a mode (every thread: for
+                      async, staging, and the background thread's planning and coordination), less what
+                      it spent in the same round with checkpoints off;
+                      the writer: the async writer process's CPU time in the round (the shard write:
+                      serialisation, the write around the page cache, fsync; training/train/checkpoint/writer_process.py).
+                      A sync save has no writer: the rank writes. A background write hides its wait, not its
+                      CPU time: where the ranks keep every CPU busy, the writer's time comes out of training.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,6 +55,7 @@ from training.train.checkpoint.manager import CheckpointManager
 from training.train.distributed import init_distributed, teardown
 
 MODES = ("off", "sync", "async")
+WRITER = "writer"  # the async writer process, in the per-round CPU times
 CHUNK_BYTES = 64 << 20  # state tensors of at most 64 MiB, like a model's parameters
 CALIBRATED_SYNC_COST = 0.4  # share of the run a sync save should take at the calibrated interval
 MIN_INTERVAL, MAX_INTERVAL = 5, 100  # at least a few steps between saves, at most a few minutes a pass
@@ -82,8 +88,16 @@ class StallResult:
     efficiency_sync: float
     efficiency_async: float
     run_dirs: dict[str, str]
-    cpu_per_save_sync_s: float | None = None  # CPU only (see the module docstring)
+    cpu_per_save_sync_s: float | None = None  # CPU only (see the module docstring): the training rank's
     cpu_per_save_async_s: float | None = None
+    writer_cpu_per_save_async_s: float | None = None  # the async writer process's
+
+    @property
+    def rank_cpu_ratio(self) -> float | None:
+        """CPU time an async save charges the training rank / a sync save's."""
+        if self.cpu_per_save_async_s is None or not self.cpu_per_save_sync_s:
+            return None
+        return self.cpu_per_save_async_s / self.cpu_per_save_sync_s
 
 
 def step_wall_s(run_dir: Path) -> float:
@@ -99,9 +113,10 @@ def blocking_per_save(run_dir: Path) -> tuple[float, ...]:
 
 
 def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int, world: int, interval: int,
-            steps: int, cpu_per_round: dict[str, list[float]] | None = None) -> StallResult:
+            steps: int, cpu_per_round: dict[str, list[float]] | None = None,
+            writer_cpu_per_round: list[float] | None = None) -> StallResult:
     """`walls`: wall time per step of each mode; `cpu_per_round`: a rank's CPU time in each round of each
-    mode (mean over ranks)."""
+    mode, `writer_cpu_per_round`: its async writer process's in each async round (means over ranks)."""
     def cpu_per_save(mode: str) -> float | None:
         if cpu_per_round is None:
             return None
@@ -117,7 +132,8 @@ def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int
         step_wall_off_s=walls["off"], step_wall_sync_s=walls["sync"], step_wall_async_s=walls["async"],
         efficiency_sync=walls["off"] / walls["sync"], efficiency_async=walls["off"] / walls["async"],
         run_dirs={mode: str(path) for mode, path in run_dirs.items()},
-        cpu_per_save_sync_s=cpu_per_save("sync"), cpu_per_save_async_s=cpu_per_save("async"))
+        cpu_per_save_sync_s=cpu_per_save("sync"), cpu_per_save_async_s=cpu_per_save("async"),
+        writer_cpu_per_save_async_s=statistics.median(writer_cpu_per_round) if writer_cpu_per_round else None)
 
 
 def leaves_no_cpu_spare(world: int, cpus: int) -> bool:
@@ -171,14 +187,15 @@ def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int
 
 def measure_stall(spec: StallSpec, root: Path) -> StallResult:
     run_dirs = _fresh_run_dirs(root)
-    # rank 0 -> here: (interval, wall per mode, CPU time per round of each mode (mean over ranks), checkpoint bytes)
+    # rank 0 -> here: (interval, wall per mode, CPU time per round of each mode and of the async writer process
+    # (means over ranks), checkpoint bytes)
     found = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(spec, free_port(), root, run_dirs, found), nprocs=spec.world,
                        start_method="spawn")
-    interval, walls, cpu_per_round, state_bytes = found.get()
+    interval, walls, cpu_per_round, writer_cpu_per_round, state_bytes = found.get()
     steps = spec.saves * interval
     return analyse(run_dirs, {mode: wall / steps for mode, wall in walls.items()}, state_bytes, spec.world,
-                   interval, steps, cpu_per_round)
+                   interval, steps, cpu_per_round, writer_cpu_per_round)
 
 
 def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[str, Path], found) -> None:
@@ -191,11 +208,12 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
         a = torch.randn(512, 512, device=info.device)
         interval = _calibrate(spec, root / "stall-calibration", state, a, info.device)
         walls, cpus = _interleaved(spec, interval, run_dirs, state, a, info.device)
-        mean_cpus = torch.tensor([cpus[mode] for mode in MODES], dtype=torch.float64)  # modes x rounds
+        mean_cpus = torch.tensor([cpus[mode] for mode in (*MODES, WRITER)], dtype=torch.float64)  # (modes + writer) x rounds
         dist.all_reduce(mean_cpus)
         mean_cpus /= spec.world
+        *per_mode, writer = mean_cpus.tolist()
         if rank == 0:
-            found.put((interval, walls, dict(zip(MODES, mean_cpus.tolist())),
+            found.put((interval, walls, dict(zip(MODES, per_mode)), writer,
                        checkpoint_bytes(run_dirs["sync"] / "checkpoints")))
             for path in run_dirs.values():  # do not leave GBs behind
                 shutil.rmtree(path / "checkpoints", ignore_errors=True)
@@ -236,17 +254,20 @@ def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, dev
 
 def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], state: dict, a: torch.Tensor,
                  device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock) and
-    this process's CPU time in each round of each mode (all its threads: the background writer's too)."""
+    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock) and the CPU
+    time in each round of each mode of this process (all its threads) and, under WRITER, of its async
+    writer process in each async round."""
     lead = dist.get_rank() == 0
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
     managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
                 for mode, path in run_dirs.items()}
+    managers["async"].wait_for_writer()  # as a rank's setup does: its start-up is no save's
+    writer = _process_cpu_s(managers["async"].writer_pid)
     walls = dict.fromkeys(MODES, 0.0)
-    cpus: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpus: dict[str, list[float]] = {mode: [] for mode in (*MODES, WRITER)}
     for round_ in range(spec.saves):
         for mode in MODES:
-            t0, cpu0 = time.perf_counter(), time.process_time()
+            t0, cpu0, writer0 = time.perf_counter(), time.process_time(), writer()
             managers[mode].save(round_ * interval, state)  # a no-op with checkpoints off
             for step in range(round_ * interval + 1, (round_ + 1) * interval + 1):
                 started = time.perf_counter()
@@ -258,8 +279,20 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
             managers[mode].wait()
             walls[mode] += time.perf_counter() - t0
             cpus[mode].append(time.process_time() - cpu0)
+            if mode == "async":
+                cpus[WRITER].append(writer() - writer0)
     for mode, log in logs.items():
         if log is not None:
             log.emit("run_end", step=spec.saves * interval, status="completed")
             log.close()
+    for manager in managers.values():
+        manager.close()
     return walls, cpus
+
+
+def _process_cpu_s(pid: int | None) -> Callable[[], float]:
+    """A clock of the CPU time (user + system) of process `pid`; always 0 where there is none."""
+    if pid is None:
+        return lambda: 0.0
+    process = psutil.Process(pid)
+    return lambda: sum(process.cpu_times()[:2])

@@ -33,6 +33,7 @@ def test_stall_saves_the_same_state_sync_and_async_in_two_ranks(tmp_path: Path) 
     assert s.sync_blocking_s > 0 and s.async_blocking_s > 0
     assert s.efficiency_sync > 0 and s.efficiency_async > 0
     assert s.cpu_per_save_sync_s is not None and s.cpu_per_save_async_s is not None  # measured on CPU
+    assert s.writer_cpu_per_save_async_s > 0  # the async writer process's, measured apart from the rank's
 
 
 def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:

@@ -5,18 +5,23 @@ import copy
 import dataclasses
 import errno
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from training.contract.config import MODEL_PRESETS, TrainConfigError, load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.job_failure import JobMustFail, requests_dir
-from training.contract.launcher import free_port
+from training.contract.launcher import free_port, resume_step_file
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream, write_token_file
 from training.models.llama import build_model
@@ -29,6 +34,7 @@ from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
 from training.train.trainer import build, lr_at, run, train_step
+from training_helpers import REPO_ROOT
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -118,23 +124,23 @@ def test_save_commit_prune_and_load(tmp_path, mode):
         m.wait()
     assert [s for s, _ in committed_checkpoints(m.dir)] == [3, 2]  # keep=2
     assert not list(m.dir.glob(".tmp-*"))
+    assert resume_step_file(m.dir).read_text() == "4\n"
     target = {"w": torch.zeros(8)}
     assert m.load(target).step == 3 and torch.equal(target["w"], torch.full((8,), 3.0))
     assert [e["step"] for e in _events(tmp_path, "ckpt_committed")] == [1, 2, 3]
     assert len(_events(tmp_path, "ckpt_blocked")) == 3
+    m.close()
 
 
 @pytest.mark.parametrize("when_busy", ["skip", "wait"])
-def test_async_save_overlaps_and_at_most_one_in_flight(tmp_path, monkeypatch, when_busy):
-    m = _manager(tmp_path, "async", when_busy=when_busy)
-    real_write = dcp.FileSystemWriter.write_data
+def test_async_save_overlaps_and_at_most_one_in_flight(tmp_path, when_busy):
     release = threading.Event()
 
-    def held_write(self, plan, planner):
+    def held_write(step, write):  # this rank's write of its shards, held until released
         release.wait(10)
-        return real_write(self, plan, planner)
+        return write()
 
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held_write)
+    m = _manager(tmp_path, "async", when_busy=when_busy, write_hook=held_write)
     m.save(1, {"w": torch.ones(4)})  # returns while the write is held: training goes on
     assert committed_checkpoints(m.dir) == []
     if when_busy == "wait":
@@ -149,28 +155,172 @@ def test_async_save_overlaps_and_at_most_one_in_flight(tmp_path, monkeypatch, wh
     else:
         assert [s for s, _ in committed_checkpoints(m.dir)] == [2, 1]
         assert blocked[2] >= 0.4 > blocked[1]
+    m.close()
+
+
+def _disk_full_at(failing_step):
+    def hook(step, write):
+        if step == failing_step:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write()
+    return hook
+
+
+def _shard_path_taken_at(failing_step):
+    """A directory where the writer's shard file goes: the write itself fails (async: in the writer process)."""
+    def hook(step, write):
+        if step == failing_step:
+            for tmp in Path(hook.dir).glob(f".tmp-step_{step:08d}.g*"):
+                (tmp / "__0_0.distcp").mkdir()
+        return write()
+    return hook
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_failed_save_leaves_nothing_visible_and_training_goes_on(tmp_path, monkeypatch, mode):
-    m = _manager(tmp_path, mode)
+@pytest.mark.parametrize("failure, error", [
+    (_disk_full_at, "rank 0: OSError: [Errno 28] No space left on device"),
+    (_shard_path_taken_at, "rank 0: IsADirectoryError: [Errno 21] Is a directory: "),
+])
+def test_failed_save_leaves_nothing_visible_and_training_goes_on(tmp_path, mode, failure, error):
+    hook = failure(2)
+    hook.dir = tmp_path / "ckpt"
+    m = _manager(tmp_path, mode, write_hook=hook)
     m.save(1, {"w": torch.ones(4)})
     m.wait()
-
-    def disk_full(self, plan, planner):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", disk_full)
     m.save(2, {"w": torch.ones(4)})  # no exception escapes (async: it fails in the background)
     m.wait()
-    monkeypatch.undo()
     assert [s for s, _ in committed_checkpoints(m.dir)] == [1]
     assert not list(m.dir.glob(".tmp-*"))
     [failed] = _events(tmp_path, "ckpt_failed")
-    assert failed == {**failed, "step": 2, "error": "rank 0: OSError: [Errno 28] No space left on device"}
+    assert failed["step"] == 2 and failed["error"].startswith(error)
     m.save(3, {"w": torch.ones(4)})
     m.wait()
     assert [s for s, _ in committed_checkpoints(m.dir)] == [3, 1]
+    m.close()
+
+
+# ---- the writer process (async saves on CPU) ------------------------------------------------------
+
+_BIG = 16 << 20  # floats: a 64 MiB shard, long enough to write that a kill lands mid-write
+
+
+def _kill_when_shard_appears(pids, directory):
+    """A write hook that SIGKILLs the writer process (pids[0]) once its shard file holds bytes."""
+    def hook(step, write):
+        def kill_mid_write():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                shards = list(directory.glob(f".tmp-step_{step:08d}.g*/__0_0.distcp"))
+                if shards and shards[0].stat().st_size > 0:
+                    os.kill(pids[0], signal.SIGKILL)
+                    return
+                time.sleep(0.001)
+
+        if step == 2:
+            threading.Thread(target=kill_mid_write, daemon=True).start()
+        return write()
+    return hook
+
+
+def test_writer_process_killed_mid_write_fails_the_save_and_the_next_save_gets_a_new_one(tmp_path):
+    pids: list[int] = []
+    m = _manager(tmp_path, "async", write_hook=_kill_when_shard_appears(pids, tmp_path / "ckpt"))
+    pids.append(m.writer_pid)
+    m.save(1, {"w": torch.full((_BIG,), 1.0)})
+    m.wait()
+    m.save(2, {"w": torch.full((_BIG,), 2.0)})
+    m.wait()
+    [failed] = _events(tmp_path, "ckpt_failed")
+    assert failed["step"] == 2 and "WriterProcessDied: checkpoint writer process" in failed["error"]
+    assert [s for s, _ in committed_checkpoints(m.dir)] == [1] and not list(m.dir.glob(".tmp-*"))
+    m.save(3, {"w": torch.full((_BIG,), 3.0)})
+    m.wait()
+    assert m.writer_pid != pids[0]  # a new writer process wrote step 3
+    target = {"w": torch.zeros(_BIG)}
+    assert m.load(target).step == 3 and torch.equal(target["w"], torch.full((_BIG,), 3.0))
+    m.close()
+
+
+def test_abort_kills_the_writer_process_and_its_save_never_commits(tmp_path):
+    """An in-process restart or a dead iteration aborts the manager mid-write: its writer process is
+    gone at once and the save stays an uncommitted .tmp- dir, removed by the next generation."""
+    writing = threading.Event()
+
+    def signal_writing(step, write):
+        writing.set()
+        return write()
+
+    m = _manager(tmp_path, "async", write_hook=signal_writing)
+    pid = m.writer_pid
+    m.save(1, {"w": torch.full((_BIG,), 1.0)})
+    assert writing.wait(30)
+    m.abort()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    time.sleep(0.5)  # a writer that outlived the abort would commit within this
+    assert committed_checkpoints(m.dir) == []
+    assert not _events(tmp_path, "ckpt_committed")
+    again = _manager(tmp_path, "async")
+    assert again.generation == 2 and not list(again.dir.glob(".tmp-*"))
+    again.save(1, {"w": torch.ones(4)})
+    again.close()
+    assert [s for s, _ in committed_checkpoints(again.dir)] == [1]
+
+
+def test_the_writer_process_is_out_of_reach_of_a_signal_to_the_ranks_process_group(tmp_path):
+    """ft_launcher stops, and a drain signals, a rank with SIGTERM to its process group (os.killpg): the
+    write a drain waits to commit must not get it."""
+    m = _manager(tmp_path, "async")
+    assert os.getpgid(m.writer_pid) == m.writer_pid != os.getpgid(0)
+
+
+# A rank as training.pod.prefork starts it: forked with os.fork, which runs none of multiprocessing's
+# after-fork hooks, from a process that had handed a shared tensor to another process through
+# multiprocessing (its fd-passing listener started; the fork copies the listener's state, not its thread)
+# and had a writer process of its own.
+_FORKED_RANK = r"""
+import os, sys, torch
+import torch.multiprocessing  # torch's reductions: a shared tensor pickles as a handle to its memory
+from multiprocessing.reduction import ForkingPickler
+from training.train.checkpoint.manager import CheckpointManager
+ForkingPickler.dumps(torch.ones(4).share_memory_())
+parent = CheckpointManager(sys.argv[1] + "-parent", mode="async", keep=1)
+parents = parent.writer_pid
+pid = os.fork()
+parent.abort()  # (in both) its writer's imports would only slow the child's down
+if pid == 0:
+    m = CheckpointManager(sys.argv[1], mode="async", keep=1)
+    assert m.writer_pid != parents, "the forked rank writes through its parent's writer process"
+    m.save(1, {"w": torch.full((1024,), 1.0)})
+    m.close()
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_rank_forked_without_multiprocessings_hooks_saves_through_its_own_writer_process(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _FORKED_RANK, str(tmp_path / "ckpt")], cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=120)
+    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [1], proc.stderr[-2000:]
+
+
+def _bytes_written(pid):
+    """What process `pid` has passed to write(2) and its kin so far (/proc/PID/io wchar)."""
+    return int(Path(f"/proc/{pid}/io").read_text().split("wchar:")[1].split()[0])
+
+
+def test_async_save_writes_its_shards_in_the_writer_process_not_the_training_process(tmp_path):
+    """The shard write (serialisation, the write, fsync) is the writer process's: the training process
+    passes only the staged tensors' handles, the plan and the small metadata."""
+    m = _manager(tmp_path, "async")
+    state = {"w": torch.rand(4 << 20)}  # 16 MiB
+    m.save(1, state)
+    m.wait()
+    ours, writer = _bytes_written(os.getpid()), _bytes_written(m.writer_pid)
+    m.save(2, state)
+    m.wait()
+    ours, writer = _bytes_written(os.getpid()) - ours, _bytes_written(m.writer_pid) - writer
+    m.close()
+    assert writer >= 16 << 20 and ours < 1 << 20, (ours, writer)
 
 
 def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):

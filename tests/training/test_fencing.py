@@ -3,10 +3,7 @@ from the file system, a paused process) can never commit a save with, or over, a
 checkpoint, nor write into one; the newer checkpoint stays complete and loads exactly."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,54 +11,37 @@ import torch
 
 from training.train.checkpoint.layout import committed_checkpoints, current_generation
 from training.train.checkpoint.manager import CheckpointManager
-from training_helpers import REPO_ROOT
 
-# Generation 1: saves step 1, then saves step 2 (w = 2.0) late, pausing at POINT until told to go on:
-# `commit` before the save starts (its shards and commit come after generation 2 started),
-# `write` inside its write of the shards (after generation 2 started, while it saves step 2 itself).
-_OLD_GENERATION = r"""
-import sys, time
-from pathlib import Path
-import torch
-from training.train.checkpoint.manager import CheckpointManager
-
-directory, point, signals = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-
-def wait_for(name):
-    while not (signals / name).exists():
-        time.sleep(0.01)
-
-def pause_in_write(step, write):
-    if step != 2:
-        return write()
-    (signals / "old-paused").touch()
-    wait_for("old-go")
-    try:
-        return write()
-    finally:
-        (signals / "old-wrote").touch()
-
-m = CheckpointManager(directory, mode="sync", keep=3, write_hook=pause_in_write if point == "write" else None)
-m.save(1, {"w": torch.full((1024,), 1.0)})
-if point == "commit":
-    (signals / "old-paused").touch()
-    wait_for("old-go")
-m.save(2, {"w": torch.full((1024,), 2.0)})
-"""
+_PAUSE_S = 30  # longest a test waits for the other generation
+_FAILED = "checkpoint at step 2 failed, nothing made visible"
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
-        time.sleep(0.01)
+class _OldGeneration:
+    """Generation 1 (sync, or async through its writer process) in this process, as a worker that kept
+    running would be in another: it saved step 1; `save_step_2_late` saves step 2 (w = 2.0) after
+    generation 2 started. With `pause_in_write`, its write of step 2's shards waits for `go` (while
+    generation 2 saves step 2 itself) and sets `wrote` once it has written."""
 
+    def __init__(self, directory: Path, mode: str, pause_in_write: bool) -> None:
+        self.paused, self.go, self.wrote = threading.Event(), threading.Event(), threading.Event()
+        self.manager = CheckpointManager(directory, mode=mode, keep=3,
+                                         write_hook=self._pause_in_write if pause_in_write else None)
+        self.manager.save(1, {"w": torch.full((1024,), 1.0)})
+        self.manager.wait()
 
-def _start_old_generation(directory: Path, point: str, signals: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _OLD_GENERATION, str(directory), point, str(signals)], cwd=REPO_ROOT,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stderr=subprocess.PIPE, text=True)
-    _wait_for(signals / "old-paused", proc)
-    return proc
+    def _pause_in_write(self, step, write):  # noqa: ANN001, ANN202 (a WriteHook)
+        if step != 2:
+            return write()
+        self.paused.set()
+        assert self.go.wait(_PAUSE_S)
+        try:
+            return write()
+        finally:
+            self.wrote.set()
+
+    def save_step_2_late(self) -> None:
+        self.manager.save(2, {"w": torch.full((1024,), 2.0)})
+        self.manager.close()  # async: the commit of step 2 is tried here
 
 
 def _newest_weights(directory: Path) -> tuple[int, torch.Tensor]:
@@ -71,25 +51,17 @@ def _newest_weights(directory: Path) -> tuple[int, torch.Tensor]:
     return loaded.step, target["w"]
 
 
-@pytest.fixture
-def signals(tmp_path):
-    path = tmp_path / "signals"
-    path.mkdir()
-    return path
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # single-process DCP
-def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tmp_path, signals):
+@pytest.mark.parametrize("old_mode", ["sync", "async"])
+def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tmp_path, caplog, old_mode):
     directory = tmp_path / "ckpt"
-    old = _start_old_generation(directory, "commit", signals)
+    old = _OldGeneration(directory, old_mode, pause_in_write=False)
     new = CheckpointManager(directory, mode="sync", keep=3)
     assert (new.generation, current_generation(directory)) == (2, 2)
     new.save(2, {"w": torch.full((1024,), 2.5)})  # the newer generation's step 2 (its state differs here)
 
-    (signals / "old-go").touch()  # the old generation wakes up and saves step 2 too
-    _, stderr = old.communicate(timeout=60)
-    assert old.returncode == 0, stderr[-2000:]
-    assert "checkpoint at step 2 failed, nothing made visible" in stderr and "fenced: written by generation 1" in stderr
+    old.save_step_2_late()  # the old generation wakes up and saves step 2 too
+    assert _FAILED in caplog.text and "fenced: written by generation 1" in caplog.text
 
     step, weights = _newest_weights(directory)
     assert step == 2 and torch.equal(weights, torch.full((1024,), 2.5))
@@ -98,20 +70,23 @@ def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tm
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_a_late_shard_write_never_lands_in_a_newer_generations_save(tmp_path, signals):
+@pytest.mark.parametrize("old_mode", ["sync", "async"])
+def test_a_late_shard_write_never_lands_in_a_newer_generations_save(tmp_path, caplog, old_mode):
     directory = tmp_path / "ckpt"
-    old = _start_old_generation(directory, "write", signals)  # paused inside its write of step 2's shards
+    old = _OldGeneration(directory, old_mode, pause_in_write=True)
+    late = threading.Thread(target=old.save_step_2_late)
+    late.start()
+    assert old.paused.wait(_PAUSE_S)  # inside its write of step 2's shards
 
     def let_the_old_writer_write_first(step, write):
-        (signals / "old-go").touch()
-        _wait_for(signals / "old-wrote", old)
+        old.go.set()
+        assert old.wrote.wait(_PAUSE_S)
         return write()
 
     new = CheckpointManager(directory, mode="sync", keep=3, write_hook=let_the_old_writer_write_first)
     new.save(2, {"w": torch.full((1024,), 2.5)})
-    _, stderr = old.communicate(timeout=60)
-    assert old.returncode == 0, stderr[-2000:]
-    assert "checkpoint at step 2 failed, nothing made visible" in stderr  # its directory was an older generation's
+    late.join(_PAUSE_S)
+    assert not late.is_alive() and _FAILED in caplog.text  # its directory was an older generation's
 
     step, weights = _newest_weights(directory)
     assert step == 2 and torch.equal(weights, torch.full((1024,), 2.5))

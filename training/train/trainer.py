@@ -309,6 +309,7 @@ class Trainer:
                                           write_hook=with_emulated_delay(self.injector.around_write))
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
             self.resume()
+            self.ckpt.wait_for_writer()  # in NVRx's setup section, not in the first saves'
             self._open_reporting()
         except BaseException:
             self._close_setup()

@@ -125,6 +125,18 @@ class CheckpointManager:
             self._writer = make_async_writer(device, group, write_hook)
         self.generation = self._broadcast(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
 
+    @property
+    def writer_pid(self) -> int | None:
+        """The process that writes this rank's shards of an async save, where there is one (bench/stall.py
+        charges its CPU time to the writer, not to the rank)."""
+        return self._writer.writer_pid if self._writer is not None else None
+
+    def wait_for_writer(self) -> None:
+        """Async mode: block until the background writer can take a save (on CPU, its process has imported
+        torch: seconds). Called at the end of the rank's setup, so that the first saves do not wait for it."""
+        if self._writer is not None:
+            self._writer.wait_ready()
+
     # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> None:
         if self.mode == "off":

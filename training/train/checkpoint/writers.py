@@ -1,14 +1,16 @@
 """The DCP writers a CheckpointManager saves through, and the fault-injection hook into them.
 
 Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode: the state is staged (copied)
-synchronously, then written in the background while training goes on. On CPU the background writer is
-torch's `dcp.async_save` (thread executor, own gloo group, so its collectives never interleave with the
-training group's); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
+synchronously, then written in the background while training goes on. On CPU that is torch's
+`dcp.async_save` (own gloo group, so its collectives never interleave with the training group's): its
+background thread plans and coordinates, and each rank's shard write runs in a writer process
+(writer_process.py); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
 
 Fault injection (training/train/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
-rank's write of its shards inside DCP (in async mode, in the background thread), so an injected
-error fails the save on every rank as a real one would. NVRx's CUDA async writer writes in its own
-worker process and is not hooked. The local cluster's --save-delay holds each hooked write back the same way.
+rank's write of its shards inside DCP, in the training process (in async mode, in the background thread,
+`write` waiting for the writer process), so an injected error fails the save on every rank as a real one
+would, and an injected crash kills the rank. NVRx's CUDA async writer writes in its own worker process
+and is not hooked. The local cluster's --save-delay holds each hooked write back the same way.
 """
 from __future__ import annotations
 
@@ -22,11 +24,14 @@ from typing import Any, Callable, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.futures import Future
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils._pytree import tree_map_only
 
 from training.contract.launcher import SAVE_DELAY_ENV
+from training.train.checkpoint.writer_process import WriteRequest, WriterProcess, shared_writer_process
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,10 @@ class _HookedFileSystemWriter(dcp.FileSystemWriter):
         self._step, self._hook = step, hook
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 (DCP's signature)
-        return self._hook(self._step, functools.partial(super().write_data, plan, planner))
+        return self._hook(self._step, functools.partial(self._write, plan, planner))
+
+    def _write(self, plan, planner):  # noqa: ANN001, ANN202
+        return super().write_data(plan, planner)
 
 
 def with_emulated_delay(hook: WriteHook) -> WriteHook:
@@ -83,7 +91,31 @@ def file_writer(path: Path, step: int, hook: WriteHook | None) -> dcp.FileSystem
     return dcp.FileSystemWriter(path) if hook is None else _HookedFileSystemWriter(path, step, hook)
 
 
+def _unhooked(step: int, write: Callable[[], T]) -> T:
+    return write()
+
+
+class _HandOffWriter(_HookedFileSystemWriter):
+    """FileSystemWriter that plans here and hands this rank's shard write to the writer process: the
+    items' data (views of the shared-memory staging buffers, or small pickled objects) go as they are."""
+
+    def __init__(self, path: Path, step: int, hook: WriteHook | None, process: WriterProcess) -> None:
+        super().__init__(path, step, hook or _unhooked)
+        self._process = process
+
+    def _write(self, plan, planner):  # noqa: ANN001, ANN202
+        request = WriteRequest(self.path, plan, {item.index: planner.resolve_data(item) for item in plan.items})
+        written: Future[list[WriteResult]] = Future()
+        written.set_result(self._process.write(request))
+        return written
+
+
 class AsyncWriter(Protocol):
+    @property
+    def writer_pid(self) -> int | None:
+        """The process that writes this rank's shards, where it is known (its CPU time is not the rank's)."""
+    def wait_ready(self) -> None:
+        """Block until the writer can take a save at once (its process has started)."""
     def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
@@ -93,22 +125,31 @@ class AsyncWriter(Protocol):
 
 
 class _TorchAsyncWriter:
-    """dcp.async_save: synchronous staging into CPU copies, background write in a thread.
+    """dcp.async_save: synchronous staging into shared memory, the write in the writer process.
 
     The stager is kept for the writer's life: it reuses its staging buffers from one save to the
-    next (a stager per save, dcp's default, allocates and page-faults the whole state every time,
-    which is most of the blocking on CPU). Reuse is safe because at most one save is in flight.
-    Pinned and shared memory are for CUDA copies and a process executor; neither is used here."""
+    next (a stager per save, dcp's default, allocates and page-faults the whole state every time).
+    Reuse is safe because at most one save is in flight. The buffers are shared memory, so the
+    writer process reads them where they are; pinned memory is for CUDA copies, not used here."""
 
     def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
         self._pg = process_group
         self._hook = write_hook
         self._future = None
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
                                                     use_async_staging=False, use_non_blocking_copy=False))
+        self._process = shared_writer_process()
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._process.pid
+
+    def wait_ready(self) -> None:
+        self._process.wait_ready()
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
-        self._future = dcp.async_save(_plain(state), storage_writer=file_writer(path, step, self._hook),
+        self._process = shared_writer_process()  # after a writer process died or was aborted: a new one
+        self._future = dcp.async_save(_plain(state), storage_writer=_HandOffWriter(path, step, self._hook, self._process),
                                       process_group=self._pg, async_stager=self._stager)
 
     def done(self, blocking: bool) -> bool:
@@ -121,9 +162,13 @@ class _TorchAsyncWriter:
         return True
 
     def close(self, abort: bool) -> None:
-        # A thread cannot be stopped: an aborted save fails once the process groups are torn down.
+        # abort: the writer process is killed at once (its save thread then fails); a thread cannot be
+        # stopped, but it only waits for the process and for collectives on groups being torn down.
+        # Otherwise the process stays for this process's next manager (shared_writer_process).
         # Closing the stager frees its staging copy of the state now, not when a cyclic GC finds it
         # (every in-process restart builds a new writer).
+        if abort:
+            self._process.abort()
         self._stager.close()
 
 
@@ -138,6 +183,11 @@ class _NvrxAsyncWriter:
 
         self._pg = process_group
         self._queue = AsyncCallsQueue(persistent=True)
+
+    writer_pid = None  # NVRx's persistent worker is the queue's own
+
+    def wait_ready(self) -> None:
+        """NVRx starts its persistent worker at the first save."""
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         from functools import partial
