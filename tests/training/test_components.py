@@ -1,6 +1,7 @@
 """Single-process checks of the components: model presets, the data stream, the checkpoint manager."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -270,7 +271,43 @@ def test_the_writer_process_is_out_of_reach_of_a_signal_to_the_ranks_process_gro
     """ft_launcher stops, and a drain signals, a rank with SIGTERM to its process group (os.killpg): the
     write a drain waits to commit must not get it."""
     m = _manager(tmp_path, "async")
-    assert os.getpgid(m.writer_pid) == m.writer_pid != os.getpgid(0)
+    assert os.getpgid(m.writer_pid) != os.getpgid(0)
+
+
+# A rank as training.train's main starts it: the writer zygote forked before the run's first thread, then
+# a save, an in-process restart's abort, another save; finally the rank is SIGKILLed.
+_RANK_WITH_ZYGOTE = r"""
+import os, sys, psutil, torch
+from training.train.checkpoint import writer_process
+from training.train.checkpoint.manager import CheckpointManager
+writer_process.start_zygote()
+first = CheckpointManager(sys.argv[1], mode="async", keep=3)
+first.save(1, {"w": torch.ones(4)}); first.wait()
+first_writer = first.writer_pid
+first.abort()  # the iteration died
+second = CheckpointManager(sys.argv[1], mode="async", keep=3)
+second.save(2, {"w": torch.ones(4)}); second.wait()
+print(first_writer, second.writer_pid, psutil.Process(second.writer_pid).ppid(), flush=True)
+sys.stdin.read()  # until the test kills it
+"""
+
+
+def test_writers_are_forked_from_the_ranks_zygote_and_die_with_the_rank(tmp_path):
+    """An in-process restart (abort, new manager) and an in-job restart (a new rank) wait for no new
+    interpreter: the zygote, a fork of the rank with torch imported, forks each writer; a SIGKILLed rank
+    leaves neither behind."""
+    rank = subprocess.Popen([sys.executable, "-c", _RANK_WITH_ZYGOTE, str(tmp_path / "ckpt")], cwd=REPO_ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    first, second, zygote = map(int, rank.stdout.readline().split())
+    assert first != second, "the aborted iteration's writer wrote the next iteration's save"
+    assert psutil.Process(zygote).ppid() == rank.pid
+    assert psutil.Process(zygote).cmdline() == psutil.Process(rank.pid).cmdline(), "a new interpreter, not a fork"
+    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2, 1]
+    rank.kill()
+    rank.wait()
+    for pid in (zygote, second):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).wait(timeout=10)
 
 
 # A rank as training.pod.prefork starts it: forked with os.fork, which runs none of multiprocessing's

@@ -42,6 +42,7 @@ from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.checkpoint.writers import with_emulated_delay
+from training.train.checkpoint.writer_process import start_zygote as start_writer_zygote
 from training.train.distributed import DistInfo, device_memory_bytes, init_distributed, teardown
 from training.train.drain import (IMPOSSIBLE, DrainPlan, DrainSignal, DrainView, Drained, agree_on_plan,
                                   agree_on_save, checkpoint_cost, peers_cost)
@@ -586,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainConfigError, FaultSpecError, DataError, ModelSourceError, OSError) as err:
         print(f"training.train: invalid config: {err}", file=sys.stderr)
         return CONFIG_ERROR
+    if cfg.checkpoint.mode == "async":
+        # Here, before the run's first thread: a fork is safe. On CUDA with NVRx its writer is used instead
+        # and the zygote stays idle (a forked process, its memory shared with the rank's until either writes).
+        start_writer_zygote()
     try:
         if cfg.fault_tolerance.restart == "injob":
             run(cfg)

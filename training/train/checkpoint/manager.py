@@ -132,8 +132,9 @@ class CheckpointManager:
         return self._writer.writer_pid if self._writer is not None else None
 
     def wait_for_writer(self) -> None:
-        """Async mode: block until the background writer can take a save (on CPU, its process has imported
-        torch: seconds). Called at the end of the rank's setup, so that the first saves do not wait for it."""
+        """Async mode: block until the background writer can take a save (on CPU, at once where the rank's
+        zygote forked it; seconds where a new interpreter had to import torch). Called at the end of the
+        rank's setup, so that the first saves do not wait for it."""
         if self._writer is not None:
             self._writer.wait_ready()
 

@@ -17,16 +17,20 @@ fails; the listener also costs the training process a connection and an HMAC han
 Protocol, one write in flight: the parent sends WriteRequest(path, plan, data); the process answers with
 the list of WriteResults or with the exception the write raised. It never commits anything (the training
 process's rank 0 does, layout.commit), so a writer process outliving its training iteration can at most
-leave files in an uncommitted `.tmp-` directory. It dies with its parent (PR_SET_PDEATHSIG) and when its
-socket closes; `abort()` kills it mid-write. Signals to the rank's process group (a drain's SIGTERM) do not
-reach it: a drain waits for the write in flight to commit.
+leave files in an uncommitted `.tmp-` directory. It is forked by the rank's zygote (`_Zygote`), so a new one
+costs a fork, not an interpreter's imports, and an in-process or in-job restart waits for none; it dies with
+the zygote, which dies with the rank (PR_SET_PDEATHSIG), and when its socket closes; `abort()` kills it
+mid-write. Signals to the rank's process group (a drain's SIGTERM) do not reach it: a drain waits for the
+write in flight to commit.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -95,44 +99,113 @@ def _serve(channel: ShmChannel) -> None:
             return
 
 
-class WriterProcess:
-    """The parent's handle on one writer process, started at once (importing torch takes a while, and
-    costs the training process nothing). After it died or was aborted, `shared_writer_process` starts
-    another; a save thread that still holds this handle can only fail (WriterProcessDied), never reach
-    the next process.
+def _die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that started it exits (prctl(2) PR_SET_PDEATHSIG): a
+    SIGKILLed training process leaves no zygote or writer behind."""
+    if sys.platform == "linux":
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(0)
 
-    A plain `python -m` of this module, not multiprocessing's spawn: spawn re-runs the parent's main
-    script in the child unless it is guarded, and the training runs from several (ft_launcher's `-m`,
-    prefork's runpy, tests' scripts). Call from the training thread: PR_SET_PDEATHSIG fires when the
-    thread that started the process ends."""
 
-    def __init__(self) -> None:
+class _Zygote:
+    """A process with torch and DCP imported and no thread but its main one, that forks a writer process
+    when asked: a writer starts in milliseconds (a fork), not seconds (a new interpreter importing torch),
+    whenever it is needed: at a rank's first save, after an in-process restart's abort killed the last
+    one, after one died. Forked from the rank before its first thread (`start_zygote`, from
+    training.train's main: a fork is safe only there), else started as a new interpreter once per process.
+
+    A request is one byte carrying the writer's end of a new socket pair (SCM_RIGHTS); the answer is the
+    writer's pid. The zygote and its writers lead their own process group: ft_launcher's stop and a
+    drain's SIGTERM go to the rank's group (os.killpg) and must not end a write a drain waits to commit.
+    Their lives are the rank's: PR_SET_PDEATHSIG, and the zygote leaves when its socket closes."""
+
+    _PID = struct.Struct("!i")
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self._sock, self.pid = sock, pid
+        self._lock = threading.Lock()
+
+    @classmethod
+    def fork(cls) -> _Zygote:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the zygote; it never returns into the rank's code
+            try:
+                ours.close()
+                _die_with_parent()
+                os.setpgid(0, 0)
+                _zygote_loop(theirs)
+            finally:
+                os._exit(0)
+        theirs.close()
+        return cls(ours, pid)
+
+    @classmethod
+    def spawn(cls) -> _Zygote:
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[3])  # where `training` is importable from
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (package_root, os.environ.get("PYTHONPATH"))))}
-        # A process group of its own: ft_launcher stops (and a drain signals) a rank with SIGTERM to the rank's
-        # group (os.killpg), which would end a write the drain is waiting to commit. Its life is its parent's
-        # (PR_SET_PDEATHSIG) and abort()'s, not its group's.
-        self._process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=env, process_group=0)
+        # A plain `python -m`, not multiprocessing's spawn: spawn re-runs the parent's main script in the
+        # child unless it is guarded, and the training runs from several (ft_launcher's `-m`, prefork's
+        # runpy, tests' scripts). Call from the thread that lives as long as the process (PR_SET_PDEATHSIG).
+        process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                   pass_fds=[theirs.fileno()], env=env, process_group=0)
         theirs.close()
-        self._channel = ShmChannel(ours)
-        self._one_write = threading.Lock()  # two managers of one process (tests) take turns
-        self._ready = False  # its first message (None) came: its imports are done
+        return cls(ours, process.pid)
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
+    def new_writer(self) -> WriterProcess:
+        ours, theirs = socket.socketpair()
+        with self._lock:
+            socket.send_fds(self._sock, [b"W"], [theirs.fileno()])
+            theirs.close()
+            answer = self._sock.recv(self._PID.size, socket.MSG_WAITALL)
+        if len(answer) != self._PID.size:
+            raise WriterProcessDied(f"checkpoint writer zygote {self.pid} is gone")
+        return WriterProcess(self._PID.unpack(answer)[0], ShmChannel(ours))
+
+
+def _zygote_loop(sock: socket.socket) -> None:
+    """Fork a writer for each request until the rank closes the socket."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # writers that end are reaped by the kernel
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if not msg:
+            return
+        pid = os.fork()
+        if pid == 0:  # a writer
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _die_with_parent()
+                _writer_main(fds[0])
+            finally:
+                os._exit(0)
+        os.close(fds[0])
+        sock.sendall(_Zygote._PID.pack(pid))
+
+
+class WriterProcess:
+    """The rank's handle on one writer process (a child of its zygote). After it died or was aborted,
+    `shared_writer_process` forks another; a save thread that still holds this handle can only fail
+    (WriterProcessDied), never reach the next process."""
+
+    def __init__(self, pid: int, channel: ShmChannel) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)  # the process itself, whatever reuses its pid later
+        self._channel = channel
+        self._one_write = threading.Lock()  # two managers of one process (tests) take turns
+        self._ready = False  # its first message (None) came: it is serving
 
     @property
     def running(self) -> bool:
-        return self._process.poll() is None
+        return not select.select([self._pidfd], [], [], 0)[0]  # a pidfd reads ready once its process ended
 
     def wait_ready(self) -> None:
-        """Block until the process has imported torch and DCP (seconds after its start, more on a loaded
-        host), so that the wait lands where the caller chooses (the rank's setup) rather than in its first
-        saves: there a save waiting for the one before it can outlast NVRx's checkpoint section timeout,
-        calculated from quick saves, and the rank monitor kills the rank."""
+        """Block until the process serves (at once after a fork; seconds after a new interpreter's start,
+        where the wait lands where the caller chooses, the rank's setup, rather than in its first saves:
+        there a save waiting for the one before it can outlast NVRx's checkpoint section timeout)."""
         self._exchange(lambda: None)
 
     def write(self, request: WriteRequest) -> list[WriteResult]:
@@ -154,44 +227,53 @@ class WriterProcess:
                     self._ready = True
                 return talk()
         except (EOFError, OSError) as err:
-            raise WriterProcessDied(f"checkpoint writer process {self.pid} died "
-                                    f"(exit code {self._process.wait()})") from err
+            raise WriterProcessDied(f"checkpoint writer process {self.pid} died") from err
 
     def abort(self) -> None:
         """The iteration dies: kill the process whatever it is doing (a save thread waiting on it gets
         WriterProcessDied). Its `.tmp-` directory stays uncommitted (only the training process commits)
         and is removed by the next manager."""
         if self.running:
-            self._process.kill()
-            self._process.wait()
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            select.select([self._pidfd], [], [])  # until it is gone
 
 
+_zygote: _Zygote | None = None
 _shared: WriterProcess | None = None
 
 
+def start_zygote() -> None:
+    """Fork this process's writer zygote now: call it where the process has no thread but its main one
+    (training.train's main, before the run; the rank is a fork of the prefork template, or an interpreter
+    that imported torch). Elsewhere the first save spawns one instead (seconds)."""
+    global _zygote
+    if _zygote is None:
+        _zygote = _Zygote.fork() if threading.active_count() == 1 else _Zygote.spawn()
+
+
 def shared_writer_process() -> WriterProcess:
-    """This process's writer process, running: one per process, not one per CheckpointManager, so that the
-    next manager (after a clean close; a test's) does not pay a new interpreter's imports of torch and DCP
-    again (3-5 CPU-s here). It ends with this process, or by an abort (then the next call starts anew)."""
-    global _shared
+    """This process's writer process, running: one per process, not one per CheckpointManager, kept while
+    it runs (a test's next manager, a clean close); after an abort or its death, the zygote forks another."""
+    global _shared, _zygote
     if _shared is None or not _shared.running:
-        _shared = WriterProcess()
+        if _zygote is None:
+            _zygote = _Zygote.spawn()
+        _shared = _zygote.new_writer()
     return _shared
 
 
 def _forget_the_parents_writer() -> None:
-    """In a forked child: the parent's writer is the parent's (its socket would mix both processes'
-    requests). os.fork runs this hook also where multiprocessing's own are not run (training.pod.prefork)."""
-    global _shared
-    _shared = None
+    """In a forked child: the parent's zygote and writer are the parent's (their sockets would mix both
+    processes' requests). os.fork runs this hook also where multiprocessing's own are not run
+    (training.pod.prefork)."""
+    global _shared, _zygote
+    _shared = _zygote = None
 
 
 os.register_at_fork(after_in_child=_forget_the_parents_writer)
 
 
-def _main(fd: int) -> None:
-    if sys.platform == "linux":  # a SIGKILLed training process must not leave its writer running
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _writer_main(fd: int) -> None:
     # Serialising and writing need no intra-op parallelism; torch's default (a thread per CPU) would
     # spin threads on the CPUs the training ranks use.
     torch.set_num_threads(1)
@@ -201,8 +283,14 @@ def _main(fd: int) -> None:
     # "Serialization semantics") turns it off for this process only.
     torch.serialization.set_crc32_options(False)
     channel = ShmChannel(socket.socket(fileno=fd))
-    channel.send(None)  # ready: imports done
+    channel.send(None)  # ready
     _serve(channel)
+
+
+def _main(fd: int) -> None:
+    """A zygote started as a new interpreter (`_Zygote.spawn`)."""
+    _die_with_parent()
+    _zygote_loop(socket.socket(fileno=fd))
 
 
 if __name__ == "__main__":
