@@ -29,6 +29,13 @@ def alive(pid: int) -> bool:
         return False
 
 
+def gone_within(seconds: float, *pids: int) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(alive, pids))
+
+
 def strike(top: int, rank: int, *wait_for: str) -> subprocess.Popen:
     """A striker started ahead, as a rank that may fire a node fault starts it, then told to strike now."""
     striker = subprocess.Popen([sys.executable, "-m", "training.train.node_strike"], stdin=subprocess.PIPE,
@@ -47,10 +54,7 @@ def test_the_strike_waits_for_the_other_node_faults_of_its_step_then_kills_the_w
     fired.write_text("node-loss@12:node=1")
     assert striker.wait(timeout=10) == 0
     assert top.wait(timeout=10) == -9
-    deadline = time.monotonic() + 10
-    while (alive(rank) or alive(other)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(rank) and not alive(other)
+    assert gone_within(10, rank, other)
 
 
 def test_a_rank_gone_before_the_strike_leaves_no_survivor_on_its_node():
@@ -60,10 +64,7 @@ def test_a_rank_gone_before_the_strike_leaves_no_survivor_on_its_node():
     psutil.Process(rank).kill()
     assert strike(top.pid, rank).wait(timeout=10) == 0
     assert top.wait(timeout=10) == -9
-    deadline = time.monotonic() + 10
-    while alive(other) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(other)
+    assert gone_within(10, other)
 
 
 def test_a_striker_whose_rank_ends_without_firing_leaves():

@@ -220,8 +220,8 @@ class FaultInjector:
             at_step = AT_STEP.get(spec.kind)
             if at_step is not None and spec.step == step and self._due(spec):
                 self._fire(spec, step)
-                together = tuple(self._dir / s.key for s in self._node_faults
-                                 if spec.kind in NODE_STRIKES and s.step == step and s.key != spec.key)
+                together = (tuple(self._dir / s.key for s in self._node_faults if s.step == step and s.key != spec.key)
+                            if spec.kind in NODE_STRIKES else ())
                 at_step(spec, FireContext(self._run_dir, self._checkpoint_dir, step_s, together))
 
     def around_write(self, step: int, write: Callable[[], T]) -> T:

@@ -117,7 +117,7 @@ class _Zygote:
     training.train's main: a fork is safe only there), else started as a new interpreter once per process.
 
     A request is one byte carrying the writer's end of a new socket pair (SCM_RIGHTS); the answer is the
-    writer's pid. The zygote and its writers lead their own process group: ft_launcher's stop and a
+    writer's pid. The zygote leads a process group of its own, its writers' too: ft_launcher's stop and a
     drain's SIGTERM go to the rank's group (os.killpg) and must not end a write a drain waits to commit.
     Their lives are the rank's: PR_SET_PDEATHSIG, and the zygote leaves when its socket closes."""
 
