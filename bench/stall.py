@@ -15,9 +15,10 @@ training.train.checkpoint.manager.CheckpointManager, run directory and event log
   measure_stall_on_cluster  GPU: three real training runs of a model preset on one local-cluster node.
 
 Figures (blocking from the event logs through training.report):
-  blocking per save   ckpt_blocked.seconds, median over the saves (async: staging and planning); the
-                      median, because the first async save also allocates the staging buffers that
-                      every later save reuses, a one-time cost per process
+  async setup         (CPU) the async writer's one-time start before the first round, as a rank's start
+                      makes it: its process forked, its staging buffers allocated (prepare; training does
+                      that in the background from its first step on); counted in no mode, reported apart
+  blocking per save   ckpt_blocked.seconds, median over the saves (async: staging and planning)
   step wall time      wall time of a mode's rounds / its steps (CPU), or (end of the last step - end
                       of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
                       from a background write together
@@ -91,6 +92,7 @@ class StallResult:
     cpu_per_save_sync_s: float | None = None  # CPU only (see the module docstring): the training rank's
     cpu_per_save_async_s: float | None = None
     writer_cpu_per_save_async_s: float | None = None  # the async writer process's
+    async_setup_s: float | None = None  # CPU only: the async writer's one-time start (module docstring)
 
     @property
     def rank_cpu_ratio(self) -> float | None:
@@ -114,7 +116,7 @@ def blocking_per_save(run_dir: Path) -> tuple[float, ...]:
 
 def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int, world: int, interval: int,
             steps: int, cpu_per_round: dict[str, list[float]] | None = None,
-            writer_cpu_per_round: list[float] | None = None) -> StallResult:
+            writer_cpu_per_round: list[float] | None = None, async_setup_s: float | None = None) -> StallResult:
     """`walls`: wall time per step of each mode; `cpu_per_round`: a rank's CPU time in each round of each
     mode, `writer_cpu_per_round`: its async writer process's in each async round (means over ranks)."""
     def cpu_per_save(mode: str) -> float | None:
@@ -133,7 +135,8 @@ def analyse(run_dirs: dict[str, Path], walls: dict[str, float], state_bytes: int
         efficiency_sync=walls["off"] / walls["sync"], efficiency_async=walls["off"] / walls["async"],
         run_dirs={mode: str(path) for mode, path in run_dirs.items()},
         cpu_per_save_sync_s=cpu_per_save("sync"), cpu_per_save_async_s=cpu_per_save("async"),
-        writer_cpu_per_save_async_s=statistics.median(writer_cpu_per_round) if writer_cpu_per_round else None)
+        writer_cpu_per_save_async_s=statistics.median(writer_cpu_per_round) if writer_cpu_per_round else None,
+        async_setup_s=async_setup_s)
 
 
 def leaves_no_cpu_spare(world: int, cpus: int) -> bool:
@@ -188,14 +191,14 @@ def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int
 def measure_stall(spec: StallSpec, root: Path) -> StallResult:
     run_dirs = _fresh_run_dirs(root)
     # rank 0 -> here: (interval, wall per mode, CPU time per round of each mode and of the async writer process
-    # (means over ranks), checkpoint bytes)
+    # (means over ranks), the async writer's setup, checkpoint bytes)
     found = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(spec, free_port(), root, run_dirs, found), nprocs=spec.world,
                        start_method="spawn")
-    interval, walls, cpu_per_round, writer_cpu_per_round, state_bytes = found.get()
+    interval, walls, cpu_per_round, writer_cpu_per_round, setup_s, state_bytes = found.get()
     steps = spec.saves * interval
     return analyse(run_dirs, {mode: wall / steps for mode, wall in walls.items()}, state_bytes, spec.world,
-                   interval, steps, cpu_per_round, writer_cpu_per_round)
+                   interval, steps, cpu_per_round, writer_cpu_per_round, setup_s)
 
 
 def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[str, Path], found) -> None:
@@ -207,13 +210,13 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
         state = synthetic_state(spec.state_bytes // spec.world, rank, info.device)
         a = torch.randn(512, 512, device=info.device)
         interval = _calibrate(spec, root / "stall-calibration", state, a, info.device)
-        walls, cpus = _interleaved(spec, interval, run_dirs, state, a, info.device)
+        walls, cpus, setup_s = _interleaved(spec, interval, run_dirs, state, a, info.device)
         mean_cpus = torch.tensor([cpus[mode] for mode in (*MODES, WRITER)], dtype=torch.float64)  # (modes + writer) x rounds
         dist.all_reduce(mean_cpus)
         mean_cpus /= spec.world
         *per_mode, writer = mean_cpus.tolist()
         if rank == 0:
-            found.put((interval, walls, dict(zip(MODES, per_mode)), writer,
+            found.put((interval, walls, dict(zip(MODES, per_mode)), writer, setup_s,
                        checkpoint_bytes(run_dirs["sync"] / "checkpoints")))
             for path in run_dirs.values():  # do not leave GBs behind
                 shutil.rmtree(path / "checkpoints", ignore_errors=True)
@@ -253,15 +256,18 @@ def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, dev
 
 
 def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], state: dict, a: torch.Tensor,
-                 device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock) and the CPU
+                 device: torch.device) -> tuple[dict[str, float], dict[str, list[float]], float]:
+    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock), the CPU
     time in each round of each mode of this process (all its threads) and, under WRITER, of its async
-    writer process in each async round."""
+    writer process in each async round, and the async writer's setup time."""
     lead = dist.get_rank() == 0
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
     managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
                 for mode, path in run_dirs.items()}
-    managers["async"].wait_for_writer()  # as a rank's setup does: its start-up is no save's
+    started = time.perf_counter()
+    managers["async"].prepare(state)  # as training does after its first step; its buffers are no save's
+    managers["async"].wait_for_writer()  # as a rank's setup does: its start-up is no save's either
+    setup_s = time.perf_counter() - started
     writer = _process_cpu_s(managers["async"].writer_pid)
     walls = dict.fromkeys(MODES, 0.0)
     cpus: dict[str, list[float]] = {mode: [] for mode in (*MODES, WRITER)}
@@ -287,7 +293,7 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
             log.close()
     for manager in managers.values():
         manager.close()
-    return walls, cpus
+    return walls, cpus, setup_s
 
 
 def _process_cpu_s(pid: int | None) -> Callable[[], float]:

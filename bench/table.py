@@ -50,7 +50,10 @@ def _stall_section(title: str, s: StallResult, calibrated: bool, ranks_note: str
         f"{title}: {s.state_bytes / 2**20:.0f} MiB of state over {s.world_size} rank(s){ranks_note}, a save every "
         f"{s.interval_steps} steps"
         + (f" (calibrated: sync saves about {CALIBRATED_SYNC_COST:.0%} of the time, as in the reference)"
-           if calibrated else "") + f", {s.steps} steps per pass",
+           if calibrated else "") + f", {s.steps} steps per pass"
+        + (f"; the async writer's one-time start (its process, its staging buffers allocated; in training, in the "
+           f"background from the first step on): {s.async_setup_s:.2f} s, before the first round and counted in no mode"
+           if s.async_setup_s is not None else ""),
         "",
         *_header("mode", "blocking per save (median)", "per save", "CPU time per save: training rank",
                  "CPU time per save: writer process", "step wall time", "training efficiency"),

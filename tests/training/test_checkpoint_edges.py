@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -88,9 +89,30 @@ def test_an_interrupted_deletion_is_invisible_and_finished_later(tmp_path, monke
     caplog.set_level(logging.WARNING)
     m.save(2, {"w": torch.ones(64)})  # prunes step 1 (keep=1); the deletion fails half-way
     assert _steps(m.dir) == [2]
+    m.close()  # the deletion runs in a thread of its own: close waits for it
     assert any("cannot delete" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     _manager(tmp_path, keep=1)  # the next worker group finishes both
+    assert sorted(p.name for p in m.dir.iterdir() if p.is_dir()) == ["step_00000002"]
+
+
+def test_a_slow_deletion_of_a_pruned_checkpoint_does_not_hold_the_training_thread(tmp_path, monkeypatch):
+    m = _manager(tmp_path, keep=1)
+    m.save(1, {"w": torch.zeros(64)})
+    release = threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *args, **kwargs):  # a file system that takes its time to free a big shard
+        if os.path.exists(path):
+            release.wait(30)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    m.save(2, {"w": torch.ones(64)})  # commits, prunes step 1: returns while its deletion is held
+    assert _steps(m.dir) == [2]  # invisible at once
+    assert sorted(p.name for p in m.dir.iterdir() if p.is_dir()) == [".pruned-step_00000001", "step_00000002"]
+    release.set()
+    m.close()  # waits for the deletion
     assert sorted(p.name for p in m.dir.iterdir() if p.is_dir()) == ["step_00000002"]
 
 

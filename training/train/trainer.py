@@ -414,6 +414,7 @@ class Trainer:
                 if drain:
                     with monitor.section("checkpoint"):
                         self.drain(step, step_time)
+                ckpt.prepare(self.state)  # once, after this iteration's first step: AdamW's moments exist
                 ckpt.poll()
                 if step % self.cfg.checkpoint.interval == 0:
                     with monitor.section("checkpoint"):

@@ -17,7 +17,7 @@ crash between the two renames leaves no `step_N`, and the next worker group puts
 (`clean_up`), so one of the two is always there.
 
 Pruning: a checkpoint past `keep` is first renamed to `.pruned-step_N` (one atomic rename: it stops
-being a checkpoint at once), then deleted. What an interrupted deletion leaves is deleted by the next
+being a checkpoint at once), then deleted (in a background thread, BackgroundDeletion). What an interrupted deletion leaves is deleted by the next
 `clean_up` (at every worker group's start, and after every commit), and so is a `step_N` without its
 COMMITTED marker: a commit renames only complete directories, so that is what a deletion in place
 (before pruning renamed first) left half done. A full file system is loud: `out_of_space` tells a save
@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -128,10 +129,33 @@ def remove_older_saves(directory: Path, generation: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Rank 0, after a commit: delete the committed checkpoints older than the newest `keep`."""
-    for _, old in committed_checkpoints(directory)[keep:]:
-        _discard(old)
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Rank 0, after a commit: the committed checkpoints older than the newest `keep` renamed out of sight
+    (`.pruned-…`); returns those, for a BackgroundDeletion to delete."""
+    hidden = (_hide(old) for _, old in committed_checkpoints(directory)[keep:])
+    return [path for path in hidden if path is not None]
+
+
+class BackgroundDeletion:
+    """Deletes pruned checkpoints in a thread of their own: unlinking a shard file of hundreds of MiB waits
+    for the file system (~50 ms per 512 MiB here, hardly any CPU), a wait the training thread should not
+    make. One deletion at a time; what a crash or an error leaves, the next clean_up deletes."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self, paths: list[Path]) -> None:
+        self.wait()
+        if paths:
+            self._thread = threading.Thread(target=lambda: [_delete(path) for path in paths],
+                                            name="ckpt-deletion", daemon=True)  # a dying process leaves it to clean_up
+            self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the deletion in progress, if any, has ended."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def clean_up(directory: Path) -> None:
@@ -198,14 +222,21 @@ def _has_marker(path: Path) -> bool:
 
 def _discard(path: Path) -> None:
     """Delete a checkpoint directory, invisible from the first moment: renamed to `.pruned-…`, then deleted."""
+    pruned = _hide(path)
+    if pruned is not None:
+        _delete(pruned)
+
+
+def _hide(path: Path) -> Path | None:
+    """A checkpoint directory renamed to `.pruned-…` (no checkpoint any more), or None where the rename failed."""
     pruned = path.with_name(f"{PRUNED_PREFIX}{path.name}")
     _delete(pruned)  # a leftover of an earlier deletion of the same step
     try:
         os.rename(path, pruned)
     except OSError as err:
         log.warning("cannot delete %s (%s); trying again after the next commit", path, err)
-        return
-    _delete(pruned)
+        return None
+    return pruned
 
 
 def _delete(path: Path) -> None:

@@ -36,9 +36,9 @@ from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
 from training.train.checkpoint.fit import misfit
 from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
-from training.train.checkpoint.layout import (SaveFenced, clean_up, commit, committed_checkpoints, free_bytes,
-                                              out_of_space, prune, remove_older_saves, save_dir_name, set_aside,
-                                              set_aside_names, start_generation, write_resume_step)
+from training.train.checkpoint.layout import (BackgroundDeletion, SaveFenced, clean_up, commit, committed_checkpoints,
+                                              free_bytes, out_of_space, prune, remove_older_saves, save_dir_name,
+                                              set_aside, set_aside_names, start_generation, write_resume_step)
 from training.train.checkpoint.writers import AsyncWriter, WriteHook, file_writer, make_async_writer
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ class CheckpointManager:
         self.rank = dist.get_rank() if self.distributed else 0
         self._inflight: _InFlight | None = None
         self._writer: AsyncWriter | None = None
+        self._prepared = False
+        self._deletion = BackgroundDeletion()  # rank 0's deletion of pruned checkpoints
         # The newest step this manager committed: every rank learns rank 0's outcome in `wait` (async) or
         # `save` (sync), so it never counts a save that was fenced or failed to commit.
         self.saved_step: int | None = None
@@ -131,10 +133,18 @@ class CheckpointManager:
         charges its CPU time to the writer, not to the rank)."""
         return self._writer.writer_pid if self._writer is not None else None
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Async mode: start allocating the buffers a save of `state` stages into, in the background (on CPU,
+        staging.py; once: later calls do nothing). Call it once `state` holds every tensor a save will hold
+        (AdamW's moments exist after the first optimizer step): the first save then only copies."""
+        if self._writer is not None and not self._prepared:
+            self._prepared = True
+            self._writer.prepare(state)
+
     def wait_for_writer(self) -> None:
         """Async mode: block until the background writer can take a save (on CPU, at once where the rank's
-        zygote forked it; seconds where a new interpreter had to import torch). Called at the end of the
-        rank's setup, so that the first saves do not wait for it."""
+        zygote forked it; seconds where a new interpreter had to import torch) and a `prepare` has ended.
+        Called at the end of the rank's setup, so that the first saves do not wait for it."""
         if self._writer is not None:
             self._writer.wait_ready()
 
@@ -240,9 +250,10 @@ class CheckpointManager:
             return False
         self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4),
                    generation=self.generation)
-        prune(self.dir, self.keep)
+        self._deletion.wait()  # the last commit's, long done as a rule: clean_up must not race it
         remove_older_saves(self.dir, self.generation)
         clean_up(self.dir)
+        self._deletion.start(prune(self.dir, self.keep))
         return True
 
     def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
@@ -331,6 +342,7 @@ class CheckpointManager:
         self.wait()
         if self._writer is not None:
             self._writer.close(abort=False)
+        self._deletion.wait()
 
     def abort(self) -> None:
         """The run dies (an exception, an in-process restart): stop the in-flight save without a

@@ -6,8 +6,8 @@ CPU-heavy part (serialising every tensor, the write, fsync), to this process. In
 thread of the training process that write would hold the GIL against the training loop and count as the
 rank's CPU time (bench/stall.py measures the two processes apart).
 
-The staged tensors are not copied again on the way: they live in shared memory (DefaultStager with
-use_shared_memory, reused from save to save), and a request pickles each of them as a reference to its
+The staged tensors are not copied again on the way: they live in shared memory (staging.py's buffers,
+reused from save to save), and a request pickles each of them as a reference to its
 memory's file descriptor, which travels beside the pickle over this process's own socket (SCM_RIGHTS,
 unix(7)). multiprocessing's way, a listener thread in the training process that the writer connects to
 once per tensor, is not used: a rank forked with os.fork (training.pod.prefork) without multiprocessing's

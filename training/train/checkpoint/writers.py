@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils._pytree import tree_map_only
 
 from training.contract.launcher import SAVE_DELAY_ENV
+from training.train.checkpoint.staging import SharedStaging
 from training.train.checkpoint.writer_process import WriteRequest, WriterProcess, shared_writer_process
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,10 @@ class AsyncWriter(Protocol):
     @property
     def writer_pid(self) -> int | None:
         """The process that writes this rank's shards, where it is known (its CPU time is not the rank's)."""
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Start allocating what a save of `state` will stage into, in the background (returns at once)."""
     def wait_ready(self) -> None:
-        """Block until the writer can take a save at once (its process has started)."""
+        """Block until the writer can take a save at once (its process has started, a preparation ended)."""
     def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
@@ -128,24 +130,28 @@ class _TorchAsyncWriter:
     """dcp.async_save: synchronous staging into shared memory, the write in the writer process.
 
     The stager is kept for the writer's life: it reuses its staging buffers from one save to the
-    next (a stager per save, dcp's default, allocates and page-faults the whole state every time).
-    Reuse is safe because at most one save is in flight. The buffers are shared memory, so the
-    writer process reads them where they are; pinned memory is for CUDA copies, not used here."""
+    next (a stager per save, dcp's default, allocates and page-faults the whole state every time),
+    and `prepare` allocates them ahead, off the training thread (staging.py). Reuse is safe because
+    at most one save is in flight. The buffers are shared memory, so the writer process reads them
+    where they are; pinned memory is for CUDA copies, not used here."""
 
     def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
         self._pg = process_group
         self._hook = write_hook
         self._future = None
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                                    use_async_staging=False, use_non_blocking_copy=False))
+        self._stager = SharedStaging()
         self._process = shared_writer_process()
 
     @property
     def writer_pid(self) -> int | None:
         return self._process.pid
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        self._stager.warm_up(_plain(state))
+
     def wait_ready(self) -> None:
         self._process.wait_ready()
+        self._stager.wait_warm()
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         self._process = shared_writer_process()  # after a writer process died or was aborted: a new one
@@ -185,6 +191,9 @@ class _NvrxAsyncWriter:
         self._queue = AsyncCallsQueue(persistent=True)
 
     writer_pid = None  # NVRx's persistent worker is the queue's own
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Nothing: NVRx's writer stages the state in its own preload, at each save."""
 
     def wait_ready(self) -> None:
         """NVRx starts its persistent worker at the first save."""

@@ -1,0 +1,71 @@
+"""Async saves' staging buffers on CPU (training/train/checkpoint/staging.py): allocated ahead, off the training
+thread, and reused by every save, each save holding its own step's values."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from training.contract.events import EventLog
+from training.train.checkpoint.manager import CheckpointManager
+from training.train.checkpoint.staging import SharedStaging
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((1 << 16,), value), "m": torch.full((1 << 10,), -value)}
+
+
+def test_after_a_warm_up_a_save_allocates_nothing_and_stages_its_own_values(monkeypatch):
+    state = _state(1.0)
+    staging = SharedStaging()
+    staging.warm_up(state)
+    staging.wait_warm()
+    allocated = []
+    real_new_shared = torch.UntypedStorage._new_shared
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared",
+                        classmethod(lambda cls, *a, **kw: allocated.append(a) or real_new_shared(*a, **kw)))
+    state["w"].fill_(2.0)  # trained on after the warm-up
+    staged = staging.stage(state)
+    assert allocated == []
+    assert torch.equal(staged["w"], state["w"]) and torch.equal(staged["m"], state["m"])
+    assert staged["w"].untyped_storage().is_shared()  # the writer process maps it where it is
+    state["w"].fill_(3.0)  # training goes on: the staged copy keeps the step it was taken at
+    assert torch.equal(staged["w"], torch.full((1 << 16,), 2.0))
+    staging.close()
+
+
+def test_the_warm_up_lets_the_training_thread_run():
+    """Allocating a buffer page-faults it in (about a second for 256 MiB here); a copy holding the GIL would
+    stop the training loop's Python as long."""
+    state = {"w": torch.ones(64 << 20)}  # 256 MiB
+    staging = SharedStaging()
+    started = time.perf_counter()
+    staging.warm_up(state)
+    warming = staging._warming
+    assert isinstance(warming, threading.Thread)
+    longest_gap, last = 0.0, time.perf_counter()
+    while warming.is_alive():
+        now = time.perf_counter()
+        longest_gap, last = max(longest_gap, now - last), now
+    took = time.perf_counter() - started
+    staging.close()
+    assert longest_gap < took / 2, (longest_gap, took)
+
+
+def test_a_prepared_async_save_holds_the_step_it_was_saved_at(tmp_path):
+    m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+    state = _state(1.0)
+    m.prepare(state)
+    m.prepare(_state(9.0))  # once: later calls do nothing
+    m.wait_for_writer()
+    state["w"].fill_(2.0)
+    m.save(2, state)
+    state["w"].fill_(3.0)  # the next steps, while the save is written
+    m.wait()
+    target = _state(0.0)
+    assert m.load(target).step == 2 and torch.equal(target["w"], torch.full((1 << 16,), 2.0))
+    m.close()
