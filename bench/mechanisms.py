@@ -55,6 +55,8 @@ from typing import Any
 from bench.cluster import ClusterSpec, run_cluster
 from bench.profile import Profile
 from training.contract.faults import KINDS
+from training.contract.launcher import REJOIN_POLLS_S
+from training.local.cluster import WORKERS_STOP_TIMEOUT_S
 from training.local.netns import unavailable_reason as netns_unavailable_reason
 from training.models.tiny import write_tiny_model
 from training.report.goodput import GoodputReport, ReportError, report_run
@@ -102,9 +104,11 @@ MECHANISMS = (
               fault_on_host=True),
 )
 
-# With a spare: a lost node's replacement starts this much later, after the spare took over (NVRx waits
-# 1 s for a previous round's node before it takes a spare; on EKS a replacement takes minutes).
-REPLACEMENT_DELAY_S = 3.0
+# With a spare: a lost node's replacement starts this much later, after the spare took over. Later than a
+# survivor can be back in the restart round, so that the round's last call is NVRx's 1 s, as in the Job on
+# EKS, where a replacement takes minutes (training.contract.launcher.rendezvous_last_call_s): a replacement
+# that could join first would have the round wait out a survivor's longest return for every node loss.
+REPLACEMENT_DELAY_S = float(WORKERS_STOP_TIMEOUT_S + REJOIN_POLLS_S + 2)
 # Async checkpoints, a short gloo timeout (a CPU collective cannot be aborted; it bounds
 # how long survivors of a fault can hang), generous NVRx timeouts for a busy machine.
 COLLECTIVE_TIMEOUT_S = 30
@@ -150,7 +154,7 @@ def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
         target = f"node={0 if m.fault_on_host else profile.nodes - 1}"
     else:
         target = f"rank={0 if m.fault_on_host else profile.world - 1}"
-    return tuple(f"{m.fault}@{step}:{target}" for step in profile.fault_steps())
+    return tuple(f"{m.fault}@{step}:{target}" for step in profile.fault_steps(spare=m.spares > 0))
 
 
 def model_overrides(m: Mechanism, profile: Profile, run_dir: Path) -> tuple[str, ...]:
@@ -170,7 +174,8 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
     budgets = (f"fault_tolerance.max_restarts={retries if m.in_job_restarts else 0}",
                *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "both" else ()))
     return ClusterSpec(
-        run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node, steps=profile.steps,
+        run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node,
+        steps=profile.steps(spare=m.spares > 0),
         overrides=(*BASE_OVERRIDES, *model_overrides(m, profile, run_dir), f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),

@@ -30,6 +30,9 @@ class Profile:
     faults: int
     first_fault: int  # step of the first fault
     fault_spacing: int  # steps between faults
+    # Steps between faults where a hot spare takes over: the lost node's replacement, started
+    # bench/mechanisms.py REPLACEMENT_DELAY_S after the loss, must be on standby before the next fault.
+    spare_fault_spacing: int
     tail_steps: int  # steps after the last fault: room for a drain, which lands steps after it is asked for
     checkpoint_interval: int
     floor_repeats: int
@@ -44,12 +47,13 @@ class Profile:
     def world(self) -> int:
         return self.nodes * self.nproc_per_node
 
-    def fault_steps(self) -> list[int]:
-        return [self.first_fault + i * self.fault_spacing for i in range(self.faults)]
+    def fault_steps(self, spare: bool = False) -> list[int]:
+        """The steps the faults strike at; `spare`: in a run with a hot spare."""
+        spacing = self.spare_fault_spacing if spare else self.fault_spacing
+        return [self.first_fault + i * spacing for i in range(self.faults)]
 
-    @property
-    def steps(self) -> int:
-        return self.fault_steps()[-1] + self.tail_steps
+    def steps(self, spare: bool = False) -> int:
+        return self.fault_steps(spare)[-1] + self.tail_steps
 
 
 ALL = ("inprocess", "injob", "injob_hf", "injob_fresh", "node_replacement", "node_zero", "hot_spare", "peer_state", "drain",
@@ -58,12 +62,12 @@ ALL = ("inprocess", "injob", "injob_hf", "injob_fresh", "node_replacement", "nod
 # the rest (its staging copy starved of CPU), which moved the median of four from 0.07x to 0.17x.
 # 15 steps after the last fault: a drain landed 1-7 steps after it was asked for here (the controller
 # polls every 0.2 s; a step takes 20-70 ms), and it must land before the run's last step.
-# 40 steps between faults (2-3 s): a hot spare's replacement, started 3 s after the loss
-# (bench/mechanisms.py REPLACEMENT_DELAY_S), is on standby again before the next fault.
+# With a hot spare, 100 steps between faults (10-20 s at 0.1-0.2 s a step with its saves): the replacement,
+# started 10 s after the loss (bench/mechanisms.py REPLACEMENT_DELAY_S) and up in 1-4 s, is on standby again.
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
-               faults=5, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
+               faults=5, first_fault=15, fault_spacing=40, spare_fault_spacing=100, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
                rollback_copy_bytes=512 * MiB, peer_presets=("tiny", "small"))
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: about 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
@@ -71,7 +75,7 @@ FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_w
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                 stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
                 mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
-                faults=2, first_fault=15, fault_spacing=40, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
+                faults=2, first_fault=15, fault_spacing=40, spare_fault_spacing=250, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
                 rollback_copy_bytes=128 * MiB, peer_presets=("tiny", "small"))
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node
@@ -80,5 +84,5 @@ QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_
 GPU = Profile("gpu", "cuda", state_bytes=0, stall_preset="1b", stall_world=1, stall_interval=5, stall_saves=1,
               matmuls_per_step=0, stall_spare_cpu=False,
               mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
-              faults=3, first_fault=25, fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1,
+              faults=3, first_fault=25, fault_spacing=10, spare_fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1,
               rollback_copy_bytes=4096 * MiB, peer_presets=())

@@ -132,7 +132,8 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
                                           unavailable)
     recovery: dict[str, MechanismResult] = {}
     for m in (m for m in MECHANISMS if m.name in p.mechanisms):
-        say(f"{m.label}: {p.faults} faults at steps {p.fault_steps()}, {p.nodes} node(s) x {p.nproc_per_node} rank(s)")
+        say(f"{m.label}: {p.faults} faults at steps {p.fault_steps(spare=m.spares > 0)}, {p.nodes} node(s) x "
+            f"{p.nproc_per_node} rank(s)")
         try:
             recovery[m.name] = measure_mechanism(m, p, runs / m.name)
             say(f"{m.label}: median recovery {recovery[m.name].median_recovery_s:.2f} s")

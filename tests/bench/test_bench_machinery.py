@@ -44,11 +44,12 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "injob_fresh": ("exception@15:rank=3", "exception@55:rank=3"),
                      "node_replacement": ("node-loss@15:node=1", "node-loss@55:node=1"),
                      "node_zero": ("node-loss@15:node=0", "node-loss@55:node=0"),
-                     # with a spare, the node that runs the last rank, wherever it is after a takeover
-                     "hot_spare": ("node-loss@15:rank=3", "node-loss@55:rank=3"),
-                     "peer_state": ("node-loss@15:rank=3", "node-loss@55:rank=3"),
+                     # with a spare, the node that runs the last rank, wherever it is after a takeover, and
+                     # room for the lost node's replacement to be on standby before the next fault
+                     "hot_spare": ("node-loss@15:rank=3", "node-loss@265:rank=3"),
+                     "peer_state": ("node-loss@15:rank=3", "node-loss@265:rank=3"),
                      "drain": ("drain@15:node=1", "drain@55:node=1"),
-                     "partition": ("partition@15:rank=3", "partition@55:rank=3"),
+                     "partition": ("partition@15:rank=3", "partition@265:rank=3"),
                      "node_hang": ("node-hang@15:node=1", "node-hang@55:node=1"),
                      "k8s_restart": ("node-loss@15:node=0", "node-loss@55:node=0")}
 
