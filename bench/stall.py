@@ -5,7 +5,10 @@ training.train.checkpoint.manager.CheckpointManager, run directory and event log
   measure_stall             CPU: one set of processes (torch.multiprocessing, gloo) holds a synthetic
                             state, a rank-unique shard of state_bytes / world bytes per rank (a real
                             model of 256 MB+ trains far too slowly on 2 cores); a step is a fixed
-                            amount of matmul work and an all-reduce. The interval is calibrated first
+                            amount of matmul work and an all-reduce, then the optimizer's in-place
+                            update of the state (one element of each tensor: the write, not its
+                            cost), after the wait for an async save's staging copy that training
+                            makes there (CheckpointManager.wait_staged). The interval is calibrated first
                             (a few timed steps, one timed sync save) so that sync saves take about
                             CALIBRATED_SYNC_COST of the time, as in the reference (~60% efficiency).
                             The modes are interleaved, one interval each per round, so that a change
@@ -238,6 +241,13 @@ def _step(a: torch.Tensor, matmuls: int) -> None:
     dist.all_reduce(x[:1, :1].contiguous())  # ranks move in lockstep, as in data-parallel training
 
 
+def _update(state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """What an optimizer step does to the state, in kind: it writes every tensor in place."""
+    for shard in state.values():
+        for tensor in shard.values():
+            tensor[:1].add_(1.0)
+
+
 def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, device: torch.device) -> int:
     """Time a few steps and one sync save (which also warms up allocator, threads and page cache)."""
     _step(a, spec.matmuls_per_step)
@@ -278,6 +288,8 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
             for step in range(round_ * interval + 1, (round_ + 1) * interval + 1):
                 started = time.perf_counter()
                 _step(a, spec.matmuls_per_step)
+                managers[mode].wait_staged()  # as training does before its optimizer step
+                _update(state)
                 if lead:
                     logs[mode].emit("step", step=step, loss=0.0, step_time_s=round(time.perf_counter() - started, 5),
                                     tokens=0)

@@ -500,6 +500,22 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
         torch.testing.assert_close(accumulated[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_train_step_leaves_the_state_alone_until_before_update_returns(one_rank_group):
+    """An async save's staging copy may still read the parameters and AdamW's state during the next step's
+    forward and backward: train_step changes them only after `before_update` (CheckpointManager.wait_staged)."""
+    cfg = load_train_config(None, ["training.seq_len=16"])
+    model, optimizer = build(cfg, model_spec(cfg.model), one_rank_group)
+    stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+    train_step(model, optimizer, stream.next_step(), 1e-3, 1.0, one_rank_group)  # AdamW's moments exist
+    live = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values())]
+    before = [t.detach().clone() for t in live]
+    unchanged: list[bool] = []
+    train_step(model, optimizer, stream.next_step(), 1e-3, 1.0, one_rank_group,
+               before_update=lambda: unchanged.append(all(torch.equal(t, b) for t, b in zip(live, before))))
+    assert unchanged == [True]
+    assert not all(torch.equal(t, b) for t, b in zip(live, before))  # the step did change them after it
+
+
 def test_a_rank_in_a_world_that_cannot_reach_the_global_batch_fails_the_job_before_training(monkeypatch, tmp_path):
     """The ranks' own check, behind training.local's and the chart's: here a one-process group that says
     it has 5 ranks, for a global batch of 24 in micro-batches of 2 (12 of them: 5 ranks cannot share them)."""

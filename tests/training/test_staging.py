@@ -1,5 +1,6 @@
-"""Async saves' staging buffers on CPU (training/train/checkpoint/staging.py): allocated ahead, off the training
-thread, and reused by every save, each save holding its own step's values."""
+"""Async saves' staging on CPU (training/train/checkpoint/staging.py): buffers allocated ahead, off the training
+thread, and reused by every save; each copy made while training goes on, until the state changes; each save
+holding its own step's values."""
 from __future__ import annotations
 
 import threading
@@ -8,8 +9,9 @@ import time
 import pytest
 import torch
 
-from training.contract.events import EventLog
+from training.contract.events import EventLog, read_events
 from training.train.checkpoint.manager import CheckpointManager
+from training.train.checkpoint import staging as staging_module
 from training.train.checkpoint.staging import SharedStaging
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -23,13 +25,13 @@ def test_after_a_warm_up_a_save_allocates_nothing_and_stages_its_own_values(monk
     state = _state(1.0)
     staging = SharedStaging()
     staging.warm_up(state)
-    staging.wait_warm()
+    staging.wait()
     allocated = []
     real_new_shared = torch.UntypedStorage._new_shared
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared",
                         classmethod(lambda cls, *a, **kw: allocated.append(a) or real_new_shared(*a, **kw)))
     state["w"].fill_(2.0)  # trained on after the warm-up
-    staged = staging.stage(state)
+    staged = staging.stage(state).result()
     assert allocated == []
     assert torch.equal(staged["w"], state["w"]) and torch.equal(staged["m"], state["m"])
     assert staged["w"].untyped_storage().is_shared()  # the writer process maps it where it is
@@ -44,11 +46,9 @@ def test_the_warm_up_lets_the_training_thread_run():
     state = {"w": torch.ones(64 << 20)}  # 256 MiB
     staging = SharedStaging()
     started = time.perf_counter()
-    staging.warm_up(state)
-    warming = staging._warming
-    assert isinstance(warming, threading.Thread)
+    warming = staging.warm_up(state)
     longest_gap, last = 0.0, time.perf_counter()
-    while warming.is_alive():
+    while not warming.done():
         now = time.perf_counter()
         longest_gap, last = max(longest_gap, now - last), now
     took = time.perf_counter() - started
@@ -64,8 +64,34 @@ def test_a_prepared_async_save_holds_the_step_it_was_saved_at(tmp_path):
     m.wait_for_writer()
     state["w"].fill_(2.0)
     m.save(2, state)
+    m.wait_staged()  # before the optimizer's step, as train_step does
     state["w"].fill_(3.0)  # the next steps, while the save is written
     m.wait()
     target = _state(0.0)
     assert m.load(target).step == 2 and torch.equal(target["w"], torch.full((1 << 16,), 2.0))
+    m.close()
+
+
+def test_an_async_save_returns_before_its_copy_is_made_and_the_state_waits_for_it(tmp_path, monkeypatch):
+    release = threading.Event()
+    copy = staging_module._GilFreeStager._stage_untyped_storage
+
+    def held_copy(self, storage, non_blocking=False):  # a copy that takes its time (a large state)
+        release.wait(30)
+        return copy(self, storage, non_blocking)
+
+    monkeypatch.setattr(staging_module._GilFreeStager, "_stage_untyped_storage", held_copy)
+    m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+    state = _state(2.0)
+    m.save(2, state)  # returns with its copy held: the next step's forward and backward run meanwhile
+    assert [e["event"] for e in read_events(tmp_path)] == ["ckpt_start"]
+    threading.Timer(0.3, release.set).start()
+    m.wait_staged()  # before the optimizer's step, as train_step does
+    blocked = [e for e in read_events(tmp_path) if e["event"] == "ckpt_blocked"]
+    assert len(blocked) == 1 and blocked[0]["step"] == 2 and blocked[0]["seconds"] >= 0.25  # the wait counts
+    state["w"].fill_(3.0)  # the optimizer's step
+    m.wait()
+    target = _state(0.0)
+    assert m.load(target).step == 2 and torch.equal(target["w"], torch.full((1 << 16,), 2.0))
+    assert [e["event"] for e in read_events(tmp_path)].count("ckpt_blocked") == 1
     m.close()

@@ -26,7 +26,9 @@ depend on the event:
                                                    the step in memory after it (training/train/rollback.py);
                                                    with peer state, peer_s: the same for node memory
   ckpt_start      step                             rank 0
-  ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save
+  ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save; an
+                                                   async one's once its staging copy is made, its wait for
+                                                   the copy before the next optimizer step included
   ckpt_committed  step, path, seconds,             rank 0: save visible; seconds from start to commit;
                   generation                       generation: the worker group's (training/train/checkpoint/layout.py)
   ckpt_failed     step, error                      rank 0: the save is invisible, training goes on (error

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 import numpy as np
 import torch
@@ -181,7 +181,8 @@ def build(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> tuple[torch.nn.M
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], lr: float,
                grad_clip: float, info: DistInfo, drain_flag: float = 0.0,
-               reduce_every_micro_batch: bool = False) -> tuple[float, bool]:
+               reduce_every_micro_batch: bool = False,
+               before_update: Callable[[], None] = lambda: None) -> tuple[float, bool]:
     """One optimizer step over this rank's micro-batches (gradient accumulation); returns the loss averaged
     over the global batch and whether any rank was told to drain (`drain_flag` > 0 on it): both from the
     step's one all-reduce.
@@ -192,7 +193,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     accumulate; without, only after the last one (`set_requires_gradient_sync`, FSDP2's documented gradient
     accumulation without communication, https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html):
     until then each rank accumulates its unsharded gradients in the reduce dtype (fp32), 4 bytes per
-    parameter of the whole model on every rank (training.gradient_reduce)."""
+    parameter of the whole model on every rank (training.gradient_reduce). `before_update` runs before the
+    optimizer changes the parameters and its state in place (an async save's staging copy may still read them)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = torch.zeros((), device=info.device)
@@ -204,6 +206,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         loss += micro_loss.detach()
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    before_update()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     reduced = torch.cat([loss.reshape(1), loss.new_tensor([drain_flag])])
@@ -407,7 +410,7 @@ class Trainer:
                     micro_batches = self.stream.next_step()
                     mean_loss, drain = train_step(self.model, self.optimizer, micro_batches, lr_at(step, self.cfg),
                                                   t.grad_clip, self.info, self.drain_signal.flag,
-                                                  self.gradient_reduce == "micro_batch")
+                                                  self.gradient_reduce == "micro_batch", ckpt.wait_staged)
                     step_time = time.perf_counter() - t0
                 self.train_state.step = step
                 self.after_step(step, micro_batches, mean_loss, step_time)

@@ -3,8 +3,11 @@ the program (layout.py has the directory and the commit protocol, writers.py the
 
 Async mode: at most one save is in flight; `poll()` (called every step on every rank) commits a finished
 save. The next save waits for it (the wait is emitted as ckpt_blocked) or, with when_busy=skip, is
-skipped with a log line. Ranks can see a save finish at different polls (the torch writer's check is
-local), so a save stays in flight until the next `save` or `wait`, where all ranks decide together.
+skipped with a log line. A save's staging copy may still be running when `save` returns (on CPU,
+staging.py): `wait_staged()` waits for it before the state changes, and the save's ckpt_blocked, emitted
+once the copy is made, counts both waits. Ranks can see a save finish at different polls (the torch
+writer's check is local), so a save stays in flight until the next `save` or `wait`, where all ranks decide
+together.
 
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
 goes on. A full file system (layout.out_of_space) also emits ckpt_no_space and logs an error naming the
@@ -87,6 +90,8 @@ class _InFlight:
     step: int
     tmp: Path
     started: float
+    blocked_s: float  # how long the training thread waited for this save so far
+    staged: bool = False  # its staging copy is made and its ckpt_blocked emitted
     settled: bool = False  # this rank saw it end; rank 0 has committed it or reported its failure
     committed: bool = False  # rank 0: the commit succeeded (other ranks learn it in `wait`)
 
@@ -166,16 +171,37 @@ class CheckpointManager:
             else:
                 assert self._writer is not None
                 self._writer.start(state, tmp, step)
-                self._inflight = _InFlight(step, tmp, t0)
+                self._inflight = _InFlight(step, tmp, t0, blocked_s=time.monotonic() - t0)
         except _SAVE_ERRORS as err:  # any failed save is survivable: training goes on
             self._inflight = None
             self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
             self._failed(step, tmp, err)
             return
+        if self.mode == "async":
+            assert self._writer is not None and self._inflight is not None
+            if self._writer.staged():  # NVRx stages in `start`
+                self._staging_done(self._inflight)
+            return
         self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
         if self.mode == "sync":
             self.last_save_s = time.monotonic() - t0
             self._agree_on_commit(step, self._commit(step, tmp, t0))
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight async save's staging copy is made: call it before the state changes
+        (the optimizer's step). The save's ckpt_blocked is emitted then. Not collective."""
+        inflight = self._inflight
+        if inflight is None or inflight.staged:
+            return
+        assert self._writer is not None
+        t0 = time.monotonic()
+        self._writer.wait_staged()
+        inflight.blocked_s += time.monotonic() - t0
+        self._staging_done(inflight)
+
+    def _staging_done(self, inflight: _InFlight) -> None:
+        inflight.staged = True
+        self._emit("ckpt_blocked", step=inflight.step, seconds=round(inflight.blocked_s, 4))
 
     def poll(self) -> None:
         """Commit the in-flight async save if this rank sees it finished (non-blocking). It still
@@ -214,13 +240,18 @@ class CheckpointManager:
     def _settle(self, blocking: bool) -> None:
         assert self._writer is not None and self._inflight is not None
         inflight = self._inflight
+        if blocking:
+            self.wait_staged()  # its copy ends before its write: counted as blocking, as ever
         try:
-            if not self._writer.done(blocking):
-                return
+            finished = self._writer.done(blocking)
         except _SAVE_ERRORS as err:
+            self.wait_staged()  # made or failed before the write ended
             inflight.settled = True
             self._failed(inflight.step, inflight.tmp, err)
             return
+        if not finished:
+            return
+        self.wait_staged()  # made long ago: the write came after it
         inflight.settled = True
         self.last_save_s = time.monotonic() - inflight.started
         # Rank 0's save returns only after every rank's write result reached it and .metadata is

@@ -1,21 +1,28 @@
 """The staging buffers of an async save on CPU: the rank's state copied into shared memory that is allocated
-once, ahead of the first save and off the training thread, and reused by every save.
+once, ahead of the first save and off the training thread, and reused by every save; each copy made in a
+thread of its own while the training thread goes on to the next step, until it changes the state.
 
-A save copies the state (its staging copy) and returns; the writer process then reads the copy where it lies
+A save copies the state (its staging copy); the writer process then reads the copy where it lies
 (writer_process.py). torch's DefaultStager(use_shared_memory) already keeps one buffer per source storage and
-reuses it (torch.distributed.checkpoint._state_dict_stager.StateDictStager, torch 2.13), but two things in it
-cost the training thread: the first save allocates and page-faults every buffer (1.3-2.7 s for 512 MiB on
-this VM: the kernel zero-fills each new shared-memory page), and its copies (UntypedStorage.copy_) hold the
-GIL, so that allocation cannot move into a thread without stopping the training loop's Python as long.
+reuses it (torch.distributed.checkpoint._state_dict_stager.StateDictStager, torch 2.13), but it costs the
+training thread three ways: the first save allocates and page-faults every buffer (1.3-2.7 s for 512 MiB on
+this VM: the kernel zero-fills each new shared-memory page); every save copies on the training thread; and
+its copies (UntypedStorage.copy_) hold the GIL, so neither can move into a thread without stopping the
+training loop's Python as long.
 
-`SharedStaging` copies with Tensor.copy_, which releases the GIL, and `warm_up(state)` runs a first staging
-in a thread: the buffers are allocated and touched while training goes on (on a spare core, for nothing),
-and the first save only copies. A save waits for a warm-up still running (DefaultStager is not thread-safe,
-and neither is this). What the warm-up copies is thrown away: each save copies the state of its own step.
+`SharedStaging` copies with Tensor.copy_, which releases the GIL, in its own thread: `warm_up(state)` runs a
+first staging there, which allocates and touches the buffers while training goes on (on a spare core, for
+nothing), and `stage` hands each save's copy to the same thread and returns a Future. DCP's async_save
+then starts the write once the copy is made, and returns that Future as its AsyncSaveResponse's
+staging_completion: the training thread may run the next step's forward and backward meanwhile, and waits
+for it only before it changes the state (CheckpointManager.wait_staged, before the optimizer's step).
+A save waits for a warm-up still running before it hands over its copy, and each save copies the state of
+its own step (what the warm-up copied is thrown away).
 """
 from __future__ import annotations
 
-import threading
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -43,35 +50,36 @@ class _GilFreeStager(StateDictStager):
 
 
 class SharedStaging(AsyncStager):
-    """dcp.async_save's stager: synchronous staging into reused shared-memory buffers, allocated ahead by
-    `warm_up`. Not thread-safe: one save at a time (CheckpointManager keeps at most one in flight)."""
+    """dcp.async_save's stager: staging into reused shared-memory buffers, in a thread of its own, whose buffers
+    `warm_up` allocates ahead. One save at a time (CheckpointManager keeps at most one in flight)."""
 
-    _synchronize_after_execute = False  # staging is done when `stage` returns
+    _synchronize_after_execute = False  # the caller waits for the staging Future where it must (wait_staged)
 
     def __init__(self) -> None:
         self._stager = _GilFreeStager()
-        self._warming: threading.Thread | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-staging")
+        self._last: Future[Any] | None = None
 
-    def warm_up(self, state_dict: dict[str, Any]) -> None:
-        """Allocate and touch the buffers for `state_dict` in a background thread (returns at once)."""
-        self.wait_warm()
-        self._warming = threading.Thread(target=self._stager.stage, args=(state_dict,), name="ckpt-staging-warm-up",
-                                         daemon=True)
-        self._warming.start()
+    def warm_up(self, state_dict: dict[str, Any]) -> Future[Any]:
+        """Allocate and touch the buffers for `state_dict` in the staging thread; returns at once."""
+        self._last = self._thread.submit(self._stager.stage, state_dict)
+        return self._last
 
-    def wait_warm(self) -> None:
-        """Block until a warm-up still running has finished."""
-        if self._warming is not None:
-            self._warming.join()
-            self._warming = None
+    def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
+        """The staged copy of `state_dict`, made in the staging thread. A warm-up still running is waited for
+        here, in the save's own time, so that what the training thread waits for later is the copy alone."""
+        self.wait()
+        self._last = self._thread.submit(self._stager.stage, state_dict)
+        return self._last
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        self.wait_warm()
-        return self._stager.stage(state_dict)
+    def wait(self) -> None:
+        """Block until the last warm-up or copy has ended (a failed copy fails its save: the save reports it)."""
+        if self._last is not None:
+            futures.wait([self._last])
 
     def synchronize_staging(self) -> None:
-        """Nothing: `stage` returns once the copy is made."""
+        self.wait()
 
     def close(self) -> None:
-        self.wait_warm()
+        self._thread.shutdown(wait=True)
         self._stager.close()

@@ -1,10 +1,11 @@
 """The DCP writers a CheckpointManager saves through, and the fault-injection hook into them.
 
-Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode: the state is staged (copied)
-synchronously, then written in the background while training goes on. On CPU that is torch's
-`dcp.async_save` (own gloo group, so its collectives never interleave with the training group's): its
-background thread plans and coordinates, and each rank's shard write runs in a writer process
-(writer_process.py); on CUDA with NVRx installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue.
+Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode: the state is staged (copied), then
+written in the background while training goes on. On CPU that is torch's `dcp.async_save` (own gloo group,
+so its collectives never interleave with the training group's): the copy is made in a staging thread while
+the training thread runs on until it changes the state (staging.py), its background thread plans and
+coordinates, and each rank's shard write runs in a writer process (writer_process.py); on CUDA with NVRx
+installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue, which stage synchronously.
 
 Fault injection (training/train/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
 rank's write of its shards inside DCP, in the training process (in async mode, in the background thread,
@@ -18,12 +19,14 @@ import functools
 import logging
 import os
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.futures import Future
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
@@ -119,6 +122,10 @@ class AsyncWriter(Protocol):
     def wait_ready(self) -> None:
         """Block until the writer can take a save at once (its process has started, a preparation ended)."""
     def start(self, state: dict[str, Any], path: Path, step: int) -> None: ...
+    def staged(self) -> bool:
+        """Whether the in-flight save's staging copy is made (the state may change); True with none in flight."""
+    def wait_staged(self) -> None:
+        """Block until `staged()` (a failed copy fails the save, which `done` reports)."""
     def done(self, blocking: bool) -> bool:
         """True once the in-flight save is durable on every rank; raises if it failed."""
     def close(self, abort: bool) -> None:
@@ -127,7 +134,7 @@ class AsyncWriter(Protocol):
 
 
 class _TorchAsyncWriter:
-    """dcp.async_save: synchronous staging into shared memory, the write in the writer process.
+    """dcp.async_save: staging into shared memory in the stager's thread, the write in the writer process.
 
     The stager is kept for the writer's life: it reuses its staging buffers from one save to the
     next (a stager per save, dcp's default, allocates and page-faults the whole state every time),
@@ -138,7 +145,8 @@ class _TorchAsyncWriter:
     def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
         self._pg = process_group
         self._hook = write_hook
-        self._future = None
+        self._future: futures.Future[Any] | None = None  # the save: durable on every rank once done
+        self._staged: futures.Future[None] | None = None  # its staging copy
         self._stager = SharedStaging()
         self._process = shared_writer_process()
 
@@ -151,12 +159,22 @@ class _TorchAsyncWriter:
 
     def wait_ready(self) -> None:
         self._process.wait_ready()
-        self._stager.wait_warm()
+        self._stager.wait()
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         self._process = shared_writer_process()  # after a writer process died or was aborted: a new one
-        self._future = dcp.async_save(_plain(state), storage_writer=_HandOffWriter(path, step, self._hook, self._process),
-                                      process_group=self._pg, async_stager=self._stager)
+        response = dcp.async_save(_plain(state), storage_writer=_HandOffWriter(path, step, self._hook, self._process),
+                                  process_group=self._pg, async_stager=self._stager)
+        # a stager that returns a Future gets both: the copy's completion and the save's (torch 2.13)
+        assert isinstance(response, AsyncSaveResponse), type(response)
+        self._staged, self._future = response.staging_completion, response.upload_completion
+
+    def staged(self) -> bool:
+        return self._staged is None or self._staged.done()
+
+    def wait_staged(self) -> None:
+        if self._staged is not None:
+            futures.wait([self._staged])
 
     def done(self, blocking: bool) -> bool:
         assert self._future is not None
@@ -197,6 +215,12 @@ class _NvrxAsyncWriter:
 
     def wait_ready(self) -> None:
         """NVRx starts its persistent worker at the first save."""
+
+    def staged(self) -> bool:
+        return True  # NVRx stages in `start` (its preload)
+
+    def wait_staged(self) -> None:
+        """Nothing: `staged` is always True."""
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
         from functools import partial
