@@ -92,15 +92,16 @@ def _async_efficiency_target(s: StallResult | None, missing: str, cpus: int, tar
 
 
 def _rank_cpu(s: StallResult | None, missing: str, where: str = "") -> Check:
-    """A miss names what the rank still pays: its staging copy (the blocking), the rest in its background thread."""
+    """A miss names what the rank still pays: its staging copy (in a thread beside training; the blocking is the
+    wait for it before the next optimizer step and the save's own start), the rest in its background thread."""
     ratio = None if s is None else s.rank_cpu_ratio
     check = _check(f"CPU time a save charges the training rank, async / sync{where}", ratio, "x",
                    f"<= {RANK_CPU_RATIO:.2f}", ISSUE, lambda v: v <= RANK_CPU_RATIO,
                    missing if s is None else "CPU time not measured (GPU pass)")
     if s is not None and check.status == "MISS":
-        check = replace(check, note=(f"async: {s.cpu_per_save_async_s:.2f} CPU-s on the rank, of which staging blocks "
-                                     f"{s.async_blocking_s:.2f} s (a copy of its {s.state_bytes / s.world_size / 2**20:.0f} "
-                                     f"MiB shard); sync: {s.cpu_per_save_sync_s:.2f} CPU-s"))
+        check = replace(check, note=(f"async: {s.cpu_per_save_async_s:.2f} CPU-s on the rank, the staging copy of its "
+                                     f"{s.state_bytes / s.world_size / 2**20:.0f} MiB shard among them, blocking it "
+                                     f"{s.async_blocking_s:.2f} s; sync: {s.cpu_per_save_sync_s:.2f} CPU-s"))
     return check
 
 
@@ -126,9 +127,10 @@ def _efficiency(mode: str, s: StallResult | None, missing: str, where: str = "")
 
 def _cpu_bound_note(s: StallResult, cpus: int) -> str:
     """Why async missed, in figures of the same run: what a save costs the rank and its writer process."""
-    note = f"an async save still costs a rank {s.cpu_per_save_async_s:.2f} CPU-s (sync: {s.cpu_per_save_sync_s:.2f})"
+    note = (f"an async save still costs a rank {s.cpu_per_save_async_s:.2f} CPU-s (sync: {s.cpu_per_save_sync_s:.2f}), "
+            f"blocking it {s.async_blocking_s:.2f} s")
     if s.writer_cpu_per_save_async_s is not None:
-        note += f" and its writer process {s.writer_cpu_per_save_async_s:.2f} CPU-s"
+        note += f", and its writer process {s.writer_cpu_per_save_async_s:.2f} CPU-s"
     if leaves_no_cpu_spare(s.world_size, cpus):
         note += f", and {s.world_size} ranks keep all {cpus} CPUs busy: none is spare for the background write"
     return note

@@ -61,7 +61,8 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
                         async_blocking_s=0.1, sync_blocking_per_save_s=(2.0, 2.0), async_blocking_per_save_s=(0.1, 0.1),
                         blocking_ratio=0.05, step_wall_off_s=0.1, step_wall_sync_s=0.2, step_wall_async_s=0.101,
                         efficiency_sync=0.5, efficiency_async=0.99, run_dirs={},
-                        cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.045, writer_cpu_per_save_async_s=0.4)
+                        cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.045, writer_cpu_per_save_async_s=0.4,
+                        async_setup_s=1.2)
     recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "hot_spare": mechanism(10.0),
                 "peer_state": mechanism(9.0, steps_lost=0), "drain": mechanism(4.0, steps_lost=0),
                 "k8s_restart": mechanism(13.0)}

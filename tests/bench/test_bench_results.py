@@ -49,14 +49,16 @@ def test_an_async_miss_names_the_cpu_time_a_save_still_costs() -> None:
     checks = {c.figure: c for c in stall_checks(missed, "", cpus=2)}
     efficiency = checks["training efficiency, async checkpoints"]
     assert efficiency.status == "MISS"
-    assert efficiency.note == ("an async save still costs a rank 1.93 CPU-s (sync: 2.01) and its writer process "
-                               "0.40 CPU-s, and 2 ranks keep all 2 CPUs busy: none is spare for the background write")
+    assert efficiency.note == ("an async save still costs a rank 1.93 CPU-s (sync: 2.01), blocking it 0.10 s, and its "
+                               "writer process 0.40 CPU-s, and 2 ranks keep all 2 CPUs busy: none is spare for the "
+                               "background write")
     assert checks["training efficiency, async checkpoints (target)"].note == efficiency.note
     with_spare_cpus = {c.figure: c for c in stall_checks(missed, "", cpus=16)}["training efficiency, async checkpoints"]
-    assert with_spare_cpus.note == "an async save still costs a rank 1.93 CPU-s (sync: 2.01) and its writer process 0.40 CPU-s"
+    assert with_spare_cpus.note == ("an async save still costs a rank 1.93 CPU-s (sync: 2.01), blocking it 0.10 s, and "
+                                    "its writer process 0.40 CPU-s")
     rank_cpu = checks["CPU time a save charges the training rank, async / sync"]
-    assert (rank_cpu.status, rank_cpu.note) == ("MISS", "async: 1.93 CPU-s on the rank, of which staging blocks 0.10 s "
-                                                        "(a copy of its 128 MiB shard); sync: 2.01 CPU-s")
+    assert (rank_cpu.status, rank_cpu.note) == ("MISS", "async: 1.93 CPU-s on the rank, the staging copy of its 128 MiB "
+                                                        "shard among them, blocking it 0.10 s; sync: 2.01 CPU-s")
     passed = {c.figure: c for c in stall_checks(sample_result().checkpoint, "", cpus=2)}
     assert passed["training efficiency, async checkpoints"].note == ""
     assert passed["CPU time a save charges the training rank, async / sync"].status == "PASS"  # 0.045 / 0.5
@@ -199,8 +201,10 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     spare = text[text.index(f"{spare_title}: 128 MiB of state over 1 rank(s) (one rank: no all-reduce peer"):]
     assert "| sync | 1.50 s | 1.50, 1.50 | 0.50 s | - (the rank writes) | 0.20 s | 60.0% |" in spare
     assert ("| training efficiency, async checkpoints, one CPU spare for the writer | 90.0% | >= 99% | AWS post "
-            "(2-8 p5 nodes) | MISS (an async save still costs a rank 0.04 CPU-s (sync: 0.50) and its writer process "
-            "0.40 CPU-s) |") in text
+            "(2-8 p5 nodes) | MISS (an async save still costs a rank 0.04 CPU-s (sync: 0.50), blocking it 0.10 s, and "
+            "its writer process 0.40 CPU-s) |") in text
+    assert ("the async writer's one-time start (its process, its staging buffers allocated; in training, in the "
+            "background from the first step on): 1.20 s, before the first round and counted in no mode") in text
     assert ("| CPU time a save charges the training rank, async / sync, one CPU spare for the writer | 0.09x | "
             "<= 0.10 | target | PASS |") in text
     failed = format_markdown(replace(result, checkpoint_spare_cpu=None,
