@@ -21,7 +21,8 @@ Figures (blocking from the event logs through training.report):
   async setup         (CPU) the async writer's one-time start before the first round, as a rank's start
                       makes it: its process forked, its staging buffers allocated (prepare; training does
                       that in the background from its first step on); counted in no mode, reported apart
-  blocking per save   ckpt_blocked.seconds, median over the saves (async: staging and planning)
+  blocking per save   ckpt_blocked.seconds, median over the saves (async: the save's start, and the wait
+                      for its staging copy before the next update)
   step wall time      wall time of a mode's rounds / its steps (CPU), or (end of the last step - end
                       of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
                       from a background write together

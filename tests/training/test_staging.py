@@ -95,3 +95,27 @@ def test_an_async_save_returns_before_its_copy_is_made_and_the_state_waits_for_i
     assert m.load(target).step == 2 and torch.equal(target["w"], torch.full((1 << 16,), 2.0))
     assert [e["event"] for e in read_events(tmp_path)].count("ckpt_blocked") == 1
     m.close()
+
+
+def test_an_aborted_save_returns_at_once_and_still_says_how_long_it_blocked(tmp_path, monkeypatch):
+    release = threading.Event()
+    copy = staging_module._GilFreeStager._stage_untyped_storage
+
+    def held_copy(self, storage, non_blocking=False):
+        release.wait(30)
+        return copy(self, storage, non_blocking)
+
+    monkeypatch.setattr(staging_module._GilFreeStager, "_stage_untyped_storage", held_copy)
+    m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+    m.save(2, _state(2.0))
+    started = time.monotonic()
+    m.abort()  # the next step died before its optimizer step (an in-process restart): the copy is not waited for
+    assert time.monotonic() - started < 5
+    assert [e["event"] for e in read_events(tmp_path)] == ["ckpt_start", "ckpt_blocked"]
+    release.set()
+
+
+def test_a_copy_views_each_storage_on_its_own_device():
+    """A CUDA state (the torch writer where NVRx is missing) is copied to host buffers from views on its device."""
+    storage = torch.UntypedStorage(8, device="meta")
+    assert staging_module._as_bytes(storage).device == storage.device

@@ -1,8 +1,9 @@
 """NVRx fault tolerance, the rank side: RankMonitorClient sections and heartbeats. The launcher side (the
 ft_launcher flags derived from the training config) is training/contract/launcher.py.
 
-Sections: `setup` (process start to the first step), `step` (one training step), `checkpoint`
-(the blocking part of a save). After `calculate_timeouts_after` steps of an attempt, the step and
+Sections: `setup` (process start to the first step), `step` (one training step; an async save's wait
+for its staging copy, before the optimizer's step, falls in it), `checkpoint` (the rest of a save's
+blocking part). After `calculate_timeouts_after` steps of an attempt, the step and
 checkpoint section timeouts are recomputed from observed timings (max × safety factor) and sent to
 the rank monitor; they are saved in checkpoints, so a restarted job gets tight hang detection
 from its first step. A heartbeat is sent after every step, so the launcher's heartbeat timeouts

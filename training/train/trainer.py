@@ -408,10 +408,12 @@ class Trainer:
                 with monitor.section("step"):
                     t0 = time.perf_counter()
                     micro_batches = self.stream.next_step()
+                    staging_waits: list[float] = []  # counted in the save's ckpt_blocked, not as training
                     mean_loss, drain = train_step(self.model, self.optimizer, micro_batches, lr_at(step, self.cfg),
                                                   t.grad_clip, self.info, self.drain_signal.flag,
-                                                  self.gradient_reduce == "micro_batch", ckpt.wait_staged)
-                    step_time = time.perf_counter() - t0
+                                                  self.gradient_reduce == "micro_batch",
+                                                  lambda: staging_waits.append(ckpt.wait_staged()))
+                    step_time = time.perf_counter() - t0 - sum(staging_waits)
                 self.train_state.step = step
                 self.after_step(step, micro_batches, mean_loss, step_time)
                 if drain:

@@ -148,8 +148,9 @@ class CheckpointManager:
 
     def wait_for_writer(self) -> None:
         """Async mode: block until the background writer can take a save (on CPU, at once where the rank's
-        zygote forked it; seconds where a new interpreter had to import torch) and a `prepare` has ended.
-        Called at the end of the rank's setup, so that the first saves do not wait for it."""
+        zygote forked it; seconds where a new interpreter had to import torch) and, where `prepare` came
+        first (bench/stall.py's setup), its buffers are allocated. Called at the end of the rank's setup,
+        so that the first saves do not wait for the writer."""
         if self._writer is not None:
             self._writer.wait_ready()
 
@@ -187,17 +188,20 @@ class CheckpointManager:
             self.last_save_s = time.monotonic() - t0
             self._agree_on_commit(step, self._commit(step, tmp, t0))
 
-    def wait_staged(self) -> None:
+    def wait_staged(self) -> float:
         """Block until the in-flight async save's staging copy is made: call it before the state changes
-        (the optimizer's step). The save's ckpt_blocked is emitted then. Not collective."""
+        (the optimizer's step). The save's ckpt_blocked is emitted then. Returns the seconds waited (a
+        step that waited holds them: not training time). Not collective."""
         inflight = self._inflight
         if inflight is None or inflight.staged:
-            return
+            return 0.0
         assert self._writer is not None
         t0 = time.monotonic()
         self._writer.wait_staged()
-        inflight.blocked_s += time.monotonic() - t0
+        waited = time.monotonic() - t0
+        inflight.blocked_s += waited
         self._staging_done(inflight)
+        return waited
 
     def _staging_done(self, inflight: _InFlight) -> None:
         inflight.staged = True
@@ -260,8 +264,8 @@ class CheckpointManager:
 
     def _agree_on_commit(self, step: int, committed: bool) -> None:
         """Every rank learns whether rank 0 committed `step` (a broadcast): no rank goes on (a drain: leaves
-        the process) while rank 0 may still be renaming, writing resume_step or pruning, and `saved_step`
-        names only a committed step."""
+        the process) while rank 0 may still be renaming, writing resume_step or pruning (the renames: the
+        deletions run on in their thread), and `saved_step` names only a committed step."""
         outcome = torch.tensor([step if committed else -1], dtype=torch.int64)
         if self.distributed:
             dist.broadcast(outcome, src=0)
@@ -377,7 +381,10 @@ class CheckpointManager:
 
     def abort(self) -> None:
         """The run dies (an exception, an in-process restart): stop the in-flight save without a
-        collective; it stays an uncommitted .tmp- dir, removed by the next manager."""
+        collective; it stays an uncommitted .tmp- dir, removed by the next manager. Pruned checkpoints
+        still being deleted are left to their thread (and to the next manager's clean_up)."""
+        if self._inflight is not None and not self._inflight.staged:
+            self._staging_done(self._inflight)  # the save's blocking so far: every started save has one
         self._inflight = None
         if self._writer is not None:
             self._writer.close(abort=True)

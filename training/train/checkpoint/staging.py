@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class _GilFreeStager(StateDictStager):
@@ -80,6 +80,11 @@ class SharedStaging(AsyncStager):
     def synchronize_staging(self) -> None:
         self.wait()
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)
-        self._stager.close()
+    def close(self, wait: bool = True) -> None:
+        """Free the buffers. wait=False (the run dies): return at once; a copy under way (a warm-up can take
+        seconds) ends in the thread, and the buffers are freed after it."""
+        self._thread.shutdown(wait=wait, cancel_futures=True)
+        if wait or self._last is None or self._last.done():
+            self._stager.close()
+        else:
+            self._last.add_done_callback(lambda _: self._stager.close())

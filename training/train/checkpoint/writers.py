@@ -189,11 +189,11 @@ class _TorchAsyncWriter:
         # abort: the writer process is killed at once (its save thread then fails); a thread cannot be
         # stopped, but it only waits for the process and for collectives on groups being torn down.
         # Otherwise the process stays for this process's next manager (shared_writer_process).
-        # Closing the stager frees its staging copy of the state now, not when a cyclic GC finds it
-        # (every in-process restart builds a new writer).
+        # Closing the stager frees its staging copy of the state now (on abort, once a copy under way
+        # ends), not when a cyclic GC finds it (every in-process restart builds a new writer).
         if abort:
             self._process.abort()
-        self._stager.close()
+        self._stager.close(wait=not abort)
 
 
 class _NvrxAsyncWriter:
