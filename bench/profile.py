@@ -67,7 +67,8 @@ ALL = ("inprocess", "injob", "injob_hf", "injob_fresh", "node_replacement", "nod
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,
-               faults=5, first_fault=15, fault_spacing=40, spare_fault_spacing=100, tail_steps=15, checkpoint_interval=10, floor_repeats=3,
+               faults=5, first_fault=15, fault_spacing=40, spare_fault_spacing=100, tail_steps=15,
+               checkpoint_interval=10, floor_repeats=3,
                rollback_copy_bytes=512 * MiB, peer_presets=("tiny", "small"))
 # Two faults per mechanism, a quarter of the state (still 256 MiB), one rank per node: about 3 minutes
 # on 2 cores (each fault costs a restart of 7-20 s here). No spare-CPU stall pass: 128 MiB on one rank
@@ -75,7 +76,8 @@ FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_w
 QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                 stall_saves=3, matmuls_per_step=10, stall_spare_cpu=False,
                 mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=1,
-                faults=2, first_fault=15, fault_spacing=40, spare_fault_spacing=250, tail_steps=15, checkpoint_interval=10, floor_repeats=1,
+                faults=2, first_fault=15, fault_spacing=40, spare_fault_spacing=250, tail_steps=15,
+                checkpoint_interval=10, floor_repeats=1,
                 rollback_copy_bytes=128 * MiB, peer_presets=("tiny", "small"))
 # One GPU: the 1b preset (about 15 GB of model and optimizer state) in one NCCL process (NCCL
 # refuses two ranks on one device), NVRx async checkpoints, in-process vs in-job recovery (node
@@ -84,5 +86,6 @@ QUICK = Profile("quick", "cpu", state_bytes=256 * MiB, stall_preset=None, stall_
 GPU = Profile("gpu", "cuda", state_bytes=0, stall_preset="1b", stall_world=1, stall_interval=5, stall_saves=1,
               matmuls_per_step=0, stall_spare_cpu=False,
               mechanisms=("inprocess", "injob"), preset="1b", nodes=1, nproc_per_node=1,
-              faults=3, first_fault=25, fault_spacing=10, spare_fault_spacing=10, tail_steps=4, checkpoint_interval=20, floor_repeats=1,
+              faults=3, first_fault=25, fault_spacing=10, spare_fault_spacing=10, tail_steps=4,
+              checkpoint_interval=20, floor_repeats=1,
               rollback_copy_bytes=4096 * MiB, peer_presets=())

@@ -17,10 +17,10 @@ crash between the two renames leaves no `step_N`, and the next worker group puts
 (`clean_up`), so one of the two is always there.
 
 Pruning: a checkpoint past `keep` is first renamed to `.pruned-step_N` (one atomic rename: it stops
-being a checkpoint at once), then deleted (in a background thread, BackgroundDeletion). What an interrupted deletion leaves is deleted by the next
-`clean_up` (at every worker group's start, and after every commit), and so is a `step_N` without its
-COMMITTED marker: a commit renames only complete directories, so that is what a deletion in place
-(before pruning renamed first) left half done. A full file system is loud: `out_of_space` tells a save
+being a checkpoint at once), then deleted in a background thread (BackgroundDeletion). What an
+interrupted deletion leaves is deleted by the next `clean_up` (at every worker group's start, and after
+every commit), and so is a `step_N` without its COMMITTED marker: a commit renames only complete
+directories, so that is what a deletion in place (before pruning renamed first) left half done. A full file system is loud: `out_of_space` tells a save
 that failed for it (ENOSPC, or EDQUOT over a quota) from any other.
 
 Fencing: every CheckpointManager (one per worker group: an attempt, a rendezvous round, an in-process
@@ -145,10 +145,13 @@ class BackgroundDeletion:
         self._thread: threading.Thread | None = None
 
     def start(self, paths: list[Path]) -> None:
+        def delete() -> None:
+            for path in paths:
+                _delete(path)
+
         self.wait()
-        if paths:
-            self._thread = threading.Thread(target=lambda: [_delete(path) for path in paths],
-                                            name="ckpt-deletion", daemon=True)  # a dying process leaves it to clean_up
+        if paths:  # a daemon: a dying process leaves the rest to clean_up
+            self._thread = threading.Thread(target=delete, name="ckpt-deletion", daemon=True)
             self._thread.start()
 
     def wait(self) -> None:

@@ -247,16 +247,16 @@ class CheckpointManager:
         if blocking:
             self.wait_staged()  # its copy ends before its write: counted as blocking, as ever
         try:
-            finished = self._writer.done(blocking)
+            if not self._writer.done(blocking):
+                return
+            error = None
         except _SAVE_ERRORS as err:
-            self.wait_staged()  # made or failed before the write ended
-            inflight.settled = True
-            self._failed(inflight.step, inflight.tmp, err)
-            return
-        if not finished:
-            return
-        self.wait_staged()  # made long ago: the write came after it
+            error = err
+        self.wait_staged()  # at once: the copy was made (or failed) before the write ended
         inflight.settled = True
+        if error is not None:
+            self._failed(inflight.step, inflight.tmp, error)
+            return
         self.last_save_s = time.monotonic() - inflight.started
         # Rank 0's save returns only after every rank's write result reached it and .metadata is
         # written: the save is durable whatever the other ranks have seen.
