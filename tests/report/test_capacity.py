@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from training.contract.capacity import (CRC32_GBS, P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint, Schedule, capacity_of,
-                                        format_capacity, gradient_reduce, smallest_storage_gib)
+from training.contract.capacity import (ASYNC_SAVE_HEADROOM, CRC32_GBS, P5_48XLARGE, FsxSpec, HsdpCase, ModelFootprint,
+                                        Schedule, capacity_of, format_capacity, gradient_reduce, smallest_storage_gib)
 from training.contract.config import load_train_config
 from training.train.drain import IMPOSSIBLE, DrainView, checkpoint_cost, plan_drain
 
@@ -59,11 +59,13 @@ def test_the_issues_default_fsx_cannot_keep_the_8b_jobs_promises() -> None:
     c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 250), dataclasses.replace(JOB, drain_timeout_s=300))
     save = 96_363_134_976 / (1200 / 1024 * 250e6)
     assert c.save_s == pytest.approx(save) and c.save_s == pytest.approx(329, abs=0.5)
-    assert c.min_interval_steps == math.ceil(save / STEP_8B) == 309
+    assert c.min_interval_steps == math.ceil(ASYNC_SAVE_HEADROOM * save / STEP_8B) == 463
     assert not c.save_fits_interval and not c.drain_commits
     interval, drain = c.problems()
-    assert "takes 329 s, longer than checkpoint.interval=200 steps (~213 s" in interval
-    assert "Raise checkpoint.interval to at least 309, or FSx throughput (fsxThroughputPerTib, fsxStorageGib)" in interval
+    assert "takes 329 s, and with 1.5x headroom for a slower save needs 493 s, longer than checkpoint.interval=200 " \
+           "steps (~213 s" in interval
+    assert "Raise checkpoint.interval to at least 463, or FSx throughput (fsxThroughputPerTib, fsxStorageGib) to " \
+           "0.68 GB/s" in interval
     assert "up to 329 s" in drain and "fault_tolerance.drain_timeout_s=300" in drain
     assert "Raise drain_timeout_s to at least 329 (1316 to also save the step reached)" in drain
     assert "REFUSED" in format_capacity(c)
@@ -71,10 +73,21 @@ def test_the_issues_default_fsx_cannot_keep_the_8b_jobs_promises() -> None:
 
 def test_the_chosen_fsx_keeps_them() -> None:
     c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), JOB)
-    assert c.save_s == pytest.approx(82.2, abs=0.1) and c.min_interval_steps == 78
+    assert c.save_s == pytest.approx(82.2, abs=0.1)
+    assert c.min_interval_steps == math.ceil(ASYNC_SAVE_HEADROOM * c.save_s / STEP_8B) == 116
     assert c.save_fits_interval and c.drain_commits and c.problems() == []
     assert c.drain_steps_lost == 0
     assert c.footprint_bytes == 4 * EIGHT_B.state_bytes and c.footprint_fits  # 359 GiB of 1200
+
+
+@pytest.mark.parametrize("interval, fits", [(100, False), (115, False), (116, True)])
+def test_an_async_save_needs_headroom_not_only_its_duration(interval: int, fits: bool) -> None:
+    """An 82 s save fits within 100 steps (~107 s) only if it never runs slower than projected: the interval must
+    cover ASYNC_SAVE_HEADROOM times it (116 steps), the same figure the planner recommends at least."""
+    c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 1000), dataclasses.replace(JOB, interval=interval))
+    assert c.save_s < c.interval_s
+    assert c.save_fits_interval is fits and (c.problems() == []) is fits
+    assert c.fsx_steps_lost == interval + 78  # the commit lag is the save's duration, without the headroom
 
 
 def test_peer_copy_send_and_the_interval_they_allow() -> None:

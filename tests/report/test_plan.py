@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from training.plan.cli import main
-from training.plan.planner import (LLAMA3_NODE_FAILURE_RATE, Mechanism, daly_interval, expected_goodput, format_scale,
-                                   make_plan, optimum_interval, young_interval)
+from training.contract.capacity import ASYNC_SAVE_HEADROOM
+from training.plan.planner import (LLAMA3_NODE_FAILURE_RATE, Mechanism, PlanError, daly_interval, expected_goodput,
+                                   expected_loss_s, format_scale, make_plan, optimum_interval, young_interval)
 
 DISK = Mechanism("injob", 17.0)
 IN_MEMORY = Mechanism("inprocess", 10.0)
@@ -202,17 +203,95 @@ def test_config_plans_with_the_capacity_models_save_step_and_recoveries(capsys: 
     assert out.startswith("Capacity (projected")
     assert "save to FSx  82 s; blocks the step 0.24 s (async)" in out
     assert "every promise holds at this size" in out
-    assert "Save blocking S = 0.240908 s, step time 1.06587 s" in out
+    assert "Save blocking S = 0.240908 s, commit lag D = 82.2299 s, step time 1.06587 s" in out
     assert re.search(r"injob\s+R =\s+129.23 s", out) and re.search(r"peer_state\s+R = 64.3577 s", out)
 
 
-def test_an_interval_shorter_than_the_save_is_never_recommended(capsys: pytest.CaptureFixture) -> None:
-    """256 nodes fail often: the optimum for a 0.24 s stall is shorter than the 82 s save, which must finish first."""
+def test_an_interval_without_headroom_over_the_save_is_never_recommended(capsys: pytest.CaptureFixture) -> None:
+    """256 nodes fail often: the optimum for a 2 ms stall (18 s) is shorter than the 82 s save, which must commit
+    before the next is due with room for a slower one; and every failure loses the save's commit lag beside half
+    the interval."""
     assert main(["--nodes", "256", "--config", str(REPO / "k8s" / "train.yaml"), "--fsx-storage-gib", "1200",
                  "--fsx-throughput-per-tib", "1000", "--cdk-json", "/nonexistent"]) == 0
     out = capsys.readouterr().out
-    assert "an async save's duration      82.2 s  <- use this, the optimum is shorter than a save: " \
-           "checkpoint.interval = 78 steps" in out
+    save_s, step_s = 82.2299, 1.06587
+    steps = int(re.search(r"<- use this, the optimum leaves a save no time to commit: checkpoint.interval = (\d+) "
+                          r"steps", out)[1])
+    assert steps == math.ceil(ASYNC_SAVE_HEADROOM * save_s / step_s) == 116 and steps * step_s > 1.4 * save_s
+    lost_s = float(re.search(r"injob .* loses (\d+) s", out)[1])
+    assert lost_s == pytest.approx(ASYNC_SAVE_HEADROOM * save_s / 2 + save_s, abs=0.5)  # 144 s, not 62 s
+
+
+def _loss_by_simulation(interval_s: float, save_s: float, lag_s: float, samples: int, seed: int) -> np.ndarray:
+    """Failures landing uniformly in time over periodic saves: save k blocks training until k * period and
+    commits lag_s after that; a failure resumes from the newest committed save and loses the time since its
+    blocking ended."""
+    period = interval_s + save_s
+    saves = 1000
+    blocking_ends = period * np.arange(saves)
+    commits = blocking_ends + lag_s
+    failures = np.random.default_rng(seed).uniform(2 * period, (saves - 2) * period, samples)
+    newest_committed = np.searchsorted(commits, failures, side="right") - 1
+    return failures - blocking_ends[newest_committed]
+
+
+@pytest.mark.parametrize("interval_s, save_s, lag_s", [
+    (123.3, 0.002, 82.2),  # 8b on 256 nodes: the recommended interval over an 82 s async save
+    (83.1, 0.002, 82.2),   # the interval the planner recommended before: the save committed just in time
+    (300.0, 5.0, 0.0),     # sync: a checkpoint commits when its save stops blocking
+])
+def test_expected_loss_per_failure_matches_a_monte_carlo_of_periodic_saves(interval_s, save_s, lag_s) -> None:
+    lost = _loss_by_simulation(interval_s, save_s, lag_s, samples=4000, seed=34)
+    planned = expected_loss_s(interval_s, save_s, DISK, step_s=1.0, commit_lag_s=lag_s)
+    assert planned == pytest.approx(lost.mean(), abs=4 * lost.std() / math.sqrt(lost.size))
+    assert lost.max() <= interval_s + save_s + lag_s  # the capacity model's worst case bounds every sample
+
+
+def test_the_commit_lag_costs_goodput_like_recovery_time_and_not_in_memory_rollback() -> None:
+    """To first order in 1/M, G = tau/(tau+S) (1 - (R + loss)/M): the goodput charges each failure the loss the
+    Monte Carlo above checks. The lag does not move the optimum, and in-memory rollback never waits for a commit."""
+    mtbf, save, tau, lag = 3.6e6, 0.5, 200.0, 80.0
+    for mechanism in (DISK, IN_MEMORY):
+        loss = expected_loss_s(tau, save, mechanism, 1.0, lag)
+        assert expected_goodput(tau, save, mechanism, mtbf, 1.0, lag) == pytest.approx(
+            tau / (tau + save) * (1 - (mechanism.recovery_s + loss) / mtbf), abs=1e-8)
+    assert expected_goodput(tau, save, DISK, mtbf, 1.0, lag) == pytest.approx(
+        expected_goodput(tau, save, Mechanism("injob", DISK.recovery_s + lag), mtbf, 1.0))
+    taus = np.linspace(1.01 * lag, 20 * lag, 20_001)
+    goodputs = [expected_goodput(t, 2.0, DISK, 9000.0, 1.0, lag) for t in taus]
+    assert taus[int(np.argmax(goodputs))] == pytest.approx(optimum_interval(2.0, 9000.0), rel=1e-3)
+
+
+def test_goodput_with_a_lag_matches_a_monte_carlo_of_exponential_failures() -> None:
+    """The exact model: after each recovery (failures strike it too) the first checkpoint commits tau + S + D
+    later and each next one tau + S after the one before; a failure keeps tau per commit. A job MTBF of a few
+    intervals makes the lag's cost (e^(-D/M), 12% here) far larger than the sampling error."""
+    tau, save, lag, mtbf, recovery = 100.0, 1.0, 80.0, 600.0, 30.0
+    rng = np.random.default_rng(34)
+    cycles = 20_000
+    wall = 0.0
+    for _ in range(cycles):  # recovery: every attempt a failure cuts short is lost too
+        while (attempt := rng.exponential(mtbf)) < recovery:
+            wall += attempt
+        wall += recovery
+    runs = rng.exponential(mtbf, cycles)
+    commits = np.maximum(np.floor((runs - lag) / (tau + save)), 0)
+    simulated = tau * commits.sum() / (wall + runs.sum())
+    planned = expected_goodput(tau, save, Mechanism("injob", recovery), mtbf, 1.0, commit_lag_s=lag)
+    assert planned == pytest.approx(simulated, rel=0.02)
+    assert expected_goodput(tau, save, Mechanism("injob", recovery), mtbf, 1.0) > 1.1 * simulated  # lag left out
+
+
+def test_a_lag_longer_than_the_interval_is_refused() -> None:
+    with pytest.raises(PlanError, match="commit lag 90 s is longer than the interval 60 s plus the save's blocking"):
+        expected_goodput(60.0, 1.0, DISK, 9000.0, 1.0, commit_lag_s=90.0)
+
+
+def test_cli_commit_lag_sets_the_shortest_interval_and_the_loss(capsys: pytest.CaptureFixture) -> None:
+    assert main(BASE + ["--nodes", "2048", "--commit-lag-s", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "commit lag D = 60 s" in out and "async save duration x 1.5    90.0 s  <- use this" in out
+    assert "checkpoint.interval = 90 steps" in out and "loses 105.5 s per failure" in out  # (90 + 1) / 2 + 60
 
 
 def test_config_without_fsx_names_the_flags(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

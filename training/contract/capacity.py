@@ -72,6 +72,11 @@ ASSUMED_MFU = 0.40
 # the in-flight save plus a save of the step reached, each as long as the last one measured (training/train/drain.py
 # plans with it; the estimates are the last save's duration, and a save can take longer).
 DRAIN_SAVE_MARGIN = 2.0
+# Assumption: an async save may take up to this many times its projected duration (the projection assumes the
+# job has FSx's baseline throughput to itself). A save still in flight when the next is due makes that one wait
+# or be skipped (checkpoint.when_busy), so the chart refuses, and the planner never recommends, an interval
+# shorter than the save's duration times this.
+ASYNC_SAVE_HEADROOM = 1.5
 # Peer state's schedule (training/train/peer_state.py, `peer_schedule` below): with peer_state.interval null a copy
 # may cost at most this share of a step, and a send must end within its deadline with this headroom.
 PEER_COPY_BUDGET = 0.05
@@ -89,6 +94,20 @@ UNSHARDED_GRADIENT_SHARE = 0.10
 UNSHARDED_GRADIENT_BYTES = 4  # per parameter: FSDP2's reduce_dtype (fp32)
 HSDP_REPLICAS = 2
 SHM_RESERVE = 1 / 8  # of /dev/shm, left to NCCL and the data loaders beside peer state
+
+
+def commit_lag_s(mode: str, save_s: float) -> float:
+    """How long a checkpoint stays uncommitted after its save stopped blocking the step: an async save's whole
+    write of `save_s`, nothing for a sync save (it blocks until it commits). A failure in that window rolls back
+    to the checkpoint before, one interval further: the worst case here (`Capacity.fsx_steps_lost`) and the
+    planner's expected loss per failure both count it."""
+    return save_s if mode == "async" else 0.0
+
+
+def shortest_interval_s(async_save_s: float) -> float:
+    """The shortest interval for an async save of `async_save_s` to commit before the next is due, with
+    ASYNC_SAVE_HEADROOM: what the chart accepts and the planner recommends at least."""
+    return ASYNC_SAVE_HEADROOM * async_save_s
 
 
 @dataclass(frozen=True)
@@ -253,12 +272,16 @@ class Capacity:
 
     @property
     def min_interval_steps(self) -> int:
-        """The fewest steps between saves for an async save to finish before the next is due."""
-        return max(1, math.ceil(self.save_s / self.step_s))
+        """The fewest steps between saves for an async save to commit before the next is due (shortest_interval_s)."""
+        return max(1, math.ceil(shortest_interval_s(self.save_s) / self.step_s))
 
     @property
     def save_fits_interval(self) -> bool:
-        return self.schedule.mode != "async" or self.save_s <= self.interval_s
+        return self.schedule.mode != "async" or shortest_interval_s(self.save_s) <= self.interval_s
+
+    @property
+    def commit_lag_s(self) -> float:
+        return commit_lag_s(self.schedule.mode, self.save_s)
 
     @property
     def restore_fsx_s(self) -> float:
@@ -337,9 +360,9 @@ class Capacity:
     # steps lost, worst case
     @property
     def fsx_steps_lost(self) -> int:
-        """A restart from FSx: the steps since the newest committed checkpoint, which commits a save after its step."""
-        commit_steps = self.min_interval_steps if self.schedule.mode == "async" else 0
-        return self.schedule.interval + commit_steps
+        """A restart from FSx: the interval and the commit lag's steps (a failure before the newest save commits
+        rolls back to the one before)."""
+        return self.schedule.interval + math.ceil(self.commit_lag_s / self.step_s)
 
     @property
     def peer_steps_lost(self) -> int:
@@ -368,10 +391,12 @@ class Capacity:
         if not self.save_fits_interval:
             out.append(
                 f"an async save of {self.state_bytes / GB:.1f} GB to FSx ({self.fsx.describe()}) takes "
-                f"{self.save_s:.0f} s, longer than checkpoint.interval={self.schedule.interval} steps "
-                f"(~{self.interval_s:.0f} s at a projected {self.step_s:.2f} s per step): saves would never catch "
+                f"{self.save_s:.0f} s, and with {ASYNC_SAVE_HEADROOM:g}x headroom for a slower save needs "
+                f"{shortest_interval_s(self.save_s):.0f} s, longer than checkpoint.interval={self.schedule.interval} "
+                f"steps (~{self.interval_s:.0f} s at a projected {self.step_s:.2f} s per step): saves would not keep "
                 f"up. Raise checkpoint.interval to at least {self.min_interval_steps}, or FSx throughput "
-                f"(fsxThroughputPerTib, fsxStorageGib) to {self.state_bytes / self.interval_s / GB:.2f} GB/s")
+                f"(fsxThroughputPerTib, fsxStorageGib) to "
+                f"{ASYNC_SAVE_HEADROOM * self.state_bytes / self.interval_s / GB:.2f} GB/s")
         if not self.drain_commits:
             out.append(
                 f"a drain cannot commit within its grace: the in-flight save of {self.state_bytes / GB:.1f} GB takes "
@@ -502,7 +527,8 @@ def format_capacity(c: Capacity) -> str:
                 f"(us-east-1 list price)"),
         ("save to FSx", f"{c.save_s:.0f} s; blocks the step {c.blocking_s:.2f} s ({s.mode})"),
         ("interval", f"{s.interval} steps = {c.interval_s:.0f} s; an async save needs at least "
-                     f"{c.min_interval_steps} steps: {'fits' if c.save_fits_interval else 'DOES NOT FIT'}"),
+                     f"{c.min_interval_steps} steps ({ASYNC_SAVE_HEADROOM:g}x its duration): "
+                     f"{'fits' if c.save_fits_interval else 'DOES NOT FIT'}"),
         ("drain", f"commit of the in-flight save up to {c.drain_commit_s:.0f} s against "
                   f"drain_timeout_s={s.drain_timeout_s:g}: {'commits' if c.drain_commits else 'CANNOT COMMIT'}; "
                   f"{c.drain_grace_for_step_s:.0f} s also saves the step reached"),

@@ -26,7 +26,7 @@ def _capacity(preset: str, nodes: int, train: TrainConfig) -> Capacity:
     fsx = FsxSpec(smallest_storage_gib(first.footprint_bytes), FSX_TIER)
     sized = capacity_of(model, P5_48XLARGE, nodes, fsx, first.schedule)
     plan = make_plan(nodes, P5_48XLARGE.gpus, 1 / LLAMA3_NODE_FAILURE_RATE, sized.blocking_s, sized.step_s, (),
-                     sized.save_s if sized.schedule.mode == "async" else 0.0)
+                     sized.commit_lag_s)
     return capacity_of(model, P5_48XLARGE, nodes, fsx, Schedule.from_config(train, nodes * P5_48XLARGE.gpus, recommended_steps(plan)))
 
 

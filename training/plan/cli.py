@@ -49,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recovery-s", type=mechanism_arg, action="append", metavar="[NAME=]SECONDS",
                         help="R of a recovery mechanism; repeat for several (inprocess, peer_state: resume "
                              "from memory)")
+    parser.add_argument("--commit-lag-s", type=positive_float_arg,
+                        help="D: seconds a checkpoint stays uncommitted after its save stopped blocking, an async "
+                             "save's write (default: the capacity model's with --config, else 0: saves commit when "
+                             "they stop blocking, as sync saves do)")
     parser.add_argument("--step-s", type=positive_float_arg,
                         help="training step time, one optimizer step with every micro-batch of its global batch: "
                              "the work in-process recovery loses (default: the capacity model's with --config, "
@@ -71,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.nodes is None:
         parser.error("the following arguments are required: --nodes")
-    save, mechanisms, step_s, min_interval_s = args.save_blocking_s, args.recovery_s, args.step_s, 0.0
+    save, mechanisms, step_s, commit_lag_s = args.save_blocking_s, args.recovery_s, args.step_s, args.commit_lag_s
     try:
         if args.config:
             if args.gpus_per_node != P5_48XLARGE.gpus:
@@ -84,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_capacity(capacity))
             save, step_s = save or capacity.blocking_s, capacity.step_s
             mechanisms = mechanisms or list(capacity_mechanisms(capacity))
-            min_interval_s = capacity.save_s if capacity.schedule.mode == "async" else 0.0
+            commit_lag_s = commit_lag_s or capacity.commit_lag_s
         if args.from_bench and (save is None or not mechanisms):
             bench_save, bench_mechanisms = from_bench(args.from_bench, args.save_mode)
             save, mechanisms = save or bench_save, mechanisms or bench_mechanisms
@@ -95,8 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [m.name for m in mechanisms]
     if len(set(names)) < len(names):
         parser.error(f"--recovery-s: each mechanism once, got {names}")
-    step_s = step_s or 1.0
+    step_s, commit_lag_s = step_s or 1.0, commit_lag_s or 0.0
     print(format_plan(make_plan(args.nodes, args.gpus_per_node, args.node_mtbf_hours, save, step_s,
-                                mechanisms, min_interval_s)))
-    print(format_scale(save, step_s, mechanisms))
+                                mechanisms, commit_lag_s)))
+    print(format_scale(save, step_s, mechanisms, commit_lag_s))
     return 0
