@@ -163,6 +163,24 @@ def test_failure_requests_are_read_once_each_and_only_whole_ones(tmp_path):
     assert requests.new() is None
 
 
+def test_a_request_that_cannot_be_read_now_is_read_again_not_skipped(tmp_path, monkeypatch):
+    """An EIO on the request's file (FSx's client evicted as the rank wrote it): the next listing reads it."""
+    requests = FailureRequests(tmp_path)
+    request_job_failure(tmp_path, "rank2", "cause")
+    real_read = type(tmp_path).read_text
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def evicted(path, *args, **kwargs):
+        if path.parent == requests_dir(tmp_path) and failures:
+            raise failures.pop()
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "read_text", evicted)
+    with pytest.raises(OSError, match="Input/output error"):
+        requests.new()
+    assert requests.new() == FailureRequest("rank2", "cause")
+
+
 def test_a_launcher_still_running_after_the_runs_completion_is_stopped(config, monkeypatch):
     """A node that stood by as the run ended may wait for a round that never comes (a store started again after
     the rendezvous shut down): it is stopped once the run completed, and the pod exits 0."""
