@@ -82,18 +82,21 @@ def test_an_exit_code_is_one_a_container_can_have(code):
         PodEnd(code, disrupted=False, retries_used=0)
 
 
-@pytest.mark.parametrize("returncode, drained, expected", [
-    (-9, False, PodEnd(None, disrupted=True, retries_used=RETRY_LIMIT)),  # node-loss: SIGKILL of the pod's PID 1
-    (-15, False, PodEnd(None, disrupted=True, retries_used=RETRY_LIMIT)),
-    (TERMINATED, True, PodEnd(TERMINATED, disrupted=True, retries_used=RETRY_LIMIT)),  # a drain
-    (1, False, PodEnd(1, disrupted=False, retries_used=RETRY_LIMIT)),
+@pytest.mark.parametrize("returncode, drained, lost, expected", [
+    (-9, False, True, PodEnd(None, disrupted=True, retries_used=RETRY_LIMIT)),  # node-loss: its strike marked it lost
+    (-9, False, False, PodEnd(137, disrupted=False, retries_used=RETRY_LIMIT)),  # PID 1 killed alone: an OOM kill
+    (-15, False, False, PodEnd(TERMINATED, disrupted=False, retries_used=RETRY_LIMIT)),
+    (TERMINATED, True, False, PodEnd(TERMINATED, disrupted=True, retries_used=RETRY_LIMIT)),  # a drain
+    (-9, True, False, PodEnd(137, disrupted=True, retries_used=RETRY_LIMIT)),  # a drain's SIGKILL after the grace
+    (1, False, False, PodEnd(1, disrupted=False, retries_used=RETRY_LIMIT)),
 ])
-def test_the_local_cluster_plays_a_lost_node_as_eks_removes_its_pod(returncode, drained, expected):
-    """A launcher killed by a signal is the local cluster's lost node: on EKS its pod is removed by the taint
-    manager or PodGC with DisruptionTarget, so a node lost any number of times never uses up its retries."""
-    end = local_pod_end(returncode, drained, retries_used=RETRY_LIMIT)
+def test_the_local_cluster_plays_a_pods_end_as_eks_reports_it(returncode, drained, lost, expected):
+    """A lost node's pod is removed by the taint manager or PodGC with DisruptionTarget, so a node lost any number
+    of times never uses up its retries; a launcher killed by signal N otherwise is a container whose PID 1 died of
+    it (exit code 128 + N, counted), as an OOM kill's 137 is."""
+    end = local_pod_end(returncode, drained, lost, retries_used=RETRY_LIMIT)
     assert end == expected
-    assert decide(end, RETRY_LIMIT, survivor=True) == (OUT_OF_RETRIES if returncode == 1 else UNCOUNTED)
+    assert decide(end, RETRY_LIMIT, survivor=True) == (UNCOUNTED if lost or drained else OUT_OF_RETRIES)
 
 
 def test_the_table_is_one_kubernetes_accepts():

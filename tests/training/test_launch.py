@@ -2,6 +2,9 @@
 signals reach the launcher; older pods rank before newer ones in NVRx's rendezvous."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 import signal
 import subprocess
@@ -9,9 +12,10 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 
-from training.contract.events import EventLog
+from training.contract.events import EventLog, EventTail
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
 from training.contract.job_failure import (FailureRequest, FailureRequests, JobMustFail, request_job_failure,
                                            requests_dir)
@@ -159,6 +163,24 @@ def test_failure_requests_are_read_once_each_and_only_whole_ones(tmp_path):
     assert requests.new() is None
 
 
+def test_a_request_that_cannot_be_read_now_is_read_again_not_skipped(tmp_path, monkeypatch):
+    """An EIO on the request's file (FSx's client evicted as the rank wrote it): the next listing reads it."""
+    requests = FailureRequests(tmp_path)
+    request_job_failure(tmp_path, "rank2", "cause")
+    real_read = type(tmp_path).read_text
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def evicted(path, *args, **kwargs):
+        if path.parent == requests_dir(tmp_path) and failures:
+            raise failures.pop()
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(tmp_path), "read_text", evicted)
+    with pytest.raises(OSError, match="Input/output error"):
+        requests.new()
+    assert requests.new() == FailureRequest("rank2", "cause")
+
+
 def test_a_launcher_still_running_after_the_runs_completion_is_stopped(config, monkeypatch):
     """A node that stood by as the run ended may wait for a round that never comes (a store started again after
     the rendezvous shut down): it is stopped once the run completed, and the pod exits 0."""
@@ -168,15 +190,11 @@ def test_a_launcher_still_running_after_the_runs_completion_is_stopped(config, m
     run_dir = config.parent / "run"
     _run_end(config, STEPS - 5)  # an earlier run's end, there before the launcher started: not this run's
     watch = launch.CompletionWatch(str(run_dir), STEPS)
-    saved = {sig: signal.getsignal(sig) for sig in launch.PASSED_ON}
     started = time.monotonic()
-    try:
-        threading.Timer(1.0, _run_end, (config, STEPS)).start()
-        code, request = launch.run([sys.executable, "-c", "import time; time.sleep(60)"], FailureRequests(run_dir),
-                                   watch)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    threading.Timer(1.0, _run_end, (config, STEPS)).start()
+    with launch.PassedOn() as signals:
+        code, request = launch.run([sys.executable, "-c", "import time; time.sleep(60)"],
+                                   launch.RequestWatch(str(run_dir)), watch, signals)
     assert (code, request) == (128 + signal.SIGTERM, None) and time.monotonic() - started < 10
 
 
@@ -195,11 +213,144 @@ def test_a_completion_recorded_while_the_pod_starts_is_not_missed(config, monkey
         return seen
 
     monkeypatch.setattr(launch, "run_completed", completes_right_after_the_check)
-    saved = {sig: signal.getsignal(sig) for sig in launch.PASSED_ON}
     started = time.monotonic()
-    try:  # a launcher left alone sleeps 30 s (and the pod would then exit 0 too, late)
-        code = launch.main(["--config", str(config), "--", sys.executable, "-c", "import time; time.sleep(30)"])
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    # a launcher left alone sleeps 30 s (and the pod would then exit 0 too, late)
+    code = launch.main(["--config", str(config), "--", sys.executable, "-c", "import time; time.sleep(30)"])
     assert code == 0 and time.monotonic() - started < 10
+
+
+# ---- the run directory on FSx, while its Lustre client is evicted (training.pod.read_errors) --------------
+
+class EvictedClient:
+    """Every read PID 1 makes of the run directory fails, with EIO and ESTALE by turns, while the file `down`
+    holds a unix time still to come: the fake launcher, which reads and writes as it likes, starts the outage."""
+
+    def __init__(self, monkeypatch, down):
+        self.down, self.failed = down, 0
+        for owner, name in ((launch, "run_completed"), (EventTail, "_read_new_lines"), (FailureRequests, "_names")):
+            monkeypatch.setattr(owner, name, self._failing(getattr(owner, name)))
+        monkeypatch.setattr(EventTail, "from_now", staticmethod(self._failing(EventTail.from_now)))
+
+    def _failing(self, read):
+        def evicted(*args, **kwargs):
+            if self.down.exists() and time.time() < float(self.down.read_text()):
+                self.failed += 1
+                raise OSError(*((errno.EIO, "Input/output error") if self.failed % 2 else
+                                (errno.ESTALE, "Stale file handle")))
+            return read(*args, **kwargs)
+        return evicted
+
+
+def _launcher(*lines):
+    return (sys.executable, "-c", "\n".join(["import pathlib, time", *lines]))
+
+
+def _outage(down, seconds):
+    return f"pathlib.Path({str(down)!r}).write_text(str(time.time() + {seconds}))"
+
+
+@pytest.fixture
+def quick_polls(monkeypatch):
+    monkeypatch.setattr(launch, "POLL_S", 0.05)
+    monkeypatch.setattr(launch, "COMPLETION_POLL_S", 0.05)
+
+
+def test_pid_1_outlives_reads_that_fail_while_its_launcher_runs_and_loses_no_request(config, tmp_path, monkeypatch,
+                                                                                     caplog, quick_polls):
+    """The rank's request lands while PID 1 cannot read the run directory for a second: PID 1 keeps its launcher,
+    logs the failure once (not at every poll), and acts on the request once the reads succeed again."""
+    down = tmp_path / "down"
+    fsx = EvictedClient(monkeypatch, down)
+    caplog.set_level(logging.WARNING, "training.pod.launch")
+    code = launch.main(["--config", str(config), "--", *_launcher(
+        "from training.contract.job_failure import request_job_failure", _outage(down, 1.0),
+        f"request_job_failure({str(config.parent / 'run')!r}, 'rank1', 'a cause')", "time.sleep(60)")])
+    assert code == CONFIG_ERROR and fsx.failed > 10  # the request was acted on, after many failed reads
+    lines = [r.getMessage() for r in caplog.records]
+    failing = [line for line in lines if line.startswith("cannot read the job failure requests")]
+    assert len(failing) == 1 and "Input/output error" in failing[0] and "the launcher runs on" in failing[0]
+    assert any(line.startswith("the job failure requests") and "can be read again" in line for line in lines)
+
+
+def test_a_completed_run_exits_0_though_the_run_directory_cannot_be_read_as_its_launcher_exits(config, tmp_path,
+                                                                                               monkeypatch,
+                                                                                               quick_polls):
+    """The launcher exits 0 as the run completes, and the event log cannot be read for a while: the pod's exit
+    code waits for it, and is 0, not a traceback's 1 (the Job would retry the index)."""
+    down = tmp_path / "down"
+    fsx = EvictedClient(monkeypatch, down)
+    code = launch.main(["--config", str(config), "--", *_launcher(
+        "from training.contract.events import EventLog", _outage(down, 1.0),
+        f"EventLog({str(config.parent / 'run')!r}, 'rank0').emit('run_end', step={STEPS}, status='completed')")])
+    assert code == 0 and fsx.failed > 0
+
+
+def test_a_pod_starts_once_the_run_directory_answers(config, tmp_path, monkeypatch, quick_polls):
+    """The check before the start, the watches' first reads: all fail at first; the launcher starts when the
+    run directory answers, and its exit decides."""
+    down = tmp_path / "down"
+    down.write_text(str(time.time() + 0.5))
+    fsx = EvictedClient(monkeypatch, down)
+    assert launch.main(["--config", str(config), "--", sys.executable, "-c", "import sys; sys.exit(7)"]) == 7
+    assert fsx.failed > 0
+
+
+# ---- signals in every order of events ------------------------------------------------------------------------
+
+# PID 1 as in a container, where orphans are re-parented to it (a child subreaper here: prctl(2)), polling
+# every 10 s, so that each signal lands between two polls
+_PID_1 = ("import ctypes, sys\nfrom training.pod import launch\n"
+          "ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER\n"
+          "launch.POLL_S = 10.0\n{patch}\nsys.exit(launch.main(sys.argv[1:]))\n")
+
+
+def _pid_1(config, *command, patch=""):
+    return subprocess.Popen([sys.executable, "-c", _PID_1.format(patch=patch), "--config", str(config), "--", *command],
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(condition, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _zombie(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("orphan", [False, True], ids=["alone", "with an orphan alive"])
+def test_a_signal_just_after_the_launcher_exited_keeps_its_exit_code(config, tmp_path, orphan):
+    """SIGTERM lands after the launcher exited and before PID 1 reaped it (a pod deleted as its launcher
+    fails): PID 1 exits as the launcher did, at once, with or without an orphan of it still running."""
+    pid_file, orphan_file = tmp_path / "pid", tmp_path / "orphan"
+    orphan_start = f"sleep 30 >/dev/null 2>&1 & echo $! > {orphan_file}; " if orphan else ""
+    script = f"{orphan_start}echo $$ > {pid_file}; sleep 1; exit 3"  # PID 1 waits for its next poll meanwhile
+    proc = _pid_1(config, "sh", "-c", script)
+    try:
+        _wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
+        launcher = int(pid_file.read_text())
+        _wait_for(lambda: _zombie(launcher))  # exited, not reaped: PID 1 is between two polls
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=8)  # at once: not at PID 1's next poll, nor after the orphan's 30 s
+        assert proc.returncode == 3, out
+    finally:
+        proc.kill()
+        if orphan and orphan_file.exists():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(int(orphan_file.read_text())).kill()
+
+
+def test_a_signal_before_the_launcher_starts_reaches_it_and_one_after_its_exit_changes_nothing(config):
+    """SIGTERM lands while PID 1 reads the event log before the start (the kubelet stops a pod just started):
+    the launcher gets it once it runs; another lands as PID 1 reads the log after the exit: no effect."""
+    patch = ("import os, signal\nread = launch.run_completed\n"
+             "launch.run_completed = lambda *a: os.kill(os.getpid(), signal.SIGTERM) or read(*a)")
+    proc = _pid_1(config, "sleep", "60", patch=patch)
+    out, _ = proc.communicate(timeout=40)  # the launcher was stopped, not left to sleep 60 s
+    assert proc.returncode == 128 + signal.SIGTERM, out

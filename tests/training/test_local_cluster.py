@@ -39,7 +39,7 @@ def test_controller_replaces_a_dead_node(tmp_path):
     # both launchers share this host: NVRx 0.7.0's rendezvous closes for good unless told it is a simulation
     assert {_node(proc, n).environ().get("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE") for n in (0, 1)} == {"1"}
     orphans = victim.children(recursive=True)
-    victim.kill()  # node loss: the pod's PID 1 dies, its launcher and ranks would be orphaned
+    victim.kill()  # the pod's PID 1 dies alone (an OOM kill: counted), its launcher and ranks would be orphaned
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out[-4000:]
     events = read_events(run_dir)

@@ -36,25 +36,27 @@ def gone_within(seconds: float, *pids: int) -> bool:
     return not any(map(alive, pids))
 
 
-def strike(top: int, rank: int, *wait_for: str) -> subprocess.Popen:
+def strike(top: int, rank: int, *wait_for: str, marker: str = "") -> subprocess.Popen:
     """A striker started ahead, as a rank that may fire a node fault starts it, then told to strike now."""
     striker = subprocess.Popen([sys.executable, "-m", "training.train.node_strike"], stdin=subprocess.PIPE,
                                start_new_session=True)
-    striker.stdin.write(node_strike.Strike(time.monotonic(), 9, top, rank, wait_for).line())
+    striker.stdin.write(node_strike.Strike(time.monotonic(), 9, top, rank, wait_for, marker).line())
     striker.stdin.flush()
     return striker
 
 
 def test_the_strike_waits_for_the_other_node_faults_of_its_step_then_kills_the_whole_node(tmp_path):
     top, rank, other = fake_node()
-    fired = tmp_path / "node-loss@12:node=1"
-    striker = strike(top.pid, rank, str(fired))
+    fired, lost = tmp_path / "node-loss@12:node=1", tmp_path / "lost" / "node1"
+    striker = strike(top.pid, rank, str(fired), marker=str(lost))
     time.sleep(1.0)
     assert striker.poll() is None and all(map(alive, (top.pid, rank, other))), "struck before the other fault fired"
+    assert not lost.exists()
     fired.write_text("node-loss@12:node=1")
     assert striker.wait(timeout=10) == 0
     assert top.wait(timeout=10) == -9
     assert gone_within(10, rank, other)
+    assert lost.exists()  # what tells the local controller that the node was lost, not its PID 1 killed alone
 
 
 def test_a_rank_gone_before_the_strike_leaves_no_survivor_on_its_node():

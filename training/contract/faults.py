@@ -238,6 +238,12 @@ def partitioned_marker(run_dir: str | os.PathLike, node: int) -> Path:
     return Path(run_dir) / "faults" / "partitioned" / f"node{node}"
 
 
+def lost_marker(run_dir: str | os.PathLike, node: int) -> Path:
+    """Written by a node-loss strike just before it kills the node: what tells the local controller that the
+    node's machine was lost (its pod removed with DisruptionTarget on EKS), not only its pod's PID 1 killed."""
+    return Path(run_dir) / "faults" / "lost" / f"node{node}"
+
+
 def fired_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "faults" / "fired"
 

@@ -57,13 +57,25 @@ class FailureRequests:
         self._seen = self._names()
 
     def new(self) -> FailureRequest | None:
+        """Raises OSError when the directory or a request in it cannot be read now (FSx, while its client is
+        evicted); such a request is read again by the next call, and is not lost."""
+        unreadable: OSError | None = None
         for name in sorted(self._names() - self._seen):
+            try:
+                text = (self.directory / name).read_text()
+            except FileNotFoundError:  # gone since the listing: not a request this module wrote
+                text = ""
+            except OSError as err:
+                unreadable = unreadable or err
+                continue
             self._seen.add(name)
             try:
-                record = json.loads((self.directory / name).read_text())
+                record = json.loads(text)
                 return FailureRequest(str(record["source"]), str(record["cause"]))
-            except (OSError, ValueError, KeyError, TypeError):  # not a request this module wrote: skipped
+            except (ValueError, KeyError, TypeError):  # not a request this module wrote: skipped
                 continue
+        if unreadable is not None:
+            raise unreadable
         return None
 
     def _names(self) -> set[str]:

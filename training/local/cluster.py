@@ -20,13 +20,14 @@ lines are echoed here.
 What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
 as the Job and its podFailurePolicy would (training/contract/job_rules.py decides, from the table the
 chart renders):
-- killed by a signal (a lost node): its orphaned ranks are killed and the node is started again, after
-  --replacement-delay seconds (what Kubernetes takes to notice, evict, schedule and start the new pod;
-  bench/projection.py names its parts on EKS), not counted against --node-retries: on EKS the pod of a
-  lost node is removed with DisruptionTarget, which the Job's podFailurePolicy ignores
-  (node_replaced, restart with restart_kind=node).
-- exited with an error (a failed pod, e.g. INCOMPLETE): the same, counted against --node-retries
-  (backoffLimitPerIndex) per node.
+- killed by a `node-loss` fault (a lost node: its strike marks it lost first): its orphaned ranks are killed
+  and the node is started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict,
+  schedule and start the new pod; bench/projection.py names its parts on EKS), not counted against
+  --node-retries: on EKS the pod of a lost node is removed with DisruptionTarget, which the Job's
+  podFailurePolicy ignores (node_replaced, restart with restart_kind=node).
+- exited with an error (a failed pod, e.g. INCOMPLETE), or killed by a signal N otherwise (a container whose
+  PID 1 died, e.g. an OOM kill: exit code 128 + N, no DisruptionTarget): the same, counted against
+  --node-retries (backoffLimitPerIndex) per node.
 - exited with CONFIG_ERROR (the config or its checkpoints cannot work: named on the last line, from the
   rank's job failure request) or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
   no progress): the job fails at once, with a message naming the ranks and faults that the event log
@@ -44,7 +45,8 @@ crosses a network that a `partition` fault can cut. The controller then also pla
 Kubernetes' node lifecycle: it takes the node's link down (and up again after the fault's duration); a
 node unreachable for --replacement-delay seconds has its pod replaced on a new machine, while the old
 pod's processes run on where they are, cut off, until the link is back and its kubelet kills them.
-Ctrl-C (or SIGTERM) stops every launcher and every process they started.
+Ctrl-C (or SIGTERM) stops every node as the kubelet stops a pod: SIGTERM to its PID 1 (training.pod.launch,
+which passes it on to its launcher), SIGKILL to every process left of it after a grace period.
 """
 from __future__ import annotations
 
@@ -67,8 +69,8 @@ import psutil
 from training.contract.config import ConfigArgumentParser, ModelConfig, TrainConfig, TrainConfigError, load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
-from training.contract.faults import (FaultSpecError, controller_requests_dir, parse_faults, partitioned_marker,
-                                      with_env_faults)
+from training.contract.faults import (FaultSpecError, controller_requests_dir, lost_marker, parse_faults,
+                                      partitioned_marker, with_env_faults)
 from training.contract.job_failure import FailureRequests
 from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
 from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, SAVE_DELAY_ENV, drain_grace_period_s,
@@ -78,6 +80,7 @@ from training.contract.model_source import ModelSourceError, check_model_source
 from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
+from training.pod.launch import exit_code
 from training.pod.prefork import die_with_parent
 from training.report.cli import write_report
 from training.report.goodput import ReportError
@@ -233,8 +236,9 @@ class Cluster:
         shutil.rmtree(memory, ignore_errors=True)  # a new pod's memory is empty
         env = {**self.env(), "JOB_COMPLETION_INDEX": str(node.index),  # what the Indexed Job gives each pod
                DRAIN_MARKER_ENV: str(self.drain_marker(node)), NODE_MEMORY_ENV: str(memory)}
-        self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained, nor cut off
+        self.drain_marker(node).unlink(missing_ok=True)  # a new pod is not being drained, cut off, nor lost
         partitioned_marker(self.run_dir, node.index).unlink(missing_ok=True)
+        lost_marker(self.run_dir, node.index).unlink(missing_ok=True)
         node.start_at = None
         if self.network is not None and (node.machine is None or self.partition_of(node.machine) is not None):
             # a new pod lands on a new machine: the scheduler avoids one that is unreachable
@@ -317,8 +321,9 @@ class Cluster:
             if rc is None:
                 continue
             drained, node.drain_deadline = node.drain_deadline is not None, None
-            detail = self.pod_failed(node, rc, drained) if rc != 0 else ""
-            decision = decide(local_pod_end(rc, drained, node.retries), self.node_retries,
+            lost = rc < 0 and lost_marker(self.run_dir, node.index).exists()
+            detail = self.pod_failed(node, rc, drained, lost) if rc != 0 else ""
+            decision = decide(local_pod_end(rc, drained, lost, node.retries), self.node_retries,
                               survivor=self.survivor_besides(node))
             if decision.outcome is Outcome.DONE:  # training.pod.launch exits 0 only once the run completed
                 node.done = True
@@ -436,15 +441,20 @@ class Cluster:
     def drain_marker(self, node: Node) -> Path:
         return self.run_dir / "drain" / f"node{node.index}"
 
-    def pod_failed(self, node: Node, rc: int, drained: bool) -> str:
+    def pod_failed(self, node: Node, rc: int, drained: bool, lost: bool) -> str:
         """A launcher that exited non-zero: the fault it stands for (a drain's was recorded as it began),
         and the processes it left behind killed, as they would die with a pod's container."""
         if drained:
             detail = f"launcher of drained node {node.index} exited with code {rc}"
-        else:
+        elif lost:
             detail = (f"node {node.index} lost (its launcher was killed by {signal.Signals(-rc).name}; on EKS the "
-                      "taint manager or PodGC removes its pod with DisruptionTarget)" if rc < 0
-                      else f"launcher of node {node.index} exited with code {rc}")
+                      "taint manager or PodGC removes its pod with DisruptionTarget)")
+        elif rc < 0:
+            detail = (f"the launcher of node {node.index} was killed by {signal.Signals(-rc).name} (on EKS its "
+                      f"container exits {exit_code(rc)}, as in an OOM kill, and the Job counts the failure)")
+        else:
+            detail = f"launcher of node {node.index} exited with code {rc}"
+        if not drained:  # a drain's was recorded as it began
             self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
         kill_processes(node.descendants)
         return detail
@@ -503,12 +513,16 @@ class Cluster:
         self.say(self.failure)
 
     def stop_all(self) -> None:
+        """Stop every node as the kubelet stops a pod: SIGTERM to the main process of its container (the pod's
+        PID 1, training.pod.launch, which passes it on), SIGKILL to any process left after the grace period
+        (https://kubernetes.io/docs/concepts/workloads/pods/pod-termination/). Not its whole process group: the
+        launcher would get SIGTERM twice, from here and from PID 1."""
         # a hung node's processes cannot act on SIGTERM (stopped): they are killed below, without the grace wait
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None and not _stopped(n.proc)]
         for node in live:
             node.refresh_descendants()
             with contextlib.suppress(*_GONE):
-                os.killpg(node.proc.pid, signal.SIGTERM)  # the launcher stops its workers on SIGTERM
+                node.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for node in live:
             with contextlib.suppress(*_GONE):
@@ -562,13 +576,16 @@ def process_group(pgid: int) -> list[psutil.Process]:
     return members
 
 
-def local_pod_end(returncode: int, drained: bool, retries_used: int) -> PodEnd:
-    """A node's launcher that exited, as the Job sees its pod. Killed by a signal, it plays a lost node: on
-    EKS the taint manager evicts the pod of a node that stopped reporting, or PodGC deletes it once the
-    Node object is gone, both with DisruptionTarget, and no exit code reaches the Job. A drain (the
-    controller plays the Eviction API) is a disruption too."""
-    lost = returncode < 0
-    return PodEnd(None if lost else returncode, disrupted=drained or lost, retries_used=retries_used)
+def local_pod_end(returncode: int, drained: bool, lost: bool, retries_used: int) -> PodEnd:
+    """A node's launcher that exited, as the Job sees its pod. A lost node (a node-loss strike): on EKS the
+    taint manager evicts the pod of a node that stopped reporting, or PodGC deletes it once the Node object is
+    gone, both with DisruptionTarget, and no exit code reaches the Job. A drain (the controller plays the
+    Eviction API) is a disruption too. A launcher killed by signal N otherwise is a container whose PID 1 died
+    of it: exit code 128 + N and no condition (an OOM kill: 137, no DisruptionTarget; the Kubernetes docs,
+    https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions)."""
+    if lost:
+        return PodEnd(None, disrupted=True, retries_used=retries_used)
+    return PodEnd(exit_code(returncode), disrupted=drained, retries_used=retries_used)
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:

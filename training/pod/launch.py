@@ -8,7 +8,8 @@
    child, with the pod's start time and index as NVRx's infrastructure rank and the rendezvous store's
    endpoint for the ranks' in-process coordination (launcher_env), passes on the
    termination signals the kubelet (or the local controller) sends, and reaps every process that
-   ends up orphaned under it, as a container's PID 1 must.
+   ends up orphaned under it, as a container's PID 1 must. One loop does both (Child, PassedOn): a
+   signal reaches the command, however close to its exit it lands, and never makes the loop miss that exit.
 3. Watches the run's job failure requests (training/contract/job_failure.py): when a rank asks, it stops
    the command (SIGTERM, SIGKILL after STOP_GRACE_S) and exits CONFIG_ERROR at once, the cause on its last
    line and in the container's termination message, whatever the restart mode would have done next.
@@ -21,23 +22,32 @@
    Otherwise it exits as ft_launcher did, but never 0: ft_launcher 0.7.0 also exits 0 when a hot
    spare leaves and when every rank left cleanly after SIGTERM, which the Job would count as a
    completed index and never run again; that becomes INCOMPLETE, which the Job retries.
+
+Every read it makes of the run directory (on FSx) may fail for a while (training.pod.read_errors): the
+failure is logged and the read tried again at the next poll, and never stops the command, whose ranks
+deal with FSx themselves. The checks before the start and after the exit wait up to READ_PATIENCE_S
+for an answer; after that the run counts as not completed (the Job retries the pod, whose check reads it).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
 from training.contract.events import EventTail, completes, run_completed
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
-from training.contract.job_failure import FailureRequest, FailureRequests
+from training.contract.job_failure import FailureRequest, FailureRequests, requests_dir
 from training.contract.launcher import STORE_ENDPOINT_ENV, rendezvous_endpoint
+from training.pod.read_errors import ReadErrors
+
+log = logging.getLogger("training.pod.launch")
 
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # what an Indexed Job gives each pod (training.local too)
 MAX_PODS = 100_000  # indexes below it keep the infrastructure rank (ms x MAX_PODS + index) within int64
@@ -46,6 +56,8 @@ POLL_S = 0.5  # how often the child's exit and the job failure requests are look
 STOP_GRACE_S = 10.0  # a rank that asked for the Job to fail has left: the others need only to stop
 COMPLETION_POLL_S = 5.0  # how often the event log's new lines are read for the run's completion
 COMPLETED_GRACE_S = 15.0  # a launcher of a completed run normally ends within a second or two
+READ_PATIENCE_S = 300.0  # how long the start and the exit wait for the run directory to answer
+RETRIED = f"the launcher runs on, and the read is tried again every {POLL_S:g} s"
 # Where Kubernetes reads a container's termination message (the default terminationMessagePath), which
 # `kubectl describe pod` and the pod's status show: https://kubernetes.io/docs/tasks/debug/debug-application/determine-reason-pod-failure/
 TERMINATION_LOG = Path("/dev/termination-log")
@@ -79,10 +91,65 @@ def launcher_env(environ: dict[str, str], started_s: float, command: list[str]) 
     return env
 
 
-def pass_on_signals(child: Callable[[], subprocess.Popen]) -> None:
-    """Send the PASSED_ON signals this process gets to `child()` (the child process of the moment)."""
-    for sig in PASSED_ON:
-        signal.signal(sig, lambda signum, _frame: child().send_signal(signum))
+class PassedOn:
+    """The PASSED_ON signals this process receives, queued for the loop that runs the command, which passes
+    them on (`wait`). A handler that signalled the command itself would race that loop: Popen.send_signal
+    reaps a command that has just exited (its poll()), and the loop's waitpid then never sees it exit.
+    signal.set_wakeup_fd writes each signal's number to a pipe, which also wakes the loop at once. A context
+    manager (signal handlers: main thread only); costs a pipe."""
+
+    def __enter__(self) -> PassedOn:
+        self._read_fd, self._write_fd = os.pipe()
+        for fd in (self._read_fd, self._write_fd):
+            os.set_blocking(fd, False)
+        self._wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        # a Python handler, which does nothing, so that each signal reaches the pipe
+        self._handlers = {sig: signal.signal(sig, lambda _signum, _frame: None) for sig in PASSED_ON}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._wakeup_fd)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def wait(self, timeout_s: float) -> list[int]:
+        """The signals received since the last call, in order, after waiting up to `timeout_s` for one."""
+        select.select([self._read_fd], [], [], timeout_s)
+        try:
+            received = os.read(self._read_fd, 1024)
+        except BlockingIOError:  # none
+            return []
+        return [signum for signum in received if signum in PASSED_ON]
+
+
+class Child:
+    """The command, run as this process's child. Only `reap` waits for it, and it is signalled only from the
+    loop that reaps it: a signal reaches it until then (an exited child not reaped yet takes it harmlessly),
+    and never another process that was given its pid afterwards."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self._proc = subprocess.Popen(command, env=env)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def signal(self, sig: int) -> None:
+        if self._proc.returncode is None:
+            os.kill(self._proc.pid, sig)
+
+    def reap(self) -> bool:
+        """Reap every child that has ended, the orphans re-parented to this process (PID 1) too; whether the
+        command has ended (its returncode)."""
+        while self._proc.returncode is None:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return False
+            if pid == self._proc.pid:
+                self._proc.returncode = os.waitstatus_to_exitcode(status)
+        return True
 
 
 def exit_code(returncode: int) -> int:
@@ -92,51 +159,99 @@ def exit_code(returncode: int) -> int:
 
 class CompletionWatch:
     """Whether the run has completed, from what the event log gains while this pod runs (only that is read,
-    every COMPLETION_POLL_S)."""
+    every COMPLETION_POLL_S). A read that fails is logged and tried again; where even the log's end at the
+    start could not be read, the watch starts from its first read that succeeds (a completion before it is
+    then seen only by the check after the command's exit)."""
 
     def __init__(self, run_dir: str, steps: int) -> None:
-        self.steps = steps
-        self._tail = EventTail.from_now(run_dir)
+        self.run_dir, self.steps = run_dir, steps
+        self.errors = ReadErrors(f"the event log in {run_dir}", RETRIED, log)
+        self._tail: EventTail | None = self.errors.read(lambda: EventTail.from_now(run_dir), failed=None)
         self._next_read = 0.0
         self.completed = False
 
     def poll(self, now: float) -> bool:
         if not self.completed and now >= self._next_read:
             self._next_read = now + COMPLETION_POLL_S
-            try:
-                self.completed = any(completes(r, self.steps) for r in self._tail.read_new())
-            except FileNotFoundError:  # no event yet
-                pass
+            self.completed = self.errors.read(self._read_new, failed=False)
         return self.completed
 
+    def _read_new(self) -> bool:
+        if self._tail is None:
+            self._tail = EventTail.from_now(self.run_dir)
+            return False
+        try:
+            completed = any(completes(r, self.steps) for r in self._tail.read_new())
+        except FileNotFoundError:  # no event yet
+            return False
+        if not completed and self._tail.unreadable:  # those files are read from where they were next time
+            raise OSError("; ".join(self._tail.unreadable.values()))
+        return completed
 
-def run(command: list[str], requests: FailureRequests,
-        completion: CompletionWatch) -> tuple[int, FailureRequest | None]:
-    """Run `command`, passing on PASSED_ON signals, until it exits; stop it when a job failure request
-    appears, or COMPLETED_GRACE_S after the run completed. Its exit code, and the request that stopped it
-    (None: it ended on its own, or the run completed)."""
-    child = subprocess.Popen(command, env=launcher_env(dict(os.environ), time.time(), command))
-    pass_on_signals(lambda: child)
+
+class RequestWatch:
+    """The job failure requests written while this pod runs (FailureRequests), listed at every poll. A read
+    that fails is logged and tried again at the next poll; a request is not lost by it."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.errors = ReadErrors(f"the job failure requests in {requests_dir(run_dir)}", RETRIED, log)
+        self._requests: FailureRequests | None = self.errors.read(lambda: FailureRequests(run_dir), failed=None)
+
+    def poll(self) -> FailureRequest | None:
+        return self.errors.read(self._new, failed=None)
+
+    def _new(self) -> FailureRequest | None:
+        if self._requests is None:  # the requests there when a listing first succeeds are an earlier Job's
+            self._requests = FailureRequests(self.run_dir)
+            return None
+        return self._requests.new()
+
+
+def run(command: list[str], requests: RequestWatch, completion: CompletionWatch,
+        signals: PassedOn) -> tuple[int, FailureRequest | None]:
+    """Run `command`, passing on the PASSED_ON signals (also those received before it started), until it
+    exits; stop it when a job failure request appears, or COMPLETED_GRACE_S after the run completed. Its exit
+    code, and the request that stopped it (None: it ended on its own, or the run completed)."""
+    child = Child(command, launcher_env(dict(os.environ), time.time(), command))
     request, stop_at, kill_at = None, float("inf"), None  # kill_at: once SIGTERM was sent
+    received = signals.wait(0)
     while True:
-        pid, status = os.waitpid(-1, os.WNOHANG)  # any child: orphans re-parented to PID 1 are reaped too
-        if pid == child.pid:
-            child.returncode = os.waitstatus_to_exitcode(status)
+        for sig in received:
+            child.signal(sig)
+        if child.reap():
             return exit_code(child.returncode), request
-        if pid:
-            continue
         now = time.monotonic()
-        if request is None and (request := requests.new()) is not None:
+        if request is None and (request := requests.poll()) is not None:
             stop_at = min(stop_at, now)
         elif completion.poll(now):
             stop_at = min(stop_at, now + COMPLETED_GRACE_S)
         if kill_at is None and now >= stop_at:
-            child.send_signal(signal.SIGTERM)
+            child.signal(signal.SIGTERM)
             kill_at = now + STOP_GRACE_S
         elif kill_at is not None and now > kill_at:
-            child.kill()
+            child.signal(signal.SIGKILL)
             kill_at = float("inf")
-        time.sleep(POLL_S)
+        received = signals.wait(POLL_S)
+
+
+def run_completed_patiently(run_dir: str, steps: int, meanwhile: str) -> bool:
+    """run_completed, read again every POLL_S while it fails, for at most READ_PATIENCE_S; False after that."""
+    errors = ReadErrors(f"the event log in {run_dir}", meanwhile, log)
+    give_up_at = time.monotonic() + READ_PATIENCE_S
+    while True:
+        try:
+            completed = run_completed(run_dir, steps)
+        except OSError as err:
+            errors.failure(err, time.monotonic())
+            if time.monotonic() >= give_up_at:
+                log.warning("the event log in %s still cannot be read after %.0f s: the run counts as not completed",
+                            run_dir, READ_PATIENCE_S)
+                return False
+            time.sleep(POLL_S)
+            continue
+        errors.success(time.monotonic())
+        return completed
 
 
 def fail_the_job(request: FailureRequest, termination_log: Path = TERMINATION_LOG) -> int:
@@ -153,6 +268,13 @@ def fail_the_job(request: FailureRequest, termination_log: Path = TERMINATION_LO
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="training.pod.launch: %(message)s")
+    with PassedOn() as signals:  # from the start: a signal that lands before the command starts is passed on
+        return run_pod(args, signals)
+
+
+def run_pod(args: argparse.Namespace, signals: PassedOn) -> int:
+    """The pod's exit code (the module's docstring says which)."""
     try:
         cfg = load_train_config(args.config)
     except (TrainConfigError, OSError) as err:
@@ -160,11 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_ERROR
     # watched from before the check: a completion recorded while the check reads the log is seen by the watch
     completion = CompletionWatch(cfg.run_dir, cfg.training.steps)
-    if run_completed(cfg.run_dir, cfg.training.steps):  # e.g. a lost node's replacement, started late
+    if run_completed_patiently(cfg.run_dir, cfg.training.steps, f"{args.command[0]} starts once it can be read, "
+                               f"or after {READ_PATIENCE_S:.0f} s"):  # e.g. a lost node's replacement, started late
         print(f"training.pod.launch: the run in {cfg.run_dir} has completed: nothing to do", flush=True)
         return 0
-    code, request = run(args.command, FailureRequests(cfg.run_dir), completion)
-    if run_completed(cfg.run_dir, cfg.training.steps):  # whatever became of this node, the run is done
+    code, request = run(args.command, RequestWatch(cfg.run_dir), completion, signals)
+    # whatever became of this node, the run is done; a signal that lands from now on changes nothing
+    if completion.completed or run_completed_patiently(cfg.run_dir, cfg.training.steps,
+                                                       "the pod's exit code waits for it"):
         return 0
     if request is not None:
         return fail_the_job(request)

@@ -12,11 +12,9 @@ to the old one fail and their pods are retried; each then joins the new store's 
 training resumes from peer state or the checkpoint. (The local cluster's controller, which sees every
 launcher, starts over at once instead.)
 
-The event log is on FSx, and a Lustre server can evict a client (wiki.lustre.org, "Lustre Client Eviction
-Guide"): until it reconnects its I/O fails, with EIO, or ESTALE where a server no longer holds its lock
-(Linux commit 4c43c27ddc46, "staging: lustre: ptlrpc: skip lock if export failed"). A read that fails is
-logged and tried again at the next poll, and never taken for a stall, so the store and every node's
-rendezvous outlive it.
+The event log is on FSx, whose reads fail for a while when its Lustre client is evicted
+(training.pod.read_errors). A read that fails is logged and tried again at the next poll, and never taken
+for a stall, so the store and every node's rendezvous outlive it.
 
 Signals it receives go to the store; it exits as the store does (the Deployment starts it again). The
 store dies with it, whatever ends it (the kernel's parent-death signal), so the next store never finds
@@ -32,18 +30,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
 from training.contract.events import events_dir, run_completed
 from training.contract.exit_codes import CONFIG_ERROR
-from training.pod.launch import exit_code, pass_on_signals
+from training.pod.launch import PASSED_ON, exit_code
 from training.pod.prefork import die_with_parent
+from training.pod.read_errors import ReadErrors
 
 log = logging.getLogger("training.pod.store")
 
 STALL_MARGIN_S = 300.0
 POLL_S = 5.0
-READ_ERROR_LOG_S = 60.0  # while the event log cannot be read: a line this often, not every poll
 
 
 def last_activity(run_dir: str | Path) -> float:
@@ -62,32 +61,11 @@ def stalled(run_dir: str | Path, steps: int, since: float, timeout_s: float, now
     return now - max(last_activity(run_dir), since) > timeout_s and not run_completed(run_dir, steps)
 
 
-class ReadErrors:
-    """The event log's read errors in the store's log: the first at once, then one line a minute while
-    they last, and one when the log can be read again."""
-
-    def __init__(self, run_dir: str) -> None:
-        self.run_dir = run_dir
-        self.since: float | None = None  # when the reads started failing
-        self.failed = 0
-        self._logged_at = 0.0
-
-    def failure(self, err: OSError, now: float) -> None:
-        self.failed += 1
-        if self.since is None:
-            self.since = now
-        elif now - self._logged_at < READ_ERROR_LOG_S:
-            return
-        self._logged_at = now
-        log.warning("cannot read the event log in %s (%s: %s; failing for %.0f s, %d read(s)): the store keeps "
-                    "running, and the stall watch retries every %.0f s", self.run_dir,
-                    type(err).__name__, err, now - self.since, self.failed, POLL_S)
-
-    def success(self, now: float) -> None:
-        if self.since is not None:
-            log.warning("the event log in %s can be read again, after %.0f s and %d failed read(s)", self.run_dir,
-                        now - self.since, self.failed)
-        self.since, self.failed = None, 0
+def pass_on_signals(child: Callable[[], subprocess.Popen]) -> None:
+    """Send the PASSED_ON signals this process gets to `child()` (the store of the moment). Popen.send_signal
+    may reap a store that just exited, which is harmless here: only Popen waits for it."""
+    for sig in PASSED_ON:
+        signal.signal(sig, lambda signum, _frame: child().send_signal(signum))
 
 
 def start(command: list[str]) -> subprocess.Popen:
@@ -100,19 +78,15 @@ def supervise(command: list[str], run_dir: str, steps: int, timeout_s: float) ->
     child = start(command)
     pass_on_signals(lambda: child)
     started = time.time()
-    errors = ReadErrors(run_dir)
+    errors = ReadErrors(f"the event log in {run_dir}",
+                        f"the store keeps running, and the stall watch retries every {POLL_S:.0f} s", log)
     while True:
         try:
             return exit_code(child.wait(timeout=min(POLL_S, timeout_s / 2)))
         except subprocess.TimeoutExpired:
             pass
-        try:
-            stall = stalled(run_dir, steps, started, timeout_s, time.time())
-        except OSError as err:  # EIO, ESTALE: an evicted Lustre client, for a while; no evidence of a stall
-            errors.failure(err, time.time())
-            continue
-        errors.success(time.time())
-        if stall:
+        # a read that fails (an evicted Lustre client, for a while) is no evidence of a stall
+        if errors.read(lambda: stalled(run_dir, steps, started, timeout_s, time.time()), failed=False):
             log.warning("no training event in %s for %.0f s and the run has not completed: no node is left to open "
                         "the next rendezvous round; starting the store over", run_dir, timeout_s)
             child.terminate()

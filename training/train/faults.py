@@ -25,7 +25,7 @@ from typing import Callable, NoReturn, TypeVar
 import psutil
 
 from training.contract.events import EventLog
-from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, node_index,
+from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, lost_marker, node_index,
                                       partitioned_marker)
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training.train.checkpoint.layout import committed_checkpoints
@@ -63,7 +63,7 @@ def _hang(spec: FaultSpec, ctx: FireContext) -> None:
         time.sleep(1)
 
 
-def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals) -> None:
+def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker: str = "") -> None:
     """Halfway through the step (half the previous one's duration from now: a failing node mostly fails
     mid-step, not at a step's edge), send `sig` to this node's top process first (the pod's PID 1,
     training.pod.launch, or else ft_launcher; so that nothing can restart or report anything), then to every
@@ -77,7 +77,7 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals) -> None
                             "parent processes")
     striker = _striker()
     striker.stdin.write(Strike(time.monotonic() + ctx.step_s / 2, int(sig), node[-1].pid, me.pid,
-                               tuple(map(str, ctx.together))).line())
+                               tuple(map(str, ctx.together)), marker).line())
     striker.stdin.flush()
 
 
@@ -105,7 +105,9 @@ os.register_at_fork(after_in_child=_forget_the_parents_striker)
 
 
 def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
-    _signal_node(spec, ctx, signal.SIGKILL)
+    """The strike marks the node lost first: whoever plays the Job (training.local) then replaces its pod as
+    the Job does a lost node's, uncounted, and not as a pod whose PID 1 was killed (an OOM kill: counted)."""
+    _signal_node(spec, ctx, signal.SIGKILL, str(lost_marker(ctx.run_dir, node_index())))
 
 
 def _hang_node(spec: FaultSpec, ctx: FireContext) -> None:

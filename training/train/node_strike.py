@@ -6,11 +6,12 @@ and leave the other's processes (and its peer-state copies) alive. Standard libr
 
     python -m training.train.node_strike     reads one strike as a JSON line on stdin; at EOF, leaves
 
-{"at": MONOTONIC, "signal": N, "top": PID, "rank": PID, "wait_for": [FILE, …]}: at `at` (time.monotonic(),
-which every process on the machine shares), once every `wait_for` file exists (the fired records of the
-other node faults of the same step, so that faults meant together land together; at most WAIT_S), send the
-signal to the node's top process (unless it is PID 1: inside a container PID 1 ignores SIGKILL sent from its
-own PID namespace, SIGTERM stops it instead), then to every process under it, the firing rank last.
+{"at": MONOTONIC, "signal": N, "top": PID, "rank": PID, "wait_for": [FILE, …], "marker": FILE}: at `at`
+(time.monotonic(), which every process on the machine shares), once every `wait_for` file exists (the fired
+records of the other node faults of the same step, so that faults meant together land together; at most
+WAIT_S), create `marker` (if not ""), then send the signal to the node's top process (unless it is PID 1:
+inside a container PID 1 ignores SIGKILL sent from its own PID namespace, SIGTERM stops it instead), then to
+every process under it, the firing rank last.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -28,7 +30,7 @@ WAIT_S = 10.0  # longest wait for the other node faults of the same step to fire
 
 
 def strike(at: float, sig: signal.Signals, top: psutil.Process, rank: psutil.Process | None,
-           wait_for: list[str]) -> None:
+           wait_for: list[str], marker: str = "") -> None:
     time.sleep(max(0.0, at - time.monotonic()))
     deadline = time.monotonic() + WAIT_S
     while not all(os.path.exists(f) for f in wait_for) and time.monotonic() < deadline:
@@ -36,6 +38,9 @@ def strike(at: float, sig: signal.Signals, top: psutil.Process, rank: psutil.Pro
     missing = [f for f in wait_for if not os.path.exists(f)]
     if missing:
         print(f"node_strike: striking without waiting further for {missing} ({WAIT_S:.0f} s)", file=sys.stderr)
+    if marker:
+        Path(marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(marker).touch()
     others = []
     try:
         others = [p for p in top.children(recursive=True) if p.pid not in (rank and rank.pid, os.getpid())]
@@ -59,6 +64,7 @@ class Strike:
     top: int  # the node's outermost process
     rank: int  # the firing rank's process, struck last
     wait_for: tuple[str, ...] = ()  # files that must exist first
+    marker: str = ""  # a file created just before the strike (a lost node's: contract.faults.lost_marker)
 
     def line(self) -> bytes:
         return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
@@ -81,7 +87,7 @@ def main() -> None:
         rank: psutil.Process | None = psutil.Process(s.rank)
     except psutil.NoSuchProcess:
         rank = None
-    strike(s.at, signal.Signals(s.signal), top, rank, list(s.wait_for))
+    strike(s.at, signal.Signals(s.signal), top, rank, list(s.wait_for), s.marker)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,98 @@
+"""The local controller plays the kubelet and the Job (training.local.cluster), in-process, with fake nodes:
+what counts against a node's retries, and how Ctrl-C stops a node's pod."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from training.contract.config import load_train_config
+from training.contract.exit_codes import INCOMPLETE
+from training.contract.faults import lost_marker
+from training.local import cluster as local_cluster
+from training.local.cluster import Cluster
+from training_helpers import REPO_ROOT
+
+
+@pytest.fixture
+def controller(tmp_path):
+    """A controller of two nodes and no retries, none started: the tests give each node its process."""
+    cfg = load_train_config(None, [f"run_dir={tmp_path / 'run'}", "training.steps=10"])
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    c = Cluster(cfg, config_path, nodes=2, nproc_per_node=1, node_retries=0)
+    yield c
+    for node in c.nodes:
+        c.kill_node(node)
+    c.events.close()
+
+
+def _sleeping(node):
+    node.proc = psutil.Popen(["sleep", "60"], start_new_session=True)
+    node.active = True  # it trains: a survivor opens the next rendezvous round, no store restart needed
+
+
+def _killed(node):
+    _sleeping(node)
+    node.proc.kill()
+    node.proc.wait(timeout=10)
+
+
+def test_a_launcher_killed_by_a_signal_is_a_counted_failure_as_an_oom_kill_of_pid_1_is_on_eks(controller):
+    """SIGKILL of a node's PID 1 without a node-loss (the OOM killer, a crash): its container exits 137 without
+    DisruptionTarget, which the Job counts; with no retries left, the job fails."""
+    survivor, victim = controller.nodes
+    _sleeping(survivor)
+    _killed(victim)
+    assert controller._handle_exits() == 1
+    assert "no retries left" in controller.failure and "killed by SIGKILL" in controller.failure
+
+
+def test_a_lost_node_is_replaced_without_counting(controller):
+    """A node-loss strike marks the node lost before it kills it: on EKS its pod is removed with
+    DisruptionTarget, which the Job ignores, so even with no retries left the node is replaced."""
+    survivor, victim = controller.nodes
+    _sleeping(survivor)
+    lost_marker(controller.run_dir, victim.index).parent.mkdir(parents=True, exist_ok=True)
+    lost_marker(controller.run_dir, victim.index).touch()
+    _killed(victim)
+    assert controller._handle_exits() is None and controller.failure is None
+    assert victim.start_at is not None and victim.retries == 0
+
+
+# A node's pod: PID 1 (training.pod.launch) and its launcher, which writes a line per SIGTERM it gets and leaves
+# a second after the first, as ft_launcher stops its workers; or ignores SIGTERM and stays.
+_LAUNCHER = ("import pathlib, signal, sys, time\nlog, terms = pathlib.Path(sys.argv[1]), []\n"
+             "def term(*_):\n    terms.append(1)\n    log.write_text('TERM\\n' * len(terms))\n"
+             "signal.signal(signal.SIGTERM, {handler})\nlog.write_text('')\n"
+             "while not terms:\n    time.sleep(0.01)\ntime.sleep(1)\n")
+
+
+def _pod(controller, node, log, leaves=True):
+    launcher = _LAUNCHER.format(handler="term" if leaves else "signal.SIG_IGN")
+    node.proc = psutil.Popen([sys.executable, "-m", "training.pod.launch", "--config", str(controller.config_path),
+                              "--", sys.executable, "-c", launcher, str(log)],
+                             cwd=REPO_ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not log.exists():
+        assert time.monotonic() < deadline, "the fake launcher did not start"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_signals_each_pods_pid_1_only_then_kills_what_is_left_after_the_grace(controller, tmp_path,
+                                                                                    monkeypatch):
+    """As the kubelet: SIGTERM to the container's main process, which passes it on (the launcher gets it once,
+    not also from a signal to its whole process group), SIGKILL of every process left after the grace."""
+    monkeypatch.setattr(local_cluster, "STOP_GRACE_S", 3.0)
+    leaves, stays = tmp_path / "leaves.log", tmp_path / "stays.log"
+    _pod(controller, controller.nodes[0], leaves)
+    _pod(controller, controller.nodes[1], stays, leaves=False)
+    tree = [p for n in controller.nodes for p in [n.proc, *n.proc.children(recursive=True)]]
+    controller.stop_all()
+    assert leaves.read_text() == "TERM\n"
+    assert controller.nodes[0].proc.returncode == INCOMPLETE  # its PID 1 ended on its own within the grace
+    assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
