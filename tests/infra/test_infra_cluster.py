@@ -120,7 +120,8 @@ def _pod_identity_associations(synth) -> list[dict]:
 def test_every_pod_identity_role_trusts_exactly_the_service_account_its_association_names(variant):
     """Pod Identity tags the session with the pod's cluster, namespace and service account (EKS user guide,
     "Create IAM role with trust policy required by EKS Pod Identity"): each role's trust names those of the
-    association that uses it, and the account. A role whose conditions drifted from its association would
+    association that uses it, and no key that page does not name (a condition on a key absent from the request
+    denies it). A role whose conditions drifted from its association would
     deny that pod its credentials (for aws-node: no node ever Ready); an unscoped one would serve any pod."""
     [cluster_id] = variant.resources("Cluster", "AWS::EKS::Cluster")
     associations = _pod_identity_associations(variant)
@@ -138,7 +139,6 @@ def test_every_pod_identity_role_trusts_exactly_the_service_account_its_associat
                 [using] = [a for a in associations if a["RoleArn"] == {"Fn::GetAtt": [logical_id, "Arn"]}]
                 assert using["ClusterName"] == {"Ref": cluster_id}
                 assert statement["Condition"] == {"StringEquals": {
-                    "aws:SourceAccount": {"Ref": "AWS::AccountId"},
                     "aws:RequestTag/eks-cluster-arn": {"Fn::GetAtt": [cluster_id, "Arn"]},
                     "aws:RequestTag/kubernetes-namespace": using["Namespace"],
                     "aws:RequestTag/kubernetes-service-account": using["ServiceAccount"],
