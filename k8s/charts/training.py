@@ -48,16 +48,16 @@ IMAGE_CHECKOV_SKIPS = {
                   "IfNotPresent lets a replacement pod start without ECR",
     "CKV_K8S_43": "the ImageUri output tags the CDK asset by its content hash; its digest is not known when rendering",
 }
-JOB_CHECKOV_SKIPS = {
-    **IMAGE_CHECKOV_SKIPS,
-    **dict.fromkeys(("CKV_K8S_23", "CKV_K8S_25"),
-                    "the fsx-owner init container alone runs as root with CHOWN and FOWNER: it gives the Job's "
-                    "directory on FSx to the training user (Lustre has no uid mount option, the CSI driver no fsGroup)"),
-}
+FSX_OWNER_CHECKOV_SKIPS = dict.fromkeys(
+    ("CKV_K8S_23", "CKV_K8S_25"),
+    "the fsx-owner init container alone runs as root with CHOWN and FOWNER: it gives the Job's "
+    "directory on FSx to the training user (Lustre has no uid mount option, the CSI driver no fsGroup)")
+JOB_CHECKOV_SKIPS = {**IMAGE_CHECKOV_SKIPS, **FSX_OWNER_CHECKOV_SKIPS}
 STORE_CHECKOV_SKIPS = {
     "CKV_K8S_11": "a CPU limit would only throttle the store during a rendezvous round, "
                   "while every launcher waits on it",
     **IMAGE_CHECKOV_SKIPS,
+    **FSX_OWNER_CHECKOV_SKIPS,
 }
 
 
@@ -318,6 +318,13 @@ def _store_pod_spec(job: JobConfig) -> dict:
     fail and their pods are retried (counted against backoffLimitPerIndex). Hence the stable
     on-demand system nodes, never a GPU node (no GPU toleration), and a short stay on a lost node,
     like the training pods'.
+
+    The store mounts the Job's directory read-only by subPath; on a read-only volume the kubelet cannot
+    create a missing subPath ("failed to create subPath directory … read-only file system",
+    kubernetes/kubernetes PR 65241) and the pod waits in CreateContainerConfigError. On a fresh run the
+    store may start before any trainer's init container made the directory, so it runs the same fsx-owner
+    init container (init containers finish before the kubelet prepares the store's mounts); the volume is
+    writable for that container only, the store's own mount is read-only.
     """
     train_config = _config_files(job)[0]
     return {
@@ -325,11 +332,12 @@ def _store_pod_spec(job: JobConfig) -> dict:
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
         "tolerations": _node_failure_tolerations(job),
         "securityContext": dict(TRAINING_POD_SECURITY_CONTEXT),
+        "initContainers": [_fsx_owner_container(job)],
         "containers": [_store_container(job, train_config)],
         # Python's tempfile module probes for a writable directory (torch's import uses it): the root
         # filesystem is read-only.
         "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-                    {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name, "readOnly": True}},
+                    {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name}},
                     {"name": train_config.volume, "configMap": {"name": train_config.config_map}}],
     }
 

@@ -142,7 +142,8 @@ def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
     assert mounts[run_dir]["readOnly"] and mounts[run_dir]["subPath"] == "runs/fsdp-train"
     assert mounts["/etc/training"]["readOnly"] and CHECKPOINT_MOUNT_PATH not in mounts
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts[run_dir]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    # writable for the fsx-owner init container only (tests/k8s/test_k8s_security.py)
+    assert volumes[mounts[run_dir]["name"]]["persistentVolumeClaim"] == {"claimName": PVC_NAME}
     config = r.config_map_object("fsdp-train-config")["metadata"]["name"]
     assert volumes[mounts["/etc/training"]["name"]]["configMap"]["name"] == config
     assert "--rdzv-id=fsdp-train" in container["command"] and "--rdzv-id=fsdp-train" in r.container["args"]
