@@ -23,6 +23,11 @@ class ChartSpec:
         return f"{self.repository.rstrip('/')}/index.yaml"
 
 
+# Neither device-plugin chart bounds the Kubernetes version from above, so the same pins serve 1.33-1.36:
+# the NVIDIA chart's Chart.yaml says kubeVersion ">= 1.10.0-0" and the EFA chart's has no kubeVersion
+# (NVIDIA/k8s-device-plugin and aws/eks-charts, read at older chart versions than these pins: a bound
+# added since would fail the Helm install, which the first deploy shows). Both plugins register through the
+# kubelet's device plugin API v1beta1.
 NVIDIA_DEVICE_PLUGIN = ChartSpec(
     "nvidia-device-plugin", "nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.20.0"
 )

@@ -177,7 +177,7 @@ def test_eks_addons_are_pinned_per_kubernetes_version(full, kubernetes_133):
     )
     assert all(a["AddonVersion"].startswith("v") and "-eksbuild." in a["AddonVersion"] for a in addons.values())
     # kube-proxy follows the control plane's minor version.
-    assert addons["kube-proxy"]["AddonVersion"].startswith("v1.34.")
+    assert addons["kube-proxy"]["AddonVersion"].startswith(f"v{full.config.kubernetes_version}.")
     older = _addons(kubernetes_133)
     assert older["kube-proxy"]["AddonVersion"].startswith("v1.33.")
     assert {name: a["AddonVersion"] for name, a in older.items()} == {s.name: s.versions["1.33"].version for s in ADDONS}
