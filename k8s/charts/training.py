@@ -29,6 +29,13 @@ METRICS_PATH = "/metrics"  # the ConfigMaps' app.kubernetes.io/component label: 
 # kubelet's root, on these nodes already the instance-store NVMe RAID0 (nodeadm localStorage RAID0). A
 # hostPath there would outlive the pod, but nothing reads it back, and hostPath is what PSA baseline forbids.
 SCRATCH_MOUNT_PATH = "/scratch"
+# nvidia-container-toolkit 1.20.0, on AL2023 NVIDIA AMIs from v20260818, added a CDI hook that creates
+# /etc/nvidia/nvidia-application-profiles-rc.d in every GPU container at create time and aborts the container
+# when that fails on a read-only file system (awslabs/amazon-eks-ami issue 2790; NVIDIA/nvidia-container-toolkit
+# issue 2026, fixed by PR 2028, in no AMI release we could name). OCI createContainer hooks run after the
+# container's mounts are in place (OCI runtime spec, "createContainer Hooks"), so a writable emptyDir here
+# lets the hook succeed under the read-only root on any AMI, with or without the fix.
+NVIDIA_CONFIG_DIR = "/etc/nvidia"
 FSX_OWNER_CONTAINER = "fsx-owner"
 # The Prometheus server's pods (infra/metrics_collection.py, the prometheus chart's labels): the only scrapers.
 PROMETHEUS_SERVER = {"app.kubernetes.io/name": "prometheus"}
@@ -209,6 +216,7 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": SCRATCH_MOUNT_PATH},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "nvidia-config", "mountPath": NVIDIA_CONFIG_DIR},
     ]
     config_files = _config_files(job)
     mounts += [{"name": f.volume, "mountPath": str(PurePosixPath(f.path).parent), "readOnly": True}
@@ -219,6 +227,7 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{job.shm_gib}Gi"}},
         {"name": "scratch", "emptyDir": {"sizeLimit": "100Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "10Gi"}},
+        {"name": "nvidia-config", "emptyDir": {"sizeLimit": "16Mi"}},
     ]
     volumes += [{"name": f.volume, "configMap": {"name": f.config_map}} for f in config_files]
     resources = gpu_pod_resources(job)

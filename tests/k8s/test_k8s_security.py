@@ -233,6 +233,26 @@ def test_the_image_pods_run_as_the_images_user_with_a_read_only_root(cluster):
         assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in pod["containers"])
 
 
+def test_every_gpu_container_with_a_read_only_root_has_a_writable_etc_nvidia(cluster):
+    """nvidia-container-toolkit 1.20.0 (AL2023 NVIDIA AMIs from v20260818) creates a directory under /etc/nvidia
+    in each GPU container at create time and aborts the container on a read-only file system (amazon-eks-ami
+    issue 2790): every such container gets a writable emptyDir there."""
+    _, _, objects = cluster
+    checked = []
+    for name, template in _pod_specs(objects).items():
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            if "nvidia.com/gpu" not in c["resources"].get("limits", {}):
+                continue
+            if not c.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                continue
+            [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/nvidia"]
+            assert not mount.get("readOnly") and "emptyDir" in volumes[mount["name"]], (name, c["name"])
+            checked.append(name)
+    assert "fsdp-train" in checked
+
+
 # ---- the Job's view of FSx ------------------------------------------------------------------------
 def test_each_pod_mounts_only_its_jobs_directory_and_the_init_gives_it_to_the_training_user(render):
     r = render("--set", "run_dir=/fsx/teams/a/run-1", "--set", "data.path=/fsx/data/tokens.bin")
