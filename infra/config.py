@@ -17,6 +17,9 @@ from infra.instances import INSTANCE_TYPES, InstanceFacts, instance_facts
 
 # Facts shared by the stacks and the charts: one place each.
 NAMESPACE = "training"
+# The hung-node marker's service account in NAMESPACE (k8s/charts/hung_nodes.py), whose Pod Identity role may
+# stop GPU instances (infra/node_fencing.py).
+HUNG_NODE_MARKER_SERVICE_ACCOUNT = "hung-node-marker"
 SERVICE_ACCOUNT = "trainer"
 PVC_NAME = "fsx-checkpoints"
 PV_NAME = "fsx-checkpoints-pv"

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import Fn, aws_ec2 as ec2, aws_eks_v2 as eks
+from aws_cdk import CfnTag, Fn, aws_ec2 as ec2, aws_eks_v2 as eks
 from constructs import Construct
 
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 from infra.instances import InstanceFacts
 from infra.node_defaults import IMDS_V2_ONE_HOP, encrypted_root_volume, node_role
+from infra.node_fencing import FENCE_TAG
 
 # Node auto repair acts on what the node monitoring agent reports: a well-known XID sets
 # AcceleratedHardwareReady false with reason NvidiaXID<n>Error, and EKS reboots or replaces the node 10
@@ -87,6 +88,10 @@ class GpuNodegroup(Construct):
                 metadata_options=IMDS_V2_ONE_HOP,
                 block_device_mappings=[encrypted_root_volume(ROOT_VOLUME_GIB)],
                 user_data=Fn.base64(_user_data(props.instance).render()),
+                # The launch template's instance tags reach the instances the node group launches (the node
+                # group's own tags do not): the hung-node marker may stop only these (infra/node_fencing.py).
+                tag_specifications=[ec2.CfnLaunchTemplate.TagSpecificationProperty(
+                    resource_type="instance", tags=[CfnTag(key=FENCE_TAG, value=props.cluster.cluster_name)])],
                 placement=(
                     ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group_name)
                     if placement_group_name
