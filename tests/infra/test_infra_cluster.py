@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from infra.cluster import ADDON_NAMESPACE, ADDONS, SYSTEM_ROOT_VOLUME_GIB
-from infra.config import GPU_TAINT_KEY, KUBERNETES_VERSIONS, SYSTEM_NODE_LABEL
+from infra.config import GPU_TAINT_KEY, HUNG_NODE_MARKER_SERVICE_ACCOUNT, KUBERNETES_VERSIONS, SYSTEM_NODE_LABEL
 
 
 def test_cluster_version_name_and_node_group_capacity_without_auto_mode(full):
@@ -209,7 +209,9 @@ def test_fsx_csi_driver_gets_no_aws_permissions(full):
     fsx = _addons(full)["aws-fsx-csi-driver"]
     assert "PodIdentityAssociations" not in fsx and "ServiceAccountRoleArn" not in fsx
     assert "AmazonFSx" not in json.dumps(full.templates["Cluster"])
-    assert not [r for r in full.resources("Cluster", "AWS::EKS::PodIdentityAssociation")]
+    # The one standalone association is the hung-node marker's (infra/node_fencing.py), in the training namespace.
+    assert [r["Properties"]["ServiceAccount"] for r in full.resources("Cluster", "AWS::EKS::PodIdentityAssociation")
+            .values()] == [HUNG_NODE_MARKER_SERVICE_ACCOUNT]
 
 
 def test_open_api_endpoint_and_missing_admin_role_warn_at_synth(defaults, with_account):
