@@ -83,7 +83,8 @@ class PlatformConfig:
     availability_zones: tuple[str, ...] = ("us-east-1a", "us-east-1b")
     gpu_availability_zone: str = "us-east-1a"
     kubernetes_version: KubernetesVersion = field(
-        default="1.36", metadata={"choices_note": "(1.33 and 1.34 are in EKS extended support, billed per cluster hour)"})
+        default="1.36",
+        metadata={"choices_note": "(1.33 and 1.34 are in EKS extended support, billed per cluster hour)"})
     gpu_instance_type: GpuInstanceType = "p5.48xlarge"
     gpu_nodes_min: int = 2
     gpu_nodes_desired: int = 2

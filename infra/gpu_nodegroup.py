@@ -88,8 +88,9 @@ class GpuNodegroup(Construct):
                 metadata_options=IMDS_V2_ONE_HOP,
                 block_device_mappings=[encrypted_root_volume(ROOT_VOLUME_GIB)],
                 user_data=Fn.base64(_user_data(props.instance).render()),
-                # The launch template's instance tags reach the instances the node group launches (the node
-                # group's own tags do not): the hung-node marker may stop only these (infra/node_fencing.py).
+                # Tags the instances launched from this template (CloudFormation AWS::EC2::LaunchTemplate,
+                # TagSpecification; the node group's own tags stay on the node group): the hung-node marker may
+                # stop only these (infra/node_fencing.py).
                 tag_specifications=[ec2.CfnLaunchTemplate.TagSpecificationProperty(
                     resource_type="instance", tags=[CfnTag(key=FENCE_TAG, value=props.cluster.cluster_name)])],
                 placement=(

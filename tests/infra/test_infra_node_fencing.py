@@ -21,10 +21,10 @@ def test_the_marker_may_stop_only_the_gpu_instances_of_this_cluster_and_read_ins
     assert stop["Condition"] == {"StringEquals": {f"aws:ResourceTag/{FENCE_TAG}": {"Ref": cluster_id}}}
     assert stop["Resource"]["Fn::Join"][1][-1].endswith(":instance/*")
     # The GPU instances carry the tag with that value; the system nodes (which run the marker) do not.
-    [gpu] = [t["Properties"]["LaunchTemplateData"] for t in full.resources("Cluster", "AWS::EC2::LaunchTemplate").values()
-             if "NetworkInterfaces" in t["Properties"]["LaunchTemplateData"]]
+    templates = [t["Properties"]["LaunchTemplateData"]
+                 for t in full.resources("Cluster", "AWS::EC2::LaunchTemplate").values()]
+    [gpu] = [t for t in templates if "NetworkInterfaces" in t]
     assert gpu["TagSpecifications"] == [
         {"ResourceType": "instance", "Tags": [{"Key": FENCE_TAG, "Value": {"Ref": cluster_id}}]}]
-    others = [t["Properties"]["LaunchTemplateData"] for t in full.resources("Cluster", "AWS::EC2::LaunchTemplate").values()
-              if "NetworkInterfaces" not in t["Properties"]["LaunchTemplateData"]]
+    others = [t for t in templates if "NetworkInterfaces" not in t]
     assert others and not any("TagSpecifications" in t for t in others)

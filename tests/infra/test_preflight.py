@@ -64,7 +64,8 @@ class StubbedAws:
         key "service.method" (or "addon:NAME"), value a response dict or ("ErrorCode", "message"); or key
         "chart:RELEASE", value the index's bytes or the OSError its GET raises."""
         for spec in charts_for(config):
-            self.pages[spec.index_url] = overrides.get(f"chart:{spec.release}", _chart_index(spec, "9.9.9", spec.version))
+            self.pages[spec.index_url] = overrides.get(f"chart:{spec.release}",
+                                                       _chart_index(spec, "9.9.9", spec.version))
         for key, service, method, response, params in _passing_calls(config):
             answer = overrides.get(key, response)
             if isinstance(answer, tuple):
