@@ -3,22 +3,26 @@ answers with a CheckResult (name, ok, detail, fix). `python -m infra.preflight` 
 
 Only Describe/Get/List calls: STS GetCallerIdentity, EC2 DescribeInstanceTypeOfferings, DescribeInstanceTypes,
 DescribeCapacityReservations, Service Quotas GetServiceQuota (GetAWSDefaultServiceQuota where no value was
-applied), EKS DescribeAddonVersions, IAM GetRole, ECR DescribeImages, FSx DescribeFileSystems.
+applied), EKS DescribeAddonVersions, IAM GetRole, ECR DescribeImages, FSx DescribeFileSystems; and an HTTPS GET
+of each pinned Helm chart's repository index.
 """
 from __future__ import annotations
 
 import functools
 import re
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import boto3
+import yaml
 from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, CredentialRetrievalError, NoCredentialsError,
                                  PartialCredentialsError, SSOTokenLoadError, TokenRetrievalError,
                                  UnauthorizedSSOTokenError)
 
 from infra.addon_pins import ADDON_PINS
+from infra.chart_pins import EFA_DEVICE_PLUGIN, NVIDIA_DEVICE_PLUGIN, PROMETHEUS, ChartSpec
 from infra.config import PlatformConfig
 
 # Errors that mean the credentials themselves are unusable: the run stops with how to provide them.
@@ -48,9 +52,15 @@ class CheckResult:
     fix: str = ""  # what to do about a failure
 
 
+def _http_get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=15) as response:
+        return response.read()
+
+
 @dataclass(frozen=True)
 class AwsClients:
-    """The boto3 clients the checks call, all in the config's region but ECR's (the image's registry region)."""
+    """The boto3 clients the checks call, all in the config's region but ECR's (the image's registry region),
+    and the HTTPS GET that reads the Helm chart repositories' indexes."""
 
     sts: Any
     ec2: Any
@@ -59,6 +69,7 @@ class AwsClients:
     iam: Any
     fsx: Any
     ecr: Callable[[str], Any]  # region -> ECR client
+    http_get: Callable[[str], bytes]  # URL -> body
 
     @classmethod
     def for_region(cls, session: boto3.Session, region: str) -> "AwsClients":
@@ -69,7 +80,8 @@ class AwsClients:
             return session.client(service, region_name=in_region, config=config)
 
         return cls(sts=client("sts"), ec2=client("ec2"), service_quotas=client("service-quotas"), eks=client("eks"),
-                   iam=client("iam"), fsx=client("fsx"), ecr=lambda in_region: client("ecr", in_region))
+                   iam=client("iam"), fsx=client("fsx"), ecr=lambda in_region: client("ecr", in_region),
+                   http_get=_http_get)
 
 
 Verdict = tuple[bool, str, str]  # ok, detail, fix
@@ -236,6 +248,36 @@ def addon_version(addon: str) -> Check:
     return offered
 
 
+def chart_version(spec: ChartSpec) -> Check:
+    """The pinned version of `spec` (infra/chart_pins.py) is listed in its repository's index.yaml, where Helm
+    looks a version up (Helm docs, "The Chart Repository Guide": the index lists every version of every
+    chart); a version it lacks fails the Helm release and rolls the Cluster stack back."""
+    @check(f"chart {spec.release}")
+    def listed(config: PlatformConfig, aws: AwsClients) -> Verdict:
+        try:
+            index = yaml.safe_load(aws.http_get(spec.index_url)) or {}
+        except (OSError, yaml.YAMLError) as e:  # urllib's errors are OSErrors
+            return _failed(f"{spec.index_url} could not be read ({type(e).__name__}: {e})",
+                           f"check network access to {spec.repository} and retry")
+        versions = [str(entry.get("version")) for entry in index.get("entries", {}).get(spec.chart, [])]
+        if spec.version in versions:
+            return _passed(f"{spec.chart} {spec.version} is listed in {spec.repository}")
+        newest = ", ".join(versions[:3]) or "none"
+        return _failed(f"{spec.chart} {spec.version} is not listed in {spec.index_url} (listed first: {newest})",
+                       f"pin a listed version of {spec.chart} in infra/chart_pins.py")
+    return listed
+
+
+def charts_for(config: PlatformConfig) -> list[ChartSpec]:
+    """The charts the stacks install for this config (infra/platform.py)."""
+    charts = [NVIDIA_DEVICE_PLUGIN]
+    if config.instance.efa_interfaces:
+        charts.append(EFA_DEVICE_PLUGIN)
+    if config.prometheus_server:
+        charts.append(PROMETHEUS)
+    return charts
+
+
 @check("admin role")
 def admin_role(config: PlatformConfig, aws: AwsClients) -> Verdict:
     arn = config.admin_role_arn
@@ -288,6 +330,7 @@ def checks_for(config: PlatformConfig) -> list[Check]:
     # whether a capacity block's do is unverified: the reservation check counts them instead.
     checks.append(capacity_reservation if config.uses_reserved_capacity else on_demand_vcpu_quota)
     checks += [addon_version(addon) for addon in ADDON_PINS]
+    checks += [chart_version(spec) for spec in charts_for(config)]
     checks.append(admin_role)
     if config.image_uri:
         checks.append(training_image)

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from aws_cdk import Annotations, RemovalPolicy, Stack, aws_ec2 as ec2, aws_eks_v2 as eks, aws_kms as kms
+from aws_cdk import aws_lambda as lambda_
 from aws_cdk.lambda_layer_kubectl_v34 import KubectlV34Layer
+from aws_cdk.lambda_layer_kubectl_v36 import KubectlV36Layer
 from constructs import Construct
 
 from infra.addon_pins import ADDON_PINS, AddonPin
@@ -17,10 +19,13 @@ from infra.nag import acknowledge, managed_policy_rule
 from infra.node_defaults import IMDS_V2_ONE_HOP, encrypted_root_volume, node_role
 from infra.pod_identity import pod_identity_role
 
-# kubectl talks to a control plane one minor version older or newer than itself (version skew policy).
-KUBECTL_LAYERS: dict[str, Callable[[Construct, str], KubectlV34Layer]] = {
+# kubectl talks to a control plane one minor version older or newer than itself (Kubernetes version skew
+# policy): kubectl 1.34 serves 1.33-1.35, kubectl 1.36 serves 1.35-1.37.
+KUBECTL_LAYERS: dict[str, Callable[[Construct, str], lambda_.ILayerVersion]] = {
     "1.33": KubectlV34Layer,
     "1.34": KubectlV34Layer,
+    "1.35": KubectlV36Layer,
+    "1.36": KubectlV36Layer,
 }
 
 # The system nodes also run the rendezvous store, from the training image (NGC PyTorch: ~10 GB to pull,

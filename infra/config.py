@@ -17,6 +17,9 @@ from infra.instances import INSTANCE_TYPES, InstanceFacts, instance_facts
 
 # Facts shared by the stacks and the charts: one place each.
 NAMESPACE = "training"
+# The hung-node marker's service account in NAMESPACE (k8s/charts/hung_nodes.py), whose Pod Identity role may
+# stop GPU instances (infra/node_fencing.py).
+HUNG_NODE_MARKER_SERVICE_ACCOUNT = "hung-node-marker"
 SERVICE_ACCOUNT = "trainer"
 PVC_NAME = "fsx-checkpoints"
 PV_NAME = "fsx-checkpoints-pv"
@@ -33,7 +36,12 @@ MONITORING_NAMESPACE = "monitoring"  # the optional Prometheus server's (infra/m
 
 # Closed sets: a field of one of these types is checked against its values (_check_choices), and a refusal
 # lists them, followed by the field's `choices_note` metadata where it has one.
-KubernetesVersion = Literal["1.33", "1.34"]  # kubectl 1.34 (the provider layer) serves 1.33-1.35
+# The default is the newest in EKS standard support. EKS release calendar (EKS user guide, "Understand the
+# Kubernetes version lifecycle on EKS"): standard support ended for 1.33 on 2026-07-29 and for 1.34 on
+# 2026-12-02, after which a cluster pays extended support by the hour; 1.35 (EKS release 2026-01-27) has it
+# until 2027-03-27. EKS lists add-on builds for 1.36 (the sources in infra/addon_pins.py). The older
+# versions stay selectable, for a cluster that must match another.
+KubernetesVersion = Literal["1.33", "1.34", "1.35", "1.36"]
 GpuInstanceType = Literal[tuple(sorted(INSTANCE_TYPES))]  # type: ignore[valid-type]  # the instance table's
 CapacityType = Literal["on-demand", "capacity-reservation", "capacity-block"]
 FsxThroughputPerTib = Literal[125, 250, 500, 1000]
@@ -74,7 +82,9 @@ class PlatformConfig:
     region: str = "us-east-1"
     availability_zones: tuple[str, ...] = ("us-east-1a", "us-east-1b")
     gpu_availability_zone: str = "us-east-1a"
-    kubernetes_version: KubernetesVersion = "1.34"
+    kubernetes_version: KubernetesVersion = field(
+        default="1.36",
+        metadata={"choices_note": "(1.33 and 1.34 are in EKS extended support, billed per cluster hour)"})
     gpu_instance_type: GpuInstanceType = "p5.48xlarge"
     gpu_nodes_min: int = 2
     gpu_nodes_desired: int = 2

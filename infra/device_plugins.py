@@ -7,23 +7,9 @@ from typing import Any
 from aws_cdk import aws_eks_v2 as eks
 from constructs import Construct
 
+from infra.chart_pins import EFA_DEVICE_PLUGIN, NVIDIA_DEVICE_PLUGIN, ChartSpec
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 
-
-@dataclass(frozen=True)
-class ChartSpec:
-    release: str
-    chart: str
-    repository: str
-    version: str  # pinned: a chart upgrade is a reviewed change, not a side effect of a redeploy
-
-
-NVIDIA_DEVICE_PLUGIN = ChartSpec(
-    "nvidia-device-plugin", "nvidia-device-plugin", "https://nvidia.github.io/k8s-device-plugin", "0.20.0"
-)
-EFA_DEVICE_PLUGIN = ChartSpec(
-    "aws-efa-k8s-device-plugin", "aws-efa-k8s-device-plugin", "https://aws.github.io/eks-charts", "v0.5.30"
-)
 
 GPU_TOLERATIONS = [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
 GPU_NODE_SELECTOR = {GPU_NODE_LABEL: "true"}

@@ -3,22 +3,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import Fn, aws_ec2 as ec2, aws_eks_v2 as eks
+from aws_cdk import CfnTag, Fn, aws_ec2 as ec2, aws_eks_v2 as eks
 from constructs import Construct
 
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 from infra.instances import InstanceFacts
 from infra.node_defaults import IMDS_V2_ONE_HOP, encrypted_root_volume, node_role
+from infra.node_fencing import FENCE_TAG
 
-# Node auto repair acts on what the node monitoring agent reports (aws/eks-node-monitoring-agent,
-# monitors/nvidia/dcgm/dcgm_policies.go): a well-known XID sets AcceleratedHardwareReady false with
-# reason NvidiaXID<n>Error, and EKS reboots or replaces the node 10 minutes later (EKS user guide,
-# "Detect node health issues"). XID 13, 31 and 43 (graphics exception, MMU fault, channel stopped), the
-# XIDs a bad kernel or an out-of-bounds access in the training code raises, are not well-known: they
-# are only events and never repair a node. XID 109 (context switch timeout) is well-known, yet NVIDIA's
-# XID catalog lists a user application hang among its causes: the job's own restart handles it, and a
-# real fault shows up again in DCGM diagnostics or as another XID.
-APPLICATION_XID_OVERRIDES = (109,)
+# Node auto repair acts on what the node monitoring agent reports: a well-known XID sets
+# AcceleratedHardwareReady false with reason NvidiaXID<n>Error, and EKS reboots or replaces the node 10
+# minutes later (EKS user guide, "Detect node health issues with the EKS node monitoring agent", table
+# "NVIDIA XID error codes"). That table makes XID 13 (graphics engine exception, "typically caused by
+# software issues") and XID 31 (GPU memory page fault: an application's access to unmapped memory)
+# well-known, default Reboot; the node repair page's own example overrides XID 31 to NoAction. Both are
+# what a bad kernel or an out-of-bounds access in the training code raises: a reboot would cost the node
+# and count the pod against the Job's retries, while the job's own restart handles them. XID 109 (context
+# switch timeout) is well-known in the agent (aws/eks-node-monitoring-agent,
+# monitors/nvidia/dcgm/dcgm_policies.go), yet NVIDIA's XID catalog lists a user application hang among its
+# causes. XID 43 (channel stopped) is not well-known: only an event. A real fault shows up again in DCGM
+# diagnostics or as a hardware XID (48, 63, 64, 74, 79, …), which keep their default repair.
+APPLICATION_XID_OVERRIDES = (13, 31, 109)
 REPAIR_WAIT_MINUTES = 10  # the EKS default delay; an override must state every field
 
 ROOT_VOLUME_GIB = 200  # OS and kubelet only: images and pod scratch live on the NVMe RAID0
@@ -83,6 +88,11 @@ class GpuNodegroup(Construct):
                 metadata_options=IMDS_V2_ONE_HOP,
                 block_device_mappings=[encrypted_root_volume(ROOT_VOLUME_GIB)],
                 user_data=Fn.base64(_user_data(props.instance).render()),
+                # Tags the instances launched from this template (CloudFormation AWS::EC2::LaunchTemplate,
+                # TagSpecification; the node group's own tags stay on the node group): the hung-node marker may
+                # stop only these (infra/node_fencing.py).
+                tag_specifications=[ec2.CfnLaunchTemplate.TagSpecificationProperty(
+                    resource_type="instance", tags=[CfnTag(key=FENCE_TAG, value=props.cluster.cluster_name)])],
                 placement=(
                     ec2.CfnLaunchTemplate.PlacementProperty(group_name=placement_group_name)
                     if placement_group_name

@@ -15,9 +15,8 @@ from aws_cdk import aws_eks_v2 as eks
 from constructs import Construct
 
 from infra.config import MONITORING_NAMESPACE, SYSTEM_NODE_LABEL
-from infra.device_plugins import ChartSpec
+from infra.chart_pins import PROMETHEUS
 
-PROMETHEUS = ChartSpec("prometheus", "prometheus", "https://prometheus-community.github.io/helm-charts", "27.19.0")
 RETENTION = "15d"
 
 

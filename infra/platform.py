@@ -20,6 +20,7 @@ from infra.image import TrainingImage, TrainingImageProps
 from infra.log_archive import LogArchive, LogArchiveProps
 from infra.metrics_collection import MetricsCollection, MetricsCollectionProps
 from infra.network import Network, NetworkProps
+from infra.node_fencing import NodeFencing
 from infra.storage import CheckpointStorage, CheckpointStorageProps
 from infra.training_volume import TrainingVolume, TrainingVolumeProps
 
@@ -128,6 +129,7 @@ def build_platform(scope: Construct, config: PlatformConfig) -> PlatformStacks:
         ),
     )
     gpu_nodes.nodegroup.node.add_dependency(*eks_cluster.node_prerequisites)
+    NodeFencing(cluster_stack, "NodeFencing", cluster=cluster)
     DevicePlugins(
         cluster_stack,
         "DevicePlugins",

@@ -1,7 +1,7 @@
 """IAM roles for EKS Pod Identity, each assumable only for one service account of one cluster."""
 from __future__ import annotations
 
-from aws_cdk import Stack, aws_eks_v2 as eks, aws_iam as iam
+from aws_cdk import aws_eks_v2 as eks, aws_iam as iam
 from constructs import Construct
 
 from infra.nag import acknowledge_managed_policies
@@ -13,25 +13,21 @@ POD_IDENTITY_PRINCIPAL = "pods.eks.amazonaws.com"
 CLUSTER_ARN_TAG = "aws:RequestTag/eks-cluster-arn"
 NAMESPACE_TAG = "aws:RequestTag/kubernetes-namespace"
 SERVICE_ACCOUNT_TAG = "aws:RequestTag/kubernetes-service-account"
-SOURCE_ACCOUNT = "aws:SourceAccount"
 
 
 def pod_identity_role(scope: Construct, construct_id: str, *, cluster: eks.ICluster, namespace: str,
                       service_account: str, managed_policies: tuple[str, ...], why: str) -> iam.Role:
     """A role that Pod Identity may assume (and tag the session of) for `namespace`/`service_account` of
-    `cluster` alone, in this account: without conditions, a Pod Identity association in any cluster that
-    names the role would get its credentials. The user guide scopes such roles by the session tags above,
+    `cluster` alone: without conditions, a Pod Identity association in any cluster that names the role
+    would get its credentials. The user guide scopes such roles by the session tags above,
     which Pod Identity always sets (they are on unless an association disables them; none here does).
-    aws:SourceAccount is the cross-service confused-deputy guard (IAM user guide, "The confused deputy
-    problem"). No EKS page lists it among the keys Pod Identity sets; a user's test in
-    awslabs/mountpoint-s3-csi-driver issue 781 shows a trust policy on aws:SourceAccount alone working.
-    No aws:SourceArn: no EKS page says what Pod Identity sets it to (unverified; that issue's user had it
-    be an association ARN, …:podidentityassociation/<cluster>/…, never the cluster's), and a condition that
-    does not match denies every pod: aws-node would get no credentials and no node would become Ready.
+    No aws:SourceAccount or aws:SourceArn: that user guide page conditions on the session tags alone and
+    names no other key Pod Identity sets, and a condition on a key that is absent denies every pod (aws-node
+    would get no credentials, no node would become Ready). The cluster ARN tag already pins the account,
+    region and cluster.
     `why` completes "<policy> ..." into each managed policy's cdk-nag acknowledgment."""
     principal = iam.ServicePrincipal(POD_IDENTITY_PRINCIPAL).with_conditions({
         "StringEquals": {
-            SOURCE_ACCOUNT: Stack.of(scope).account,
             CLUSTER_ARN_TAG: cluster.cluster_arn,
             NAMESPACE_TAG: namespace,
             SERVICE_ACCOUNT_TAG: service_account,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aws_cdk import Duration, RemovalPolicy, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
+from aws_cdk import Duration, RemovalPolicy, Stack, aws_ec2 as ec2, aws_fsx as fsx, aws_kms as kms, aws_s3 as s3
 from constructs import Construct
 
 from infra.nag import acknowledge
@@ -92,6 +92,12 @@ class CheckpointStorage(Construct):
             ),
             removal_policy=props.removal_policy,
         )
+        # FSx checks the group's Lustre rules when it creates the file system and fails with
+        # InvalidNetworkSettings if a rule is not in place yet; each rule is its own resource, which
+        # CloudFormation may create beside the file system (aws/aws-parallelcluster issue 6181, fixed by
+        # PR 6342 with DependsOn from the file system to the rules).
+        for rule in _ingress_rules_of(security_group):
+            self.file_system.node.add_dependency(rule)
         # Deleting the group would fail while the retained file servers use it. The servers' rule to
         # each other stays with it; the rules naming the GPU nodes' group go, or that group (in the
         # network stack) could not be deleted.
@@ -154,6 +160,12 @@ class CheckpointStorage(Construct):
             ),
         )
         return bucket
+
+
+def _ingress_rules_of(security_group: ec2.SecurityGroup) -> list[ec2.CfnSecurityGroupIngress]:
+    """Every separate ingress rule of `security_group`, wherever in its stack CDK placed it."""
+    return [rule for rule in Stack.of(security_group).node.find_all()
+            if isinstance(rule, ec2.CfnSecurityGroupIngress) and rule.group_id == security_group.security_group_id]
 
 
 def _daily_time(hh_mm: str) -> fsx.DailyAutomaticBackupStartTime:

@@ -1,6 +1,7 @@
-"""The hung-node marker, run by its Deployment as `python -c <this file> THRESHOLD_S SELECTOR`: a node that
-SELECTOR matches and whose kubelet stopped reporting (Ready condition Unknown) for THRESHOLD_S seconds is
-marked out of service; a node that reports Ready again is unmarked.
+"""The hung-node marker, run by its Deployment as `python -c <this file> THRESHOLD_S SELECTOR REGION`: a node that
+SELECTOR matches and whose kubelet stopped reporting (Ready condition Unknown) for THRESHOLD_S seconds is fenced
+(its EC2 instance stopped) and, once EC2 reports the instance stopped, marked out of service; a node that
+reports Ready again is unmarked.
 
 Why: a node that hangs but still exists keeps its pod. After its toleration the taint manager deletes the
 pod, which then stays Terminating, because no kubelet confirms that its containers stopped; the training
@@ -9,26 +10,42 @@ Failed, and EKS node auto repair replaces the node only after 30 min NotReady. O
 node.kubernetes.io/out-of-service, PodGC force-deletes the terminating pods and marks them Failed
 (Kubernetes 1.34 docs: "Non-graceful node shutdown handling" in Node Shutdowns, and "Garbage collection of
 Pods" in Pod Lifecycle); the pod already carries DisruptionTarget from the taint manager, so the Job
-replaces it without counting it. Its processes may run on if the node wakes up: the kubelet then learns
-the pod is gone and kills them, and NVRx has moved on to a rendezvous round without them.
+replaces it without counting it.
 
-Stdlib only, with the pod's service account token (RBAC: list and patch nodes, nothing else).
+Why fence first: those docs say to apply the taint only once the node is shut down. A node cut off from the
+API server but not from FSx could go on writing (checkpoints, the event log, NCCL traces) beside its
+replacement; generation fencing guards the checkpoint commits but not every write. Stopping the instance
+(ec2:StopInstances with Force: no OS shutdown to wait for on a hung node) ends every process on it, and the
+taint follows only when DescribeInstances says "stopped" (or "terminated"). A node that cannot be fenced (no
+EC2 instance id, a denied call) is not marked; the next poll tries again.
+
+Stdlib only: the Kubernetes API with the pod's service account token (RBAC: list and patch nodes), EC2's Query
+API signed with Signature Version 4 with the Pod Identity credentials (IAM: StopInstances on this cluster's GPU
+instances, DescribeInstances; infra/node_fencing.py).
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
 import ssl
 import sys
 import time
 import urllib.parse
 import urllib.request
+import xml.etree.ElementTree as ElementTree
 from datetime import datetime, timezone
+from typing import Callable
 
 API = "https://kubernetes.default.svc"
 ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 OUT_OF_SERVICE = "node.kubernetes.io/out-of-service"
 TAINT = {"key": OUT_OF_SERVICE, "value": "hung", "effect": "NoExecute"}  # the value says who set it
 POLL_S = 10.0
+EC2_API_VERSION = "2016-11-15"
+FENCED_STATES = ("stopped", "terminated")  # EC2 instance states in which nothing on the instance runs
+STOPPING_STATES = ("stopping", "shutting-down")
 
 
 def _ready(node: dict) -> dict:
@@ -68,10 +85,122 @@ def taint_patch(node: dict, mark: bool) -> list[dict]:
             {"op": "add", "path": "/spec/taints", "value": [*taints, TAINT] if mark else taints}]
 
 
-def main(threshold_s: float, selector: str) -> None:
+def instance_id(node: dict) -> str | None:
+    """The EC2 instance id in the node's providerID (aws:///<zone>/<instance id>); None on anything else."""
+    provider_id = node.get("spec", {}).get("providerID", "")
+    candidate = provider_id.rpartition("/")[2]
+    return candidate if provider_id.startswith("aws://") and candidate.startswith("i-") else None
+
+
+def fence_step(state: str) -> str:
+    """What to do for a silent node whose instance is in `state`: "mark" it once nothing runs there, "wait"
+    while it is stopping, else "stop" it (StopInstances is idempotent)."""
+    if state in FENCED_STATES:
+        return "mark"
+    return "wait" if state in STOPPING_STATES else "stop"
+
+
+def sigv4_headers(method: str, url: str, body: bytes, headers: dict[str, str], credentials: dict[str, str],
+                  region: str, service: str, now: datetime) -> dict[str, str]:
+    """`headers` plus X-Amz-Date, X-Amz-Security-Token and the Authorization of AWS Signature Version 4 (IAM user
+    guide, "Create a signed AWS API request"), every given header signed."""
+    parts = urllib.parse.urlsplit(url)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    signed = {**{k.lower(): v.strip() for k, v in headers.items()}, "host": parts.netloc, "x-amz-date": stamp}
+    if credentials.get("Token"):
+        signed["x-amz-security-token"] = credentials["Token"]
+    names = sorted(signed)
+    query = "&".join(sorted(f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
+                            for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)))
+    canonical = "\n".join([method, parts.path or "/", query, *(f"{n}:{signed[n]}" for n in names), "",
+                           ";".join(names), hashlib.sha256(body).hexdigest()])
+    scope = f"{day}/{region}/{service}/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key = f"AWS4{credentials['SecretAccessKey']}".encode()
+    for part in (day, region, service, "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    authorization = (f"AWS4-HMAC-SHA256 Credential={credentials['AccessKeyId']}/{scope}, "
+                     f"SignedHeaders={';'.join(names)}, Signature={signature}")
+    return {**headers, "X-Amz-Date": stamp, **({"X-Amz-Security-Token": credentials["Token"]}
+                                                  if credentials.get("Token") else {}),
+            "Authorization": authorization}
+
+
+def instance_state(response: bytes) -> str:
+    """The instance state name in a DescribeInstances response for one instance."""
+    for element in ElementTree.fromstring(response).iter():
+        if element.tag.endswith("}instanceState"):
+            return next(child.text for child in element if child.tag.endswith("}name"))
+    raise ValueError("DescribeInstances returned no instance")
+
+
+class Ec2:
+    """StopInstances and DescribeInstances for one instance at a time, with the Pod Identity credentials the
+    EKS Pod Identity webhook points the pod at (AWS_CONTAINER_CREDENTIALS_FULL_URI and the token file in
+    AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE: EKS user guide, "Understand how EKS Pod Identity works")."""
+
+    def __init__(self, region: str) -> None:
+        self.region = region
+        self.url = f"https://ec2.{region}.amazonaws.com/"
+        self._credentials: dict[str, str] = {}
+
+    def _fresh_credentials(self) -> dict[str, str]:
+        expires = self._credentials.get("Expiration", "")
+        if not expires or datetime.fromisoformat(expires.replace("Z", "+00:00")).timestamp() - time.time() < 300:
+            with open(os.environ["AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"]) as f:
+                token = f.read().strip()
+            request = urllib.request.Request(os.environ["AWS_CONTAINER_CREDENTIALS_FULL_URI"],
+                                             headers={"Authorization": token})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                self._credentials = json.load(response)
+        return self._credentials
+
+    def _call(self, action: str, **params: str) -> bytes:
+        body = urllib.parse.urlencode({"Action": action, "Version": EC2_API_VERSION, **params}).encode()
+        headers = sigv4_headers("POST", self.url, body,
+                                {"Content-Type": "application/x-www-form-urlencoded; charset=utf-8"},
+                                self._fresh_credentials(), self.region, "ec2", datetime.now(timezone.utc))
+        request = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.read()
+
+    def state(self, instance: str) -> str:
+        return instance_state(self._call("DescribeInstances", **{"InstanceId.1": instance}))
+
+    def stop(self, instance: str) -> None:
+        self._call("StopInstances", **{"InstanceId.1": instance, "Force": "true"})
+
+
+def poll(nodes: list[dict], now: datetime, threshold_s: float, ec2: Ec2,
+         patch: Callable[[str, list[dict]], object]) -> None:
+    """One round: fence each silent node, mark it once fenced, unmark a marked node that reports Ready again."""
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    for name in to_mark(nodes, now, threshold_s):
+        silent = f"node {name} silent for {silent_for_s(by_name[name], now):.0f} s"
+        instance = instance_id(by_name[name])
+        if instance is None:
+            print(f"{silent}: not marked, no EC2 instance id in its providerID to fence it by",
+                  file=sys.stderr, flush=True)
+            continue
+        state = ec2.state(instance)
+        step = fence_step(state)
+        if step == "stop":
+            ec2.stop(instance)
+            print(f"{silent}: stopping {instance} ({state}) to fence it before marking", flush=True)
+        elif step == "mark":
+            patch(name, taint_patch(by_name[name], mark=True))
+            print(f"{silent}: {instance} {state}, marked {OUT_OF_SERVICE}", flush=True)
+    for name in to_unmark(nodes):
+        patch(name, taint_patch(by_name[name], mark=False))
+        print(f"node {name} reports Ready again: {OUT_OF_SERVICE} removed", flush=True)
+
+
+def main(threshold_s: float, selector: str, region: str) -> None:
     with open(f"{ACCOUNT}/token") as f:
         token = f.read().strip()
     tls = ssl.create_default_context(cafile=f"{ACCOUNT}/ca.crt")
+    ec2 = Ec2(region)
 
     def call(method: str, path: str, body: list | None = None) -> dict:
         request = urllib.request.Request(f"{API}/api/v1/{path}", method=method,
@@ -84,19 +213,13 @@ def main(threshold_s: float, selector: str) -> None:
     while True:
         try:
             nodes = call("GET", f"nodes?labelSelector={urllib.parse.quote(selector)}")["items"]
-            by_name = {n["metadata"]["name"]: n for n in nodes}
-            now = datetime.now(timezone.utc)
-            for name in to_mark(nodes, now, threshold_s):
-                call("PATCH", f"nodes/{name}", taint_patch(by_name[name], mark=True))
-                print(f"node {name} silent for {silent_for_s(by_name[name], now):.0f} s: marked {OUT_OF_SERVICE}",
-                      flush=True)
-            for name in to_unmark(nodes):
-                call("PATCH", f"nodes/{name}", taint_patch(by_name[name], mark=False))
-                print(f"node {name} reports Ready again: {OUT_OF_SERVICE} removed", flush=True)
-        except (OSError, ValueError, KeyError) as err:  # the API unreachable, a conflict: the next poll retries
+            poll(nodes, datetime.now(timezone.utc), threshold_s, ec2,
+                 lambda name, body: call("PATCH", f"nodes/{name}", body))
+        # The API unreachable, a conflict, a denied or failed EC2 call: the next poll retries.
+        except (OSError, ValueError, KeyError, ElementTree.ParseError) as err:
             print(f"poll failed, retrying in {POLL_S:g} s: {err}", file=sys.stderr, flush=True)
         time.sleep(POLL_S)
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]), sys.argv[2])
+    main(float(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -1,11 +1,13 @@
-"""The hung-node marker: a small Deployment on the system nodes that marks a GPU node out of service once its
-kubelet has been silent for JobConfig.hung_node_out_of_service_s (k8s/mark_hung_nodes.py says why), so that
-a hung node's pod is replaced in about two minutes, not after EKS auto repair's 30.
+"""The hung-node marker: a small Deployment on the system nodes that fences a GPU node (stops its instance) and
+marks it out of service once its kubelet has been silent for JobConfig.hung_node_out_of_service_s
+(k8s/mark_hung_nodes.py says why), so that a hung node's pod is replaced in minutes, not after EKS auto
+repair's 30.
 
 Its rights are the narrowest that do it: list and patch Node objects (a ClusterRole: nodes are not
 namespaced; RBAC cannot narrow a patch to one field or to labelled nodes, the script patches only the
-out-of-service taint of silent GPU nodes, with a resourceVersion test). No pod access: PodGC, not this
-marker, deletes the pods.
+out-of-service taint of silent GPU nodes, with a resourceVersion test); through its service account's Pod
+Identity role, stop this cluster's GPU instances and read instance states (infra/node_fencing.py). No pod
+access: PodGC, not this marker, deletes the pods.
 """
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from pathlib import Path
 from cdk8s import Chart
 from constructs import Construct
 
-from infra.config import GPU_NODE_LABEL, SYSTEM_NODE_LABEL
+from infra.config import GPU_NODE_LABEL, HUNG_NODE_MARKER_SERVICE_ACCOUNT, SYSTEM_NODE_LABEL
 from k8s.charts.fault_injection import PYTHON_IMAGE
-from k8s.charts.network import DNS, KUBERNETES_API, network_policy
+from k8s.charts.network import AWS_API, DNS, KUBERNETES_API, POD_IDENTITY_AGENT, network_policy
 from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
 from k8s.job_config import JobConfig
 
@@ -37,19 +39,21 @@ class HungNodeChart(Chart):
                                             "app.kubernetes.io/part-of": job.infra.cluster_name})
         assert job.hung_node_out_of_service_s is not None
         ns = job.namespace
-        api_object(self, "service-account", api_version="v1", kind="ServiceAccount", name=name, namespace=ns)
+        # The name infra/node_fencing.py's Pod Identity association names (infra.config).
+        account = HUNG_NODE_MARKER_SERVICE_ACCOUNT
+        api_object(self, "service-account", api_version="v1", kind="ServiceAccount", name=account, namespace=ns)
         api_object(self, "cluster-role", api_version="rbac.authorization.k8s.io/v1", kind="ClusterRole", name=name,
                    body={"rules": RULES})
         api_object(self, "cluster-role-binding", api_version="rbac.authorization.k8s.io/v1",
                    kind="ClusterRoleBinding", name=name, body={
                        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-                       "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]})
+                       "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ns}]})
         container = {
             "name": "mark",
             "image": PYTHON_IMAGE,
             "imagePullPolicy": "Always",
             "command": ["python", "-c", MARK_SCRIPT.read_text(), str(job.hung_node_out_of_service_s),
-                        f"{GPU_NODE_LABEL}=true"],
+                        f"{GPU_NODE_LABEL}=true", job.platform.region],
             "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "128Mi"}},
             "securityContext": {**CONTAINER_SECURITY_CONTEXT, "runAsNonRoot": True, "runAsUser": 65532},
         }
@@ -59,11 +63,12 @@ class HungNodeChart(Chart):
                        "replicas": 1,
                        "selector": {"matchLabels": labels},
                        "template": {"metadata": {"labels": labels}, "spec": {
-                           "serviceAccountName": name,
+                           "serviceAccountName": account,
                            "nodeSelector": {SYSTEM_NODE_LABEL: "true"},  # never on the GPU nodes it watches
                            "securityContext": dict(POD_SECURITY_CONTEXT),
                            "containers": [container],
                        }},
                    }})
-        # It reaches the Kubernetes API and nothing else.
-        network_policy(self, "network-policy", job, name, labels, egress=[KUBERNETES_API, DNS])
+        # It reaches the Kubernetes API, the Pod Identity agent and EC2's API, nothing else.
+        network_policy(self, "network-policy", job, name, labels,
+                       egress=[KUBERNETES_API, DNS, POD_IDENTITY_AGENT, AWS_API])

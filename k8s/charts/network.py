@@ -32,6 +32,19 @@ KUBERNETES_API: dict[str, Any] = {
 }
 
 
+# The EKS Pod Identity agent, which hands a pod its role's credentials, on the node's link-local address
+# (EKS user guide, "Set up the Amazon EKS Pod Identity Agent": 169.254.170.23, port 80).
+POD_IDENTITY_AGENT: dict[str, Any] = {
+    "to": [{"ipBlock": {"cidr": "169.254.170.23/32"}}],
+    "ports": [{"protocol": "TCP", "port": 80}],
+}
+# A regional AWS API endpoint (public addresses, reached through the NAT gateway; no VPC endpoint here).
+AWS_API: dict[str, Any] = {
+    "to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
+    "ports": [{"protocol": "TCP", "port": 443}],
+}
+
+
 def pods(labels: Mapping[str, str]) -> dict[str, Any]:
     """A peer: the pods of this namespace with these labels."""
     return {"podSelector": {"matchLabels": dict(labels)}}

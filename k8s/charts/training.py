@@ -29,6 +29,13 @@ METRICS_PATH = "/metrics"  # the ConfigMaps' app.kubernetes.io/component label: 
 # kubelet's root, on these nodes already the instance-store NVMe RAID0 (nodeadm localStorage RAID0). A
 # hostPath there would outlive the pod, but nothing reads it back, and hostPath is what PSA baseline forbids.
 SCRATCH_MOUNT_PATH = "/scratch"
+# nvidia-container-toolkit 1.20.0, on AL2023 NVIDIA AMIs from v20260818, added a CDI hook that creates
+# /etc/nvidia/nvidia-application-profiles-rc.d in every GPU container at create time and aborts the container
+# when that fails on a read-only file system (awslabs/amazon-eks-ami issue 2790; NVIDIA/nvidia-container-toolkit
+# issue 2026, fixed by PR 2028, in no AMI release we could name). OCI createContainer hooks run after the
+# container's mounts are in place (OCI runtime spec, "createContainer Hooks"), so a writable emptyDir here
+# lets the hook succeed under the read-only root on any AMI, with or without the fix.
+NVIDIA_CONFIG_DIR = "/etc/nvidia"
 FSX_OWNER_CONTAINER = "fsx-owner"
 # The Prometheus server's pods (infra/metrics_collection.py, the prometheus chart's labels): the only scrapers.
 PROMETHEUS_SERVER = {"app.kubernetes.io/name": "prometheus"}
@@ -48,16 +55,16 @@ IMAGE_CHECKOV_SKIPS = {
                   "IfNotPresent lets a replacement pod start without ECR",
     "CKV_K8S_43": "the ImageUri output tags the CDK asset by its content hash; its digest is not known when rendering",
 }
-JOB_CHECKOV_SKIPS = {
-    **IMAGE_CHECKOV_SKIPS,
-    **dict.fromkeys(("CKV_K8S_23", "CKV_K8S_25"),
-                    "the fsx-owner init container alone runs as root with CHOWN and FOWNER: it gives the Job's "
-                    "directory on FSx to the training user (Lustre has no uid mount option, the CSI driver no fsGroup)"),
-}
+FSX_OWNER_CHECKOV_SKIPS = dict.fromkeys(
+    ("CKV_K8S_23", "CKV_K8S_25"),
+    "the fsx-owner init container alone runs as root with CHOWN and FOWNER: it gives the Job's "
+    "directory on FSx to the training user (Lustre has no uid mount option, the CSI driver no fsGroup)")
+JOB_CHECKOV_SKIPS = {**IMAGE_CHECKOV_SKIPS, **FSX_OWNER_CHECKOV_SKIPS}
 STORE_CHECKOV_SKIPS = {
     "CKV_K8S_11": "a CPU limit would only throttle the store during a rendezvous round, "
                   "while every launcher waits on it",
     **IMAGE_CHECKOV_SKIPS,
+    **FSX_OWNER_CHECKOV_SKIPS,
 }
 
 
@@ -209,6 +216,7 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": SCRATCH_MOUNT_PATH},
         {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "nvidia-config", "mountPath": NVIDIA_CONFIG_DIR},
     ]
     config_files = _config_files(job)
     mounts += [{"name": f.volume, "mountPath": str(PurePosixPath(f.path).parent), "readOnly": True}
@@ -219,6 +227,7 @@ def _pod_spec(job: JobConfig) -> dict:
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{job.shm_gib}Gi"}},
         {"name": "scratch", "emptyDir": {"sizeLimit": "100Gi"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "10Gi"}},
+        {"name": "nvidia-config", "emptyDir": {"sizeLimit": "16Mi"}},
     ]
     volumes += [{"name": f.volume, "configMap": {"name": f.config_map}} for f in config_files]
     resources = gpu_pod_resources(job)
@@ -318,6 +327,13 @@ def _store_pod_spec(job: JobConfig) -> dict:
     fail and their pods are retried (counted against backoffLimitPerIndex). Hence the stable
     on-demand system nodes, never a GPU node (no GPU toleration), and a short stay on a lost node,
     like the training pods'.
+
+    The store mounts the Job's directory read-only by subPath; on a read-only volume the kubelet cannot
+    create a missing subPath ("failed to create subPath directory … read-only file system",
+    kubernetes/kubernetes PR 65241) and the pod waits in CreateContainerConfigError. On a fresh run the
+    store may start before any trainer's init container made the directory, so it runs the same fsx-owner
+    init container (init containers finish before the kubelet prepares the store's mounts); the volume is
+    writable for that container only, the store's own mount is read-only.
     """
     train_config = _config_files(job)[0]
     return {
@@ -325,11 +341,12 @@ def _store_pod_spec(job: JobConfig) -> dict:
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
         "tolerations": _node_failure_tolerations(job),
         "securityContext": dict(TRAINING_POD_SECURITY_CONTEXT),
+        "initContainers": [_fsx_owner_container(job)],
         "containers": [_store_container(job, train_config)],
         # Python's tempfile module probes for a writable directory (torch's import uses it): the root
         # filesystem is read-only.
         "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-                    {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name, "readOnly": True}},
+                    {"name": "fsx", "persistentVolumeClaim": {"claimName": job.infra.pvc_name}},
                     {"name": train_config.volume, "configMap": {"name": train_config.config_map}}],
     }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from infra.cluster import ADDON_NAMESPACE, ADDONS, SYSTEM_ROOT_VOLUME_GIB
-from infra.config import GPU_TAINT_KEY, KUBERNETES_VERSIONS, SYSTEM_NODE_LABEL
+from infra.config import GPU_TAINT_KEY, HUNG_NODE_MARKER_SERVICE_ACCOUNT, KUBERNETES_VERSIONS, SYSTEM_NODE_LABEL
 
 
 def test_cluster_version_name_and_node_group_capacity_without_auto_mode(full):
@@ -120,7 +120,8 @@ def _pod_identity_associations(synth) -> list[dict]:
 def test_every_pod_identity_role_trusts_exactly_the_service_account_its_association_names(variant):
     """Pod Identity tags the session with the pod's cluster, namespace and service account (EKS user guide,
     "Create IAM role with trust policy required by EKS Pod Identity"): each role's trust names those of the
-    association that uses it, and the account. A role whose conditions drifted from its association would
+    association that uses it, and no key that page does not name (a condition on a key absent from the request
+    denies it). A role whose conditions drifted from its association would
     deny that pod its credentials (for aws-node: no node ever Ready); an unscoped one would serve any pod."""
     [cluster_id] = variant.resources("Cluster", "AWS::EKS::Cluster")
     associations = _pod_identity_associations(variant)
@@ -138,7 +139,6 @@ def test_every_pod_identity_role_trusts_exactly_the_service_account_its_associat
                 [using] = [a for a in associations if a["RoleArn"] == {"Fn::GetAtt": [logical_id, "Arn"]}]
                 assert using["ClusterName"] == {"Ref": cluster_id}
                 assert statement["Condition"] == {"StringEquals": {
-                    "aws:SourceAccount": {"Ref": "AWS::AccountId"},
                     "aws:RequestTag/eks-cluster-arn": {"Fn::GetAtt": [cluster_id, "Arn"]},
                     "aws:RequestTag/kubernetes-namespace": using["Namespace"],
                     "aws:RequestTag/kubernetes-service-account": using["ServiceAccount"],
@@ -177,7 +177,7 @@ def test_eks_addons_are_pinned_per_kubernetes_version(full, kubernetes_133):
     )
     assert all(a["AddonVersion"].startswith("v") and "-eksbuild." in a["AddonVersion"] for a in addons.values())
     # kube-proxy follows the control plane's minor version.
-    assert addons["kube-proxy"]["AddonVersion"].startswith("v1.34.")
+    assert addons["kube-proxy"]["AddonVersion"].startswith(f"v{full.config.kubernetes_version}.")
     older = _addons(kubernetes_133)
     assert older["kube-proxy"]["AddonVersion"].startswith("v1.33.")
     assert {name: a["AddonVersion"] for name, a in older.items()} == {s.name: s.versions["1.33"].version for s in ADDONS}
@@ -209,7 +209,9 @@ def test_fsx_csi_driver_gets_no_aws_permissions(full):
     fsx = _addons(full)["aws-fsx-csi-driver"]
     assert "PodIdentityAssociations" not in fsx and "ServiceAccountRoleArn" not in fsx
     assert "AmazonFSx" not in json.dumps(full.templates["Cluster"])
-    assert not [r for r in full.resources("Cluster", "AWS::EKS::PodIdentityAssociation")]
+    # The one standalone association is the hung-node marker's (infra/node_fencing.py), in the training namespace.
+    assert [r["Properties"]["ServiceAccount"] for r in full.resources("Cluster", "AWS::EKS::PodIdentityAssociation")
+            .values()] == [HUNG_NODE_MARKER_SERVICE_ACCOUNT]
 
 
 def test_open_api_endpoint_and_missing_admin_role_warn_at_synth(defaults, with_account):

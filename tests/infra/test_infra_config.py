@@ -60,7 +60,7 @@ from infra.config import KUBERNETES_VERSIONS, ConfigError, PlatformConfig
         pytest.param({"capacityReservationId": "cr-0123456789abcdef0"}, ["capacityReservationId", "only with"], id="reservation-id-on-demand"),
         pytest.param({"capacityType": "spot"}, ["capacityType", "spot", "on-demand"], id="capacity-type"),
         pytest.param({"gpuAvailabilityZone": "us-east-1c"}, ["gpuAvailabilityZone", "us-east-1c"], id="gpu-zone-not-listed"),
-        pytest.param({"kubernetesVersion": "1.29"}, ["kubernetesVersion", "1.29", "1.34"], id="kubernetes-version"),
+        pytest.param({"kubernetesVersion": "1.29"}, ["kubernetesVersion", "1.29", "1.36"], id="kubernetes-version"),
         pytest.param({"gpuNodesMax": "four"}, ["gpuNodesMax", "four", "whole number"], id="not-a-number"),
         pytest.param({"imageUri": "train:latest"}, ["imageUri", "train:latest"], id="image-uri-not-a-registry-path"),
         pytest.param({"placementGroupName": "odcr-pg"}, ["placementGroupName", "odcr-pg", "capacity-reservation"],
@@ -157,7 +157,16 @@ def test_cdk_json_runs_app_py_with_the_project_venv(repo_root):
 
 
 def test_every_allowed_kubernetes_version_has_a_kubectl_layer():
-    """kubectl v34 (the installed layer) supports 1.33-1.35 control planes; 1.32 is out of skew."""
+    """kubectl v34 serves 1.33-1.35 control planes, kubectl v36 1.35-1.37; 1.32 is out of both."""
     assert set(KUBECTL_LAYERS) == set(KUBERNETES_VERSIONS)
-    with pytest.raises(ConfigError, match=re.escape("kubernetesVersion='1.32' is not allowed") + ".*1.33.*1.34"):
+    with pytest.raises(ConfigError, match=re.escape("kubernetesVersion='1.32' is not allowed") + ".*1.33.*1.36"):
         PlatformConfig(kubernetes_version="1.32")
+
+
+def test_the_default_kubernetes_version_is_in_eks_standard_support_and_older_ones_stay_selectable():
+    """EKS release calendar: 1.34 left standard support on 2026-12-02 (1.33 on 2026-07-29); a new cluster on
+    either pays extended support from its first hour."""
+    assert PlatformConfig().kubernetes_version == "1.36"
+    assert PlatformConfig.from_context({"kubernetesVersion": "1.34"}).kubernetes_version == "1.34"
+    with pytest.raises(ConfigError, match="1.33 and 1.34 are in EKS extended support"):
+        PlatformConfig.from_context({"kubernetesVersion": "1.31"})

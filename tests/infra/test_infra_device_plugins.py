@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from infra.account_checks import charts_for
 from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY
 
 GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
@@ -58,3 +59,11 @@ def test_efa_plugin_admits_the_configured_instance_type(full):
 
 def test_no_efa_plugin_for_an_instance_without_efa(g6):
     assert sorted(_charts(g6)) == ["nvidia-device-plugin"]
+
+
+@pytest.mark.parametrize("synthesized", ["full", "g6"])
+def test_the_preflight_checks_every_chart_the_stacks_install_at_its_pinned_version(synthesized, request):
+    """A chart the preflight does not check (or checks at another version) could still roll the stack back."""
+    synth = request.getfixturevalue(synthesized)
+    installed = {(c["Chart"], c["Repository"], c["Version"]) for c in _all_charts(synth).values()}
+    assert installed == {(c.chart, c.repository, c.version) for c in charts_for(synth.config)}

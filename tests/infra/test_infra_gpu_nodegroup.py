@@ -148,10 +148,11 @@ def test_updates_replace_one_node_at_a_time_and_reserved_capacity_terminates_fir
 def test_auto_repair_takes_no_action_on_xids_an_application_can_cause(full):
     repair = _gpu_nodegroup(full)["NodeRepairConfig"]
     assert repair["Enabled"] is True
+    # 13 and 31 are well-known with a default Reboot (EKS user guide, node health, "NVIDIA XID error codes").
     assert repair["NodeRepairConfigOverrides"] == [{
-        "NodeMonitoringCondition": "AcceleratedHardwareReady", "NodeUnhealthyReason": "NvidiaXID109Error",
+        "NodeMonitoringCondition": "AcceleratedHardwareReady", "NodeUnhealthyReason": f"NvidiaXID{xid}Error",
         "MinRepairWaitTimeMins": 10, "RepairAction": "NoAction",
-    }]
+    } for xid in (13, 31, 109)]
 
 
 def test_capacity_options(full, variant):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
+from infra.chart_pins import PROMETHEUS
 from infra.config import SYSTEM_NODE_LABEL
-from infra.metrics_collection import MONITORING_NAMESPACE, PROMETHEUS
+from infra.metrics_collection import MONITORING_NAMESPACE
 
 
 def _prometheus_charts(synth) -> list[dict]:

@@ -178,3 +178,17 @@ def test_s3_dataset_import_is_an_auto_import_association_when_configured(g6, def
     assert props["BatchImportMetaDataOnCreate"] is True
     assert props["S3"] == {"AutoImportPolicy": {"Events": ["NEW", "CHANGED", "DELETED"]}}
     assert not defaults.resources("Storage", "AWS::FSx::DataRepositoryAssociation")  # off by default
+
+
+def test_the_file_system_waits_for_every_lustre_rule_of_its_group(full):
+    """FSx refuses to create a file system whose group does not yet admit Lustre (InvalidNetworkSettings):
+    every ingress rule of that group must exist first."""
+    [(_, resource)] = full.resources("Storage", "AWS::FSx::FileSystem").items()
+    group = resource["Properties"]["SecurityGroupIds"][0]["Fn::GetAtt"][0]
+    group_id = {"Fn::GetAtt": [group, "GroupId"]}
+    rules = {k: v["Properties"] for k, v in full.resources("Storage", "AWS::EC2::SecurityGroupIngress").items()
+             if v["Properties"]["GroupId"] == group_id}
+    # The servers' rule to each other and the clients' rule on each Lustre port range.
+    assert sum(rule["SourceSecurityGroupId"] == group_id for rule in rules.values()) == 1
+    assert len(rules) == 1 + len(LUSTRE_PORT_RANGES)
+    assert set(rules) <= set(resource.get("DependsOn", []))

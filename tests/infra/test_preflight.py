@@ -10,9 +10,12 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
+import yaml
+
 from infra import preflight
-from infra.account_checks import AwsClients
+from infra.account_checks import AwsClients, charts_for
 from infra.addon_pins import ADDON_PINS
+from infra.chart_pins import EFA_DEVICE_PLUGIN, NVIDIA_DEVICE_PLUGIN, ChartSpec
 from infra.config import PlatformConfig
 
 ACCOUNT = "123456789012"
@@ -26,8 +29,16 @@ def _config(**context: Any) -> PlatformConfig:
     return PlatformConfig.from_context({**BASE, **context})
 
 
+def _chart_index(spec: ChartSpec, *versions: str) -> bytes:
+    """A Helm repository's index.yaml listing `versions` of `spec`'s chart beside another chart."""
+    return yaml.safe_dump({"apiVersion": "v1", "entries": {
+        spec.chart: [{"name": spec.chart, "version": v} for v in versions],
+        "other-chart": [{"name": "other-chart", "version": spec.version}]}}).encode()
+
+
 class StubbedAws:
-    """AwsClients whose clients answer from queued responses; any call not queued fails the test."""
+    """AwsClients whose clients answer from queued responses, and whose HTTPS GET serves queued chart
+    indexes; any call or URL not queued fails the test."""
 
     SERVICES = ("sts", "ec2", "service-quotas", "eks", "iam", "fsx", "ecr")
 
@@ -35,13 +46,26 @@ class StubbedAws:
         session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
         self.clients = {name: session.client(name, region_name="us-east-1") for name in self.SERVICES}
         self.stubs = {name: Stubber(client) for name, client in self.clients.items()}
+        self.pages: dict[str, bytes | OSError] = {}  # URL -> body, or the error the GET raises
+        self.fetched: list[str] = []
         c = self.clients
         self.aws = AwsClients(sts=c["sts"], ec2=c["ec2"], service_quotas=c["service-quotas"], eks=c["eks"],
-                              iam=c["iam"], fsx=c["fsx"], ecr=lambda region: c["ecr"])
+                              iam=c["iam"], fsx=c["fsx"], ecr=lambda region: c["ecr"], http_get=self._get)
+
+    def _get(self, url: str) -> bytes:
+        self.fetched.append(url)
+        page = self.pages[url]
+        if isinstance(page, OSError):
+            raise page
+        return page
 
     def queue(self, config: PlatformConfig, **overrides: Any) -> None:
         """The answers of an account where every check passes, in call order, but those in `overrides`:
-        key "service.method" (or "addon:NAME"), value a response dict or ("ErrorCode", "message")."""
+        key "service.method" (or "addon:NAME"), value a response dict or ("ErrorCode", "message"); or key
+        "chart:RELEASE", value the index's bytes or the OSError its GET raises."""
+        for spec in charts_for(config):
+            self.pages[spec.index_url] = overrides.get(f"chart:{spec.release}",
+                                                       _chart_index(spec, "9.9.9", spec.version))
         for key, service, method, response, params in _passing_calls(config):
             answer = overrides.get(key, response)
             if isinstance(answer, tuple):
@@ -61,6 +85,7 @@ class StubbedAws:
         if exc[0] is None:
             for stub in self.stubs.values():
                 stub.assert_no_pending_responses()
+            assert sorted(self.fetched) == sorted(self.pages)
 
 
 def _instance_types(vcpus: int = 192, cards: int = 32, efa: bool = True, efa_interfaces: int = 32) -> dict:
@@ -134,10 +159,11 @@ def test_an_account_ready_for_the_default_config_passes_every_check_one_line_eac
     names = [line.split(":")[0] for line in lines[:-1]]
     assert names == ["PASS credentials", "PASS GPU instance offering", "PASS GPU instance type facts",
                      "PASS on-demand vCPU quota", *(f"PASS add-on {name}" for name in ADDON_PINS),
+                     "PASS chart nvidia-device-plugin", "PASS chart aws-efa-k8s-device-plugin",
                      "PASS admin role", "PASS training image", "PASS FSx for Lustre"]
     assert "Running On-Demand P instances: 1152 vCPUs cover 3 x p5.48xlarge (2 nodes + 1 spares) = 576" in lines[3]
     assert "unverified: no read-only call says PERSISTENT_2 is offered in us-east-1a" in lines[-2]
-    assert lines[-1].startswith("preflight: all 13 checks passed")
+    assert lines[-1].startswith("preflight: all 15 checks passed")
 
 
 def test_an_instance_type_not_offered_in_the_gpu_zone_fails_naming_the_zones_that_offer_it():
@@ -146,7 +172,7 @@ def test_an_instance_type_not_offered_in_the_gpu_zone_fails_naming_the_zones_tha
     assert _failures(lines) == ["FAIL GPU instance offering: p5.48xlarge is not offered in us-east-1b; us-east-1 "
                                 "offers it in us-east-1a, us-east-1d -- fix: -c gpuAvailabilityZone=us-east-1a (and "
                                 "list it in availabilityZones)"]
-    assert lines[-1].startswith("preflight: 1 of 13 checks failed (GPU instance offering)")
+    assert lines[-1].startswith("preflight: 1 of 15 checks failed (GPU instance offering)")
 
 
 def test_a_region_without_the_instance_type_fails():
@@ -253,6 +279,29 @@ def test_an_addon_pin_not_offered_for_the_kubernetes_version_fails_listing_what_
     assert _failures(lines) == [f"FAIL add-on aws-fsx-csi-driver: {pin} is not offered for Kubernetes 1.33 in us-east-1 "
                                 "(offered: v1.8.0-eksbuild.1, v1.7.1-eksbuild.2) -- fix: pin an offered version for "
                                 "aws-fsx-csi-driver in infra/addon_pins.py"]
+
+
+def test_a_chart_version_its_repository_does_not_list_fails_naming_what_it_lists():
+    _, lines = _run(_config(), **{"chart:aws-efa-k8s-device-plugin": _chart_index(
+        EFA_DEVICE_PLUGIN, "v0.5.31", "v0.5.29")})
+    assert _failures(lines) == [
+        f"FAIL chart aws-efa-k8s-device-plugin: aws-efa-k8s-device-plugin {EFA_DEVICE_PLUGIN.version} is not listed in "
+        "https://aws.github.io/eks-charts/index.yaml (listed first: v0.5.31, v0.5.29) -- fix: pin a listed version "
+        "of aws-efa-k8s-device-plugin in infra/chart_pins.py"]
+
+
+def test_an_unreachable_chart_repository_fails_its_check_only():
+    _, lines = _run(_config(), **{"chart:nvidia-device-plugin": OSError("Name or service not known")})
+    assert _failures(lines) == [
+        "FAIL chart nvidia-device-plugin: https://nvidia.github.io/k8s-device-plugin/index.yaml could not be read "
+        "(OSError: Name or service not known) -- fix: check network access to "
+        "https://nvidia.github.io/k8s-device-plugin and retry"]
+
+
+def test_the_charts_checked_follow_the_config():
+    assert charts_for(_config()) == [NVIDIA_DEVICE_PLUGIN, EFA_DEVICE_PLUGIN]  # p5: EFA
+    assert [c.release for c in charts_for(_config(gpuInstanceType="g6.xlarge", prometheusServer=True))] == [
+        "nvidia-device-plugin", "prometheus"]
 
 
 def test_a_missing_or_unset_admin_role_fails():

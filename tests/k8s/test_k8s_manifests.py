@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from infra.config import (CHECKPOINT_MOUNT_PATH, GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, PVC_NAME,
-                          RENDEZVOUS_PORT, SERVICE_ACCOUNT, SYSTEM_NODE_LABEL)
+                          RENDEZVOUS_PORT, SERVICE_ACCOUNT, SYSTEM_NODE_LABEL, PlatformConfig)
 from infra.instances import INSTANCE_TYPES
 from k8s.job_config import LAUNCHER_EXIT_MARGIN_S
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
@@ -19,7 +19,7 @@ from training.contract.job_rules import JOB_RULES, Decision, FailReason, Outcome
 
 from k8s_render import IMAGE, fitting, render_into
 
-K8S_VERSION = "1.34.0"
+K8S_VERSION = f"{PlatformConfig().kubernetes_version}.0"  # the schemas of the default cluster
 
 
 @pytest.mark.parametrize("instance_type", sorted(INSTANCE_TYPES))
@@ -142,7 +142,8 @@ def test_rendezvous_store_is_one_nvrx_control_on_the_system_nodes(render):
     assert mounts[run_dir]["readOnly"] and mounts[run_dir]["subPath"] == "runs/fsdp-train"
     assert mounts["/etc/training"]["readOnly"] and CHECKPOINT_MOUNT_PATH not in mounts
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts[run_dir]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    # writable for the fsx-owner init container only (tests/k8s/test_k8s_security.py)
+    assert volumes[mounts[run_dir]["name"]]["persistentVolumeClaim"] == {"claimName": PVC_NAME}
     config = r.config_map_object("fsdp-train-config")["metadata"]["name"]
     assert volumes[mounts["/etc/training"]["name"]]["configMap"]["name"] == config
     assert "--rdzv-id=fsdp-train" in container["command"] and "--rdzv-id=fsdp-train" in r.container["args"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL
+from infra.config import GPU_NODE_LABEL, GPU_TAINT_KEY, NAMESPACE, SYSTEM_NODE_LABEL, PlatformConfig
 from infra.instances import instance_facts
 from k8s import nccl_check
 from k8s.charts.preflight import COLLECTIVE_TIMEOUT_S, NODE_NAME_FILE, SSHD_CAPABILITIES
 
 from k8s_render import IMAGE
 
-K8S_VERSION = "1.34.0"
+K8S_VERSION = f"{PlatformConfig().kubernetes_version}.0"  # the schemas of the default cluster
 
 
 @pytest.fixture

@@ -208,15 +208,18 @@ def test_the_namespace_enforces_baseline_and_warns_restricted():
                             "pod-security.kubernetes.io/audit": "restricted"}
 
 
-def test_every_pod_meets_baseline_and_all_but_two_root_processes_meet_restricted(cluster):
+def test_every_pod_meets_baseline_and_all_but_the_preflight_and_fsx_owner_meet_restricted(cluster):
     _, _, objects = cluster
     pods = {name: template["spec"] for name, template in _pod_specs(objects).items()}
     assert {name: baseline_violations(pod) for name, pod in pods.items() if baseline_violations(pod)} == {}
     restricted = {name: restricted_violations(pod) for name, pod in pods.items()}
-    # The preflight (sshd, mpirun as root) and the trainer's fsx-owner init container: README, Security model.
-    assert restricted["fsdp-train"] == ["fsx-owner may run as root", "fsx-owner capabilities"]
+    # The preflight (sshd, mpirun as root) and the fsx-owner init container of the trainer and the store:
+    # README, Security model.
+    fsx_owner = ["fsx-owner may run as root", "fsx-owner capabilities"]
+    assert restricted["fsdp-train"] == restricted["fsdp-train-rendezvous"] == fsx_owner
     assert restricted["fsdp-train-nccl-preflight-launcher"] and restricted["fsdp-train-nccl-preflight-worker"]
-    assert all(not found for name, found in restricted.items() if "preflight" not in name and name != "fsdp-train")
+    assert all(not found for name, found in restricted.items()
+               if "preflight" not in name and name not in ("fsdp-train", "fsdp-train-rendezvous"))
 
 
 def test_the_image_pods_run_as_the_images_user_with_a_read_only_root(cluster):
@@ -228,6 +231,26 @@ def test_the_image_pods_run_as_the_images_user_with_a_read_only_root(cluster):
         pod = _pod_specs(objects)[name]["spec"]
         assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsNonRoot"]) == (TRAINING_UID, True)
         assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in pod["containers"])
+
+
+def test_every_gpu_container_with_a_read_only_root_has_a_writable_etc_nvidia(cluster):
+    """nvidia-container-toolkit 1.20.0 (AL2023 NVIDIA AMIs from v20260818) creates a directory under /etc/nvidia
+    in each GPU container at create time and aborts the container on a read-only file system (amazon-eks-ami
+    issue 2790): every such container gets a writable emptyDir there."""
+    _, _, objects = cluster
+    checked = []
+    for name, template in _pod_specs(objects).items():
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            if "nvidia.com/gpu" not in c["resources"].get("limits", {}):
+                continue
+            if not c.get("securityContext", {}).get("readOnlyRootFilesystem"):
+                continue
+            [mount] = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/nvidia"]
+            assert not mount.get("readOnly") and "emptyDir" in volumes[mount["name"]], (name, c["name"])
+            checked.append(name)
+    assert "fsdp-train" in checked
 
 
 # ---- the Job's view of FSx ------------------------------------------------------------------------
@@ -242,6 +265,21 @@ def test_each_pod_mounts_only_its_jobs_directory_and_the_init_gives_it_to_the_tr
     assert init["command"][-1] == (f"mkdir -p /fsx/teams/a/run-1 && chown {TRAINING_UID}:{TRAINING_UID} "
                                    "/fsx/teams/a/run-1 && chmod 0700 /fsx/teams/a/run-1")
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+
+
+def test_the_store_creates_the_jobs_directory_it_mounts_read_only_before_it_starts(render):
+    """On a fresh run the store may start before any trainer: the kubelet cannot create a missing subPath
+    on a read-only volume, so the store pod's own init container makes it, writable there only."""
+    r = render("--set", "run_dir=/fsx/teams/a/run-1")
+    pod = r.store["spec"]["template"]["spec"]
+    (store,) = pod["containers"]
+    assert [m for m in store["volumeMounts"] if m["name"] == "fsx"] == [
+        {"name": "fsx", "mountPath": "/fsx/teams/a/run-1", "subPath": "teams/a/run-1", "readOnly": True}]
+    assert pod["initContainers"] == r.pod["initContainers"]  # the trainer's fsx-owner: mkdir, chown, chmod
+    (init,) = pod["initContainers"]
+    assert init["volumeMounts"] == [{"name": "fsx", "mountPath": "/fsx"}]
+    (fsx,) = [v for v in pod["volumes"] if v["name"] == "fsx"]
+    assert fsx["persistentVolumeClaim"].get("readOnly", False) is False
 
 
 @pytest.mark.parametrize("overrides, key", [
