@@ -88,6 +88,42 @@ BASE_IMAGES = {facts.tag: facts for facts in (
     ),
 )}
 
+@dataclass(frozen=True)
+class BasePythonPackages:
+    """The Python distributions a base tag holds that requirements-image.txt leaves to it (a locked package
+    needs them, the lock does not name them), with the interpreter's full version for environment markers.
+    `infra.image_lock` installs exactly these, as metadata stubs, when it resolves the lock."""
+
+    tag: str
+    python_full_version: str
+    packages: dict[str, str]  # distribution name -> the version the base holds
+    source: str
+
+
+BASE_PYTHON_PACKAGES = {facts.tag: facts for facts in (
+    BasePythonPackages(
+        tag="25.10",
+        python_full_version="3.12.3",
+        # torch and numpy are NGC's own builds (NGC's compiled extensions link them) and must stay; filelock
+        # and fsspec come with torch. typing-extensions (4.15.0 here) and setuptools are locked instead: the
+        # lock needs typing-extensions>=4.16.0 (anyio, pydantic, pydantic-core) and setuptools>=77.0.1
+        # (grpcio-tools), which no source shows this base to hold.
+        packages={
+            "torch": "2.9.0a0+145a3a7bda.nv25.10",
+            "numpy": "1.26.4",
+            "filelock": "3.20.0",
+            "fsspec": "2025.9.0",
+        },
+        source=(
+            "NVIDIA PyTorch Release Notes, 25.10: 'based on 2.9.0a0+145a3a7'; the full torch version as "
+            "ai-dynamo/dynamo's container Dockerfile copies it out of NGC PyTorch 25.10 (TORCH_VER); numpy, "
+            "filelock, fsspec and typing_extensions 4.15.0 from a pip freeze of an environment on that torch build "
+            "(rafaujo/weak-lensing-mass-mapping provenance/python_environment_original.txt: Python 3.12.3). "
+            "unverified: the container's own package list (its /etc/pip/constraint.txt); the image build settles it"
+        ),
+    ),
+)}
+
 AWS_OFI_NCCL_FLOORS = (
     PluginFloor(
         minimum=(1, 17, 0),

@@ -40,8 +40,16 @@ COLLECTIVE_TIMEOUT_S = 600
 # names hosts by pod hostname, the check names the node to cordon too. On the shm emptyDir: writable, and
 # a process that mpirun starts over SSH does not inherit the container's environment.
 NODE_NAME_FILE = "/dev/shm/node-name"
-# What sshd needs to accept the launcher's connections (privilege separation): all within PSA baseline.
-SSHD_CAPABILITIES = ["SETUID", "SETGID", "SYS_CHROOT", "CHOWN", "AUDIT_WRITE", "KILL"]
+# What sshd needs to accept the launcher's connections (privilege separation) and to bind port 22 with
+# every other capability dropped (NET_BIND_SERVICE: the MPI Operator's base image grants sshd the same, its
+# build/base/Dockerfile `setcap CAP_NET_BIND_SERVICE=+eip /usr/sbin/sshd`). All are in the Pod Security
+# Standards' baseline list of capabilities that may be added.
+SSHD_CAPABILITIES = ["SETUID", "SETGID", "SYS_CHROOT", "CHOWN", "AUDIT_WRITE", "KILL", "NET_BIND_SERVICE"]
+SSH_PORT = 22
+# The launcher's runs that fail before any verdict: a worker's name not yet in DNS, sshd refusing an early
+# connection. Retried with the Job controller's backoff (10 s, 20 s, 40 s...); a failing verdict fails again
+# the same way each time, and every attempt's pod stays for `kubectl logs`.
+LAUNCHER_BACKOFF_LIMIT = 3
 # mpirun and sshd run as root here (the MPI Operator's keys, sshd's privilege separation) and sshd writes
 # its pid and host state on the root filesystem: the preflight is why the namespace enforces PSA baseline,
 # not restricted. It runs briefly, before the training, with no FSx and no service account token.
@@ -60,8 +68,10 @@ def _mpirun(job: JobConfig) -> list[str]:
     return [
         "mpirun", "--allow-run-as-root", "--tag-output", "-np", str(job.pods * gpus), "-N", str(gpus),
         "--bind-to", "none", "-x", "PATH", "-x", "LD_LIBRARY_PATH", *exports,
-        # Open MPI's own traffic (launch, bootstrap) over TCP on the pod network; NCCL's over EFA.
-        "--mca", "pml", "^ucx", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_exclude", "lo,docker0",
+        # Open MPI's own traffic (launch, bootstrap) over TCP on the pod network; NCCL's over EFA. pml ^cm,ucx
+        # as the EKS EFA examples pass it (aws-samples/aws-efa-eks nccl-efa-tests.yaml excludes cm): cm would
+        # carry MPI's messages over libfabric's EFA provider beside NCCL, and UCX has no EFA transport.
+        "--mca", "pml", "^cm,ucx", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_exclude", "lo,docker0",
         f"{NCCL_TESTS_BUILD}/{nccl_check.PLACEHOLDER}_perf", *PERF_ARGS,
     ]
 
@@ -82,7 +92,7 @@ def _launcher(job: JobConfig, config_map: str) -> dict:
     check = ["python3", script, "--instance-type", facts.name, *floors, "--nodes", str(job.pods),
              "--timeout-s", str(COLLECTIVE_TIMEOUT_S), "--node-names", _node_names(job), "--"]
     return {"replicas": 1, "template": {"metadata": {"labels": _pod_labels(job)}, "spec": {
-        "restartPolicy": "Never",  # a failed preflight is a verdict, not something to retry
+        "restartPolicy": "Never",  # each attempt (LAUNCHER_BACKOFF_LIMIT) is a pod of its own, its log kept
         "nodeSelector": {SYSTEM_NODE_LABEL: "true"},  # no GPU needed: mpirun only starts the ranks
         "securityContext": dict(PREFLIGHT_POD_SECURITY_CONTEXT),
         "containers": [{
@@ -111,6 +121,8 @@ def _worker(job: JobConfig) -> dict:
             "resources": {"requests": resources, "limits": resources},
             "securityContext": security,
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+            # Ready once sshd listens: the operator creates the launcher only then (WaitForWorkersReady).
+            "readinessProbe": {"tcpSocket": {"port": SSH_PORT}, "periodSeconds": 2, "failureThreshold": 1},
         }],
         # NCCL's intra-node buffers; the container default is 64 MiB.
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{job.shm_gib}Gi"}}],
@@ -131,8 +143,12 @@ class PreflightChart(Chart):
         api_object(self, "mpijob", api_version="kubeflow.org/v2beta1", kind="MPIJob", name=name, namespace=ns,
                    body={"spec": {
                        "slotsPerWorker": job.instance.gpus,
+                       # The operator's default, AtStartup, starts the launcher at once: on fresh nodes still
+                       # pulling the image its SSH attempts run out first. WaitForWorkersReady is in
+                       # kubeflow.org/v2beta1 since MPI Operator v0.5.0 (PR 484; the README installs v0.6.0).
+                       "launcherCreationPolicy": "WaitForWorkersReady",
                        # The launcher's exit is the verdict; finished pods stay a day for `kubectl logs`.
-                       "runPolicy": {"backoffLimit": 0, "cleanPodPolicy": "Running",
+                       "runPolicy": {"backoffLimit": LAUNCHER_BACKOFF_LIMIT, "cleanPodPolicy": "Running",
                                      "ttlSecondsAfterFinished": job.ttl_seconds_after_finished},
                        "mpiReplicaSpecs": {"Launcher": _launcher(job, config_map), "Worker": _worker(job)},
                    }})

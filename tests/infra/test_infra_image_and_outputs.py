@@ -194,3 +194,39 @@ def test_image_lets_its_locked_versions_past_the_base_pip_constraints(repo_root,
                           capture_output=True, text=True, check=True).stdout.splitlines()
     assert kept == ["# pinned when the base was built", "torch==2.9.0a0+nv25.10", "numpy==1.26.4"]
     assert {"pyyaml", "nvidia-ml-py", "packaging", "protobuf", "anyio", "pillow"} <= set(locked)
+
+
+# The lines of Ubuntu 24.04's stock files (openssh 9.6) that the image's SSH edit acts on.
+STOCK_SSH_CONFIG = ("Include /etc/ssh/ssh_config.d/*.conf\n\nHost *\n#   CheckHostIP no\n"
+                    "#   StrictHostKeyChecking ask\n    SendEnv LANG LC_*\n    HashKnownHosts yes\n")
+STOCK_SSHD_CONFIG = ("Include /etc/ssh/sshd_config.d/*.conf\n#LoginGraceTime 2m\n"
+                     "#PermitRootLogin prohibit-password\n#StrictModes yes\n#MaxAuthTries 6\n")
+
+
+def test_image_ssh_trusts_the_mpi_operators_read_only_keys(repo_root, tmp_path):
+    """The MPI Operator mounts ~/.ssh from a read-only Secret and each run's workers have new host keys: ssh
+    must not ask about or record host keys, sshd must not refuse the mounted files' modes. The Dockerfile's
+    own edit, run on the stock files."""
+    lines = _instructions((repo_root / "training" / "Dockerfile").read_text())
+    [edit] = [line for line in lines if "/etc/ssh/ssh_config" in line]
+    (tmp_path / "ssh_config").write_text(STOCK_SSH_CONFIG)
+    (tmp_path / "sshd_config").write_text(STOCK_SSHD_CONFIG)
+    script = edit.removeprefix("RUN ").replace("/etc/ssh/", f"{tmp_path}/")
+    subprocess.run(["sh", "-c", script], check=True)
+    ssh = (tmp_path / "ssh_config").read_text().splitlines()
+    host_block = ssh[ssh.index("Host *"):]
+    assert "    StrictHostKeyChecking no" in host_block and "    UserKnownHostsFile /dev/null" in host_block
+    sshd = (tmp_path / "sshd_config").read_text().splitlines()
+    assert "StrictModes no" in sshd and "#StrictModes yes" not in sshd
+
+
+def test_image_builds_nccl_tests_for_cuda_13_and_the_efa_gpus(repo_root):
+    """nccl-tests compiles with C++17 on CUDA 13 from v2.17.0 (its src/common.mk); its kernels are built for
+    the EFA instances' GPUs only: A100 (sm_80, p4d) and H100/H200 (sm_90, p5/p5en)."""
+    dockerfile = (repo_root / "training" / "Dockerfile").read_text()
+    version = re.search(r"^ARG NCCL_TESTS_VERSION=v(\S+)$", dockerfile, re.M)[1]
+    assert tuple(int(part) for part in version.split(".")) >= (2, 17, 0)
+    gencode = re.search(r'^ARG NVCC_GENCODE="(.+)"$', dockerfile, re.M)[1]
+    assert set(re.findall(r"code=(sm_\d+)", gencode)) == {"sm_80", "sm_90"}
+    [build] = [line for line in _instructions(dockerfile) if "make -C /opt/nccl-tests" in line]
+    assert 'NVCC_GENCODE="${NVCC_GENCODE}"' in build

@@ -35,7 +35,10 @@ def test_preflight_renders_only_the_mpijob_and_its_check(preflight):
     assert job["metadata"] == {"name": "fsdp-train-nccl-preflight", "namespace": NAMESPACE,
                                "labels": {"app.kubernetes.io/name": "fsdp-train-nccl-preflight",
                                           "app.kubernetes.io/part-of": "ft-training"}}
-    assert job["spec"]["runPolicy"]["backoffLimit"] == 0
+    # the launcher starts once every worker's sshd listens, and a launch that fails before any verdict
+    # (a worker's name not in DNS yet) is retried instead of failing the preflight
+    assert job["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"
+    assert job["spec"]["runPolicy"]["backoffLimit"] >= 1
     config_map = preflight.one("ConfigMap")
     assert config_map["data"] == {"nccl_check.py": open(nccl_check.__file__).read()}
     for obj in preflight.objects():
@@ -65,10 +68,12 @@ def test_one_worker_per_gpu_node_of_the_job_with_the_whole_node(preflight):
     assert f'echo "$(hostname) $NODE_NAME" > {NODE_NAME_FILE}' in container["command"][-1]
     assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert container["readinessProbe"]["tcpSocket"] == {"port": 22}  # Ready means sshd accepts connections
     limits = container["resources"]["limits"]
     assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"], limits["hugepages-2Mi"]) == ("8", "32", "5Gi")
     # sshd's capabilities, all within PSA baseline; no IPC_LOCK, which baseline forbids
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": SSHD_CAPABILITIES}
+    assert "NET_BIND_SERVICE" in SSHD_CAPABILITIES  # port 22 with every other capability dropped
     assert spec["securityContext"]["runAsUser"] == 0  # sshd and mpirun: the image's USER is the training user
 
 
@@ -85,6 +90,8 @@ def test_launcher_runs_each_collective_across_all_ranks_through_the_check(prefli
                      "--node-names", f"mpirun --allow-run-as-root -np 3 -N 1 cat {NODE_NAME_FILE}"]
     assert run[0] == "mpirun" and run[run.index("-np") + 1] == str(3 * p5.gpus) and run[run.index("-N") + 1] == "8"
     exported = {run[i + 1] for i, arg in enumerate(run) if arg == "-x"}
+    mca = {run[i + 1]: run[i + 2] for i, arg in enumerate(run) if arg == "--mca"}
+    assert mca["pml"] == "^cm,ucx" and mca["btl"] == "tcp,self"  # MPI's own traffic on TCP, never on EFA
     assert {"NCCL_DEBUG=INFO", "NCCL_DEBUG_SUBSYS=INIT,NET", "FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1"} <= exported
     # the check puts each collective's name in place of the placeholder, one run after the other
     assert run[run.index("/opt/nccl-tests/build/{collective}_perf"):][1:5] == ["-b", "8", "-e", "16G"]
