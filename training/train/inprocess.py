@@ -5,7 +5,8 @@ A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes eve
 process groups (training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume
 from the in-memory copy of the last completed step (training/train/rollback.py), without a new process.
 What the Wrapper cannot handle ends it and falls back to ft_launcher: a lost process or node (the
-world would shrink, and FSDP shards no longer fit), or a spent restart budget (restarts in a row without progress: a persistent fault).
+world would shrink, and FSDP shards no longer fit), or a spent restart budget (restarts in a row without
+progress, a failure in setup as in a step: a persistent fault).
 
 A drain (training/train/drain.py) is no fault: every rank leaves the Wrapper at the same step as from a
 completed run, and raises Drained only once out of it (a rank leaving with an exception would make the
@@ -69,8 +70,7 @@ LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before a
 # monitor thread's interrupt (it arrives within an interval plus the last-call wait).
 PEER_ABORT_WAIT = 3 * (MONITOR_THREAD_INTERVAL + LAST_CALL_WAIT)
 TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeout
-# Wrapper barriers wait for a rank killed at the hard timeout, with room for slow ranks.
-BARRIER_MARGIN = 30.0
+BARRIER_MARGIN = 30.0  # barrier_timeout's room for slow ranks
 _KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
 # A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
 # then ncclRemoteError's text. Not "NCCL communicator was aborted": this rank's own watchdog says
@@ -95,17 +95,15 @@ class Iteration:
         return self.call_wrapper.disable_hang_protection()
 
     def restore(self, state: dict[str, Stateful]) -> int | None:
-        """Load the in-memory copy of the last step every rank completed (None: there is none), and
-        end the Wrapper if too many restarts in a row made no progress. Collective."""
-        step = self.rollback.restore(state)
-        self.budget.resumed(self.number, step)
-        return step
+        """Load the in-memory copy of the last step every rank completed (None: there is none). Collective."""
+        return self.rollback.restore(state)
 
     def step_done(self, step: int, state: dict[str, Stateful]) -> float:
         """Reports progress and keeps the step in memory; returns the seconds the save took."""
         self.call_wrapper.ping()  # manual progress: a rank hung in Python is detected too
         started = time.perf_counter()
         self.rollback.save(step, state)
+        self.budget.completed(step)
         return time.perf_counter() - started
 
 
@@ -127,36 +125,59 @@ class FaultLog:
 class RestartBudget(inprocess.initialize.Initialize):
     """The Wrapper's restart budget: restarts in a row without progress, so a long run survives any
     number of faults and a persistent one still ends it. Ends the Wrapper (RestartAbort, a
-    BaseException: every rank leaves it) naming what the last iteration died of.
+    BaseException: every rank leaves it, and the launcher's in-job restart takes over) naming what the
+    last iteration died of.
 
-    Progress is decided on the step each iteration resumes at, which `MemoryRollback.restore` agrees
-    on across ranks, so every rank takes the same decision. A rank lost (world shrunk) ends it at once
-    in `__call__`, before the iteration starts."""
+    Charged as each iteration starts (the Wrapper's Initialize), for the one that just failed, wherever
+    it failed: in setup (a checkpoint manager, a model build, peer state, the attempt record that
+    cannot be made) as much as in a step. Progress is a step newer than any before that every rank
+    completed: each rank publishes the newest step it completed in `store`, and every rank reads the
+    same minimum, so every rank takes the same decision. It costs one store key per rank and restart.
+    A rank lost (world shrunk) ends it at once, before the iteration starts."""
 
-    def __init__(self, max_restarts: int, world_size: int, faults: FaultLog) -> None:
+    def __init__(self, max_restarts: int, world_size: int, faults: FaultLog, store: dist.Store,
+                 timeout: timedelta) -> None:
         self.max_restarts, self.world_size, self.faults = max_restarts, world_size, faults
-        self._resumed_at: int | None = None  # the newest step an iteration resumed at
+        self._store, self._timeout = store, timeout  # the wait for every rank's key
+        self._completed: int | None = None  # the newest step this rank completed
+        self._progress: int | None = None  # the newest step every rank had completed as an iteration started
         self.without_progress = 0
 
-    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
-        if state.iteration > 0 and state.world_size < self.world_size:
-            raise inprocess.exception.RestartAbort(
-                f"{self.world_size - state.world_size} rank(s) lost ({self.faults.describe(state.iteration - 1)}): "
-                "FSDP shards cannot shrink in-process; leaving the restart to the launcher")
-        return state
+    def completed(self, step: int) -> None:
+        """This rank completed `step` (and holds it in memory)."""
+        self._completed = step
 
-    def resumed(self, iteration: int, step: int | None) -> None:
-        """Iteration `iteration` resumed at the in-memory `step` (None: none); iteration 0 loads from disk."""
-        if iteration == 0:
-            return
-        progressed = step is not None and (self._resumed_at is None or step > self._resumed_at)
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if state.iteration == 0:
+            return state
+        failed = state.iteration - 1
+        if state.world_size < self.world_size:
+            raise inprocess.exception.RestartAbort(
+                f"{self.world_size - state.world_size} rank(s) lost ({self.faults.describe(failed)}): "
+                "FSDP shards cannot shrink in-process; leaving the restart to the launcher")
+        every_rank = self._every_rank_completed(state)
+        progressed = every_rank is not None and (self._progress is None or every_rank > self._progress)
         if progressed:
-            self._resumed_at = step
+            self._progress = every_rank
         self.without_progress = 0 if progressed else self.without_progress + 1
         if self.without_progress > self.max_restarts:
             raise inprocess.exception.RestartAbort(
                 f"{self.without_progress} in-process restarts in a row made no progress (budget {self.max_restarts}, "
-                f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(iteration - 1)}")
+                f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(failed)}")
+        return state
+
+    def _every_rank_completed(self, state: inprocess.FrozenState) -> int | None:
+        """The newest step every rank of this iteration had completed (None: some rank none)."""
+        keys = [f"completed/{state.iteration}/{rank}" for rank in range(state.world_size)]
+        self._store.set(keys[state.rank], "" if self._completed is None else str(self._completed))
+        self._store.wait(keys, self._timeout)
+        steps = [value.decode() for value in self._store.multi_get(keys)]
+        return None if "" in steps else min(map(int, steps))
+
+
+def barrier_timeout(cfg: TrainConfig) -> timedelta:
+    """How long the Wrapper's barriers wait: for a rank killed at the hard timeout, with room for slow ranks."""
+    return timedelta(seconds=cfg.fault_tolerance.inprocess_hard_timeout + BARRIER_MARGIN)
 
 
 def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port: int, on_cuda: bool,
@@ -164,7 +185,7 @@ def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port:
     """The Wrapper's kwargs for this config; its store in `coordination`."""
     ft = cfg.fault_tolerance
     hard = timedelta(seconds=ft.inprocess_hard_timeout)
-    barrier = hard + timedelta(seconds=BARRIER_MARGIN)
+    barrier = barrier_timeout(cfg)
     logs = Path(cfg.run_dir).resolve() / "logs"
     return dict(
         **coordination.wrapper_store(),
@@ -285,7 +306,8 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
     faults = FaultLog(app_store)
     report = _FaultReporter(cfg, faults)
     rollback = MemoryRollback()
-    budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults)
+    budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults,
+                           dist.PrefixStore("budget", app_store), barrier_timeout(cfg))
     wrapper = make_wrapper(cfg, coordination, budget)
 
     drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
