@@ -33,6 +33,7 @@ from training.data.stream import TokenStream
 from training.models.spec import model_spec
 from training.report.goodput import build_report
 from training.train.coordination import Coordination, WrapperStore
+from training.train.hang_watch import HangWatch
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
@@ -71,6 +72,9 @@ def test_wrapper_kwargs_fit_the_installed_signature():
     # the monitor process must poll faster than progress is reported (else it skips its timeout checks)
     assert kwargs["monitor_process_interval"] < kwargs["progress_watchdog_interval"] < kwargs["soft_timeout"]
     assert kwargs["soft_timeout"] == timedelta(seconds=60) and kwargs["hard_timeout"] == timedelta(seconds=90)
+    # a node whose monitor processes went silent (lost, cut off) is handed to the launcher within seconds,
+    # not after the hang timeouts: the heartbeat timeout is what the survivors' restart barrier waits for
+    assert kwargs["heartbeat_interval"] < kwargs["heartbeat_timeout"] <= timedelta(seconds=5)
     inprocess.Wrapper(**kwargs)  # the installed NVRx accepts them
 
 
@@ -153,6 +157,65 @@ def test_restart_budget_decides_on_the_step_every_rank_completed():
     assert start_both(2) == [None, None]  # 5 > 4: progress
     errors = start_both(3)  # nothing newer: over a budget of 0 on both ranks
     assert all(isinstance(e, inprocess.exception.RestartAbort) for e in errors), errors
+
+
+class FakeRankMonitorClient:
+    """NVRx's RankMonitorClient as RankMonitor uses it: every calculated section timeout is 0.05 s."""
+    CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
+
+    def __init__(self):
+        self.section_timeouts = SimpleNamespace(section={"setup": 600.0, "step": 180.0, "checkpoint": 600.0})
+
+    def init_workload_monitoring(self): pass
+    def start_section(self, name): pass
+    def end_section(self, name): pass
+    def send_heartbeat(self): pass
+    def shutdown_workload_monitoring(self): pass
+
+    def calculate_and_set_section_timeouts(self, selected_sections, calc_out_of_section):
+        self.section_timeouts.section.update({name: 0.05 for name in selected_sections})
+
+    def state_dict(self):
+        return {self.CURRENT_TIMEOUTS_STATE_KEY: {"section": {"section": dict(self.section_timeouts.section)}}}
+
+    def load_state_dict(self, state):
+        self.section_timeouts.section = dict(state[self.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"])
+
+
+def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monkeypatch):
+    """restart=both raises the launcher's calculated timeouts above the Wrapper's hard timeout; the hang watch
+    still applies the calculated one, so a hung step is reported as soon as injob's rank monitor would stop it,
+    not after inprocess_soft_timeout (or gloo's timeout, for the peers blocked with the hung rank)."""
+    import nvidia_resiliency_ext.fault_tolerance as ft_module
+    monkeypatch.setattr(ft_module, "RankMonitorClient", FakeRankMonitorClient)
+    monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/nonexistent")
+    watch = HangWatch(interval_s=0.01)
+    monitor = RankMonitor(_cfg("fault_tolerance.calculate_timeouts_after=2").fault_tolerance, watch)
+    for _ in range(2):
+        with monitor.section("step"):
+            pass
+        monitor.step_done()
+    assert monitor._client.section_timeouts.section["step"] == 90 + HANG_FLOOR_MARGIN_S  # the launcher's: floored
+    reports = []
+    with watch.watching(lambda *late: reports.append(late)):
+        with monitor.section("step"):  # in time: nothing to report
+            pass
+        with watch.paused(), monitor.section("step"):  # a drain's wait
+            time.sleep(0.2)
+        with monitor.section("step"):  # hung
+            deadline = time.monotonic() + 10
+            while not reports and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)  # no second report for the same hang
+    [(section, open_s, timeout)] = reports
+    assert (section, timeout) == ("step", 0.05) and open_s > 0.05
+    # the next iteration's calculation counts its warm-up after the restart: the tighter one holds
+    watch.calculated({"step": 52.0})
+    with watch.watching(lambda *late: reports.append(late)), monitor.section("step"):
+        deadline = time.monotonic() + 10
+        while len(reports) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [r[2] for r in reports] == [0.05, 0.05]
 
 
 def _wrapper_run(cfg, setup_failure, result):
