@@ -13,7 +13,8 @@ the step reached); the in-memory rollback, and the peer state's copy, after each
 time; a node lost with peer state loses no completed step; losing node 0 costs
 what losing another node costs (within 1.5x either way: the rendezvous store is off the nodes); a
 hot spare's takeover <= 1.5x an in-job restart; a network partition is detected by NVRx's timeouts, before
-gloo's collective timeout.
+gloo's collective timeout; with restart=both a lost node 0 and a partition recover within 1.5x of injob and
+a hung rank is detected within 1.5x of injob's detection.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from bench.floor import FloorResult
-from bench.mechanisms import COLLECTIVE_TIMEOUT_S, MechanismResult
+from bench.mechanisms import BOTH_BESIDE_INJOB, COLLECTIVE_TIMEOUT_S, MechanismResult
 from bench.peer import PeerResult
 from bench.rollback import RollbackResult
 from bench.stall import StallResult, leaves_no_cpu_spare
@@ -170,6 +171,8 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
         checks.append(_check("partition detection (NVRx timeouts), median", detected, "s",
                              f"< {COLLECTIVE_TIMEOUT_S} s (gloo's timeout)", ISSUE, lambda v: v < COLLECTIVE_TIMEOUT_S,
                              why("partition")))
+    for both, injob_row in ((b, i) for b, i in BOTH_BESIDE_INJOB.items() if b in mechanisms and i in mechanisms):
+        checks.append(_both_check(both, injob_row, recovery, why(both, injob_row)))
     for name, most in ((n, m) for n, m in MAX_STEPS_LOST.items() if n in mechanisms):
         checks.append(_check(f"{name} steps lost per fault (max)",
                              float(recovery[name].max_steps_lost) if name in recovery else None, "steps",
@@ -180,6 +183,16 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
                              f"{'~' if baseline else '<= '}{reference:g} s", REFERENCE,
                              None if baseline else (lambda v, r=reference: v <= r), why(name)))
     return checks
+
+
+def _both_check(both: str, injob_row: str, recovery: dict[str, MechanismResult], missing: str) -> Check:
+    """restart=both beside injob: a node the Wrapper cannot restart is handed to the launcher within seconds
+    (recovery within SAME_COST of injob's), and a hang is detected no later (within SAME_COST: one run each)."""
+    figure, unit = ("detection", "median_detection_s") if "hang" in both else ("recovery", "median_recovery_s")
+    values = [getattr(recovery[n], unit) if n in recovery else None for n in (both, injob_row)]
+    ratio = values[0] / values[1] if None not in values and values[1] else None
+    return _check(f"{both} {figure} / {injob_row} {figure}", ratio, "x", f"<= {SAME_COST:g}", ISSUE,
+                  lambda v: v <= SAME_COST, missing)
 
 
 def _step_cost(figure: str, r: PeerResult | RollbackResult | None, missing: str) -> list[Check]:

@@ -40,6 +40,12 @@ completed step) and steps lost, and the run's training and infra goodput.
   k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
                     every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
                     restart does; resume from the last checkpoint on disk.
+  hang              a rank hangs (sleeps, no heartbeat, no collective): the rank monitor's calculated
+                    step timeout stops it, ft_launcher restarts the workers in-job.
+  node_zero_both, partition_both, hang_both
+                    node_zero's, partition's and hang's faults with fault_tolerance.restart=both: the
+                    Wrapper must hand a lost or cut-off node to the launcher's in-job restart within its
+                    heartbeat timeout, and detect a hang no later than the rank monitor does under injob.
 The faults are training/train/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
 `drain@STEP:node=N`), on the last rank / node unless the mechanism needs node 0.
 """
@@ -102,7 +108,17 @@ MECHANISMS = (
               alternative_restart_kind="node"),
     Mechanism("k8s_restart", "plain Kubernetes restart (every pod replaced)", "injob", "node-loss", False, "node",
               fault_on_host=True),
+    Mechanism("hang", "rank hangs, in-job restart", "injob", "hang", True, "injob"),
+    # restart=both beside injob for the faults the Wrapper cannot restart in-process (a lost node, a cut-off
+    # node) and for a hang, which it restarts in-process
+    Mechanism("node_zero_both", "node 0 lost (SIGKILL), replaced, restart=both", "both", "node-loss", True, "node",
+              fault_on_host=True),
+    Mechanism("partition_both", "node cut off, hot spare takes over, restart=both", "both", "partition", True,
+              "injob", spares=1, netns=True, alternative_restart_kind="node"),
+    Mechanism("hang_both", "rank hangs, restart=both", "both", "hang", True, "inprocess"),
 )
+# The restart=both rows and the injob rows they are compared with (bench/checks.py)
+BOTH_BESIDE_INJOB = {"node_zero_both": "node_zero", "partition_both": "partition", "hang_both": "hang"}
 
 # With a spare: a lost node's replacement starts this much later, after the spare took over. Later than a
 # survivor can be back in the restart round, so that the round's last call is NVRx's 1 s, as in the Job on

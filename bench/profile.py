@@ -57,7 +57,7 @@ class Profile:
 
 
 ALL = ("inprocess", "injob", "injob_hf", "injob_fresh", "node_replacement", "node_zero", "hot_spare", "peer_state", "drain",
-       "partition", "node_hang", "k8s_restart")
+       "partition", "node_hang", "k8s_restart", "hang", "node_zero_both", "partition_both", "hang_both")
 # Six saves per mode: on 2 busy cores one async save in three or four can block 4-7x longer than
 # the rest (its staging copy starved of CPU), which moved the median of four from 0.07x to 0.17x.
 # 15 steps after the last fault: a drain landed 1-7 steps after it was asked for here (the controller

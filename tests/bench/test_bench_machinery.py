@@ -51,7 +51,11 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "drain": ("drain@15:node=1", "drain@55:node=1"),
                      "partition": ("partition@15:rank=3", "partition@265:rank=3"),
                      "node_hang": ("node-hang@15:node=1", "node-hang@55:node=1"),
-                     "k8s_restart": ("node-loss@15:node=0", "node-loss@55:node=0")}
+                     "k8s_restart": ("node-loss@15:node=0", "node-loss@55:node=0"),
+                     "hang": ("hang@15:rank=3", "hang@55:rank=3"),
+                     "node_zero_both": ("node-loss@15:node=0", "node-loss@55:node=0"),
+                     "partition_both": ("partition@15:rank=3", "partition@265:rank=3"),
+                     "hang_both": ("hang@15:rank=3", "hang@55:rank=3")}
 
 
 def test_the_hugging_face_row_trains_a_tiny_model_it_writes_beside_the_run(tmp_path: Path) -> None:

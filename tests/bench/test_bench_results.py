@@ -146,6 +146,13 @@ def test_checks_pass_and_miss_against_targets() -> None:
     assert _by_figure(recovery_checks({"partition": mechanism(7.0)}, {}, floor, ALL))[partition] == "PASS"
     assert _by_figure(recovery_checks({"partition": replace(mechanism(40.0), median_detection_s=31.0)}, {}, floor,
                                       ALL))[partition] == "MISS"  # gloo's timeout, not NVRx, ended the wait
+    both = _by_figure(recovery_checks({"node_zero": mechanism(6.6), "node_zero_both": mechanism(9.0),
+                                       "partition": mechanism(13.0), "partition_both": mechanism(101.7),
+                                       "hang": replace(mechanism(4.0), median_detection_s=3.7),
+                                       "hang_both": replace(mechanism(31.0), median_detection_s=30.1)}, {}, floor, ALL))
+    assert both["node_zero_both recovery / node_zero recovery"] == "PASS"
+    assert both["partition_both recovery / partition recovery"] == "MISS"  # the Wrapper waited out its timeouts
+    assert both["hang_both detection / hang detection"] == "MISS"  # gloo's timeout, not a section timeout
     rollback = sample_result().rollback
     assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.05), "")] == ["PASS"]
     assert [c.status for c in rollback_checks(replace(rollback, cost_ratio=0.08), "")] == ["MISS"]

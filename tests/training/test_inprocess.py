@@ -5,13 +5,18 @@ uninterrupted run; with restart=both a killed process falls back to an in-job re
 persistent fault ends the job after the in-process budget, naming the rank and the fault."""
 from __future__ import annotations
 
+import errno
 import gc
 import inspect
 import math
+import multiprocessing
 import os
+import queue
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,12 +26,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.config import RESTART_MODES, FaultToleranceConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
-from training.contract.launcher import HANG_FLOOR_MARGIN_S, launcher_ft_args, section_timeout_floor
+from training.contract.launcher import (HANG_FLOOR_MARGIN_S, STORE_ENDPOINT_ENV, free_port, launcher_ft_args,
+                                       section_timeout_floor)
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
 from training.models.spec import model_spec
 from training.report.goodput import build_report
 from training.train.coordination import Coordination, WrapperStore
+from training.train.hang_watch import HangWatch
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
@@ -41,8 +48,14 @@ def _cfg(*overrides):
     return load_train_config(None, ["run_dir=/tmp/x", "fault_tolerance.restart=both", *overrides])
 
 
-def _budget():
-    return RestartBudget(3, 2, FaultLog(dist.HashStore()))
+def _budget(max_restarts=3, world_size=2, store=None):
+    store = dist.HashStore() if store is None else store
+    return RestartBudget(max_restarts, world_size, FaultLog(store), store, timedelta(seconds=10))
+
+
+def _start(budget, iteration, rank=0, world_size=1):
+    """The Wrapper's Initialize at the start of `iteration` (the fields of FrozenState it reads)."""
+    return budget(SimpleNamespace(iteration=iteration, rank=rank, world_size=world_size))
 
 
 OFF_NODE = Coordination("store.ns", 29400, "training/r/cycle3-node0:29500", None)
@@ -59,6 +72,9 @@ def test_wrapper_kwargs_fit_the_installed_signature():
     # the monitor process must poll faster than progress is reported (else it skips its timeout checks)
     assert kwargs["monitor_process_interval"] < kwargs["progress_watchdog_interval"] < kwargs["soft_timeout"]
     assert kwargs["soft_timeout"] == timedelta(seconds=60) and kwargs["hard_timeout"] == timedelta(seconds=90)
+    # a node whose monitor processes went silent (lost, cut off) is handed to the launcher within seconds,
+    # not after the hang timeouts: the heartbeat timeout is what the survivors' restart barrier waits for
+    assert kwargs["heartbeat_interval"] < kwargs["heartbeat_timeout"] <= timedelta(seconds=5)
     inprocess.Wrapper(**kwargs)  # the installed NVRx accepts them
 
 
@@ -103,13 +119,145 @@ def test_learned_timeouts_never_undercut_the_wrappers_hard_timeout():
 
 
 def test_restart_budget_counts_restarts_without_progress():
-    budget = _budget()  # 3
-    budget.resumed(0, None)
+    budget = _budget(world_size=1)  # 3
+    _start(budget, 0)
     for iteration, step in enumerate([4, 9, 9, 9, 12, 12, 12, 12], start=1):  # 9 then 12: progress
-        budget.resumed(iteration, step)
+        budget.completed(step)  # the newest step completed before iteration `iteration` started
+        _start(budget, iteration)
     assert budget.without_progress == 3
     with pytest.raises(inprocess.exception.RestartAbort, match="4 in-process restarts in a row made no progress"):
-        budget.resumed(9, 12)
+        _start(budget, 9)
+
+
+def test_restart_budget_counts_iterations_that_failed_in_setup():
+    """A deterministic failure before any step (a checkpoint manager, a model build) spends the budget too."""
+    budget = _budget(world_size=1)  # 3
+    budget.completed(4)  # iteration 0 trained to step 4, then failed; every later one fails in setup
+    for iteration in range(1, 5):
+        _start(budget, iteration)
+    with pytest.raises(inprocess.exception.RestartAbort, match="4 in-process restarts in a row made no progress"):
+        _start(budget, 5)
+
+
+def test_restart_budget_decides_on_the_step_every_rank_completed():
+    """Rank 0 completed step 5, rank 1 only 4: progress up to 4; step 5 counts once both completed it.
+    Each rank decides alike, from the keys of both in the store."""
+    store = dist.HashStore()
+    budgets = [_budget(max_restarts=0, store=store) for _ in range(2)]
+
+    def start_both(iteration):
+        with ThreadPoolExecutor(2) as pool:  # each rank waits for the other's key
+            done = [pool.submit(_start, b, iteration, rank, 2) for rank, b in enumerate(budgets)]
+            return [f.exception() for f in done]
+
+    budgets[0].completed(5)
+    budgets[1].completed(4)
+    assert start_both(1) == [None, None]
+    budgets[1].completed(5)
+    assert start_both(2) == [None, None]  # 5 > 4: progress
+    errors = start_both(3)  # nothing newer: over a budget of 0 on both ranks
+    assert all(isinstance(e, inprocess.exception.RestartAbort) for e in errors), errors
+
+
+class FakeRankMonitorClient:
+    """NVRx's RankMonitorClient as RankMonitor uses it: every calculated section timeout is 0.05 s."""
+    CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
+
+    def __init__(self):
+        self.section_timeouts = SimpleNamespace(section={"setup": 600.0, "step": 180.0, "checkpoint": 600.0})
+
+    def init_workload_monitoring(self): pass
+    def start_section(self, name): pass
+    def end_section(self, name): pass
+    def send_heartbeat(self): pass
+    def shutdown_workload_monitoring(self): pass
+
+    def calculate_and_set_section_timeouts(self, selected_sections, calc_out_of_section):
+        self.section_timeouts.section.update({name: 0.05 for name in selected_sections})
+
+    def state_dict(self):
+        return {self.CURRENT_TIMEOUTS_STATE_KEY: {"section": {"section": dict(self.section_timeouts.section)}}}
+
+    def load_state_dict(self, state):
+        self.section_timeouts.section = dict(state[self.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"])
+
+
+def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monkeypatch):
+    """restart=both raises the launcher's calculated timeouts above the Wrapper's hard timeout; the hang watch
+    still applies the calculated one, so a hung step is reported as soon as injob's rank monitor would stop it,
+    not after inprocess_soft_timeout (or gloo's timeout, for the peers blocked with the hung rank)."""
+    import nvidia_resiliency_ext.fault_tolerance as ft_module
+    monkeypatch.setattr(ft_module, "RankMonitorClient", FakeRankMonitorClient)
+    monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/nonexistent")
+    watch = HangWatch(interval_s=0.01)
+    monitor = RankMonitor(_cfg("fault_tolerance.calculate_timeouts_after=2").fault_tolerance, watch)
+    for _ in range(2):
+        with monitor.section("step"):
+            pass
+        monitor.step_done()
+    assert monitor._client.section_timeouts.section["step"] == 90 + HANG_FLOOR_MARGIN_S  # the launcher's: floored
+    reports = []
+    with watch.watching(lambda *late: reports.append(late)):
+        with monitor.section("step"):  # in time: nothing to report
+            pass
+        with watch.paused(), monitor.section("step"):  # a drain's wait
+            time.sleep(0.2)
+        with monitor.section("step"):  # hung
+            deadline = time.monotonic() + 10
+            while not reports and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)  # no second report for the same hang
+    [(section, open_s, timeout)] = reports
+    assert (section, timeout) == ("step", 0.05) and open_s > 0.05
+    # the next iteration's calculation counts its warm-up after the restart: the tighter one holds
+    watch.calculated({"step": 52.0})
+    with watch.watching(lambda *late: reports.append(late)), monitor.section("step"):
+        deadline = time.monotonic() + 10
+        while len(reports) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [r[2] for r in reports] == [0.05, 0.05]
+
+
+def _wrapper_run(cfg, setup_failure, result):
+    """A child process: one rank under the Wrapper, `training.train.run` with its checkpoint manager failing."""
+    from training.train import inprocess as inprocess_module, trainer
+
+    def failing(*args, **kwargs):
+        raise setup_failure
+
+    trainer.CheckpointManager = failing
+    try:
+        inprocess_module.run_inprocess(cfg, trainer.run)
+    except inprocess.exception.RestartAbort as err:
+        result.put(str(err))
+    else:
+        result.put("completed")
+
+
+def test_a_deterministic_setup_failure_ends_the_wrapper_after_its_budget(tmp_path, monkeypatch):
+    """Every iteration fails in setup, before the resume: the Wrapper gives up after the budget (the launcher's
+    in-job restart takes over) instead of restarting in-process for ever."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(STORE_ENDPOINT_ENV, raising=False)  # rank 0's process serves the stores
+    cfg = _cfg(f"run_dir={tmp_path}", "training.device=cpu", "fault_tolerance.inprocess_max_restarts=2",
+               "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15")
+    ctx = multiprocessing.get_context("fork")
+    result = ctx.Queue()
+    child = ctx.Process(target=_wrapper_run, args=(cfg, OSError(errno.ENOSPC, "No space left on device"), result))
+    child.start()
+    try:
+        outcome = result.get(timeout=120)
+    except queue.Empty:
+        outcome = "still restarting in-process after 120 s"
+        child.kill()
+    child.join()
+    assert outcome.startswith("3 in-process restarts in a row made no progress (budget 2, "
+                              "fault_tolerance.inprocess_max_restarts); the last failed with: rank 0: OSError: "), outcome
+    assert "No space left on device" in outcome
+    kinds = [e["restart_kind"] for e in events_named(tmp_path, "attempt_start")]
+    assert kinds == ["fresh", "inprocess", "inprocess"]  # iteration 3 is refused before it starts
 
 
 def test_launcher_restarts_what_the_wrapper_cannot_handle_in_every_mode():
@@ -561,8 +709,8 @@ def test_persistent_fault_ends_the_job_after_the_inprocess_budget_naming_rank_an
     # the first restart follows progress (steps 1-2 kept in memory); then `budget` restarts without
     injected = events_named(run.run_dir, "fault_injected")
     assert len(injected) == budget + 2 and {e["step"] for e in injected} == {3}  # once per iteration
-    # ... and the iteration that finds the budget spent as it resumes
-    assert _attempt_kinds(run) == ["fresh"] + ["inprocess"] * (budget + 2)
+    # ... and no attempt of the iteration that finds the budget spent as it starts
+    assert _attempt_kinds(run) == ["fresh"] + ["inprocess"] * (budget + 1)
     message = (f"{budget + 1} in-process restarts in a row made no progress (budget {budget}, "
                f"fault_tolerance.inprocess_max_restarts); the last failed with: rank 1: FaultInjected: "
                f"injected fault {spec}")

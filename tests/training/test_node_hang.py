@@ -15,6 +15,7 @@ import pytest
 from training.contract.config import load_train_config
 from training.contract.events import read_events
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_fault
+from training.local import cluster as cluster_module
 from training.local.cluster import Cluster
 from training.report.goodput import build_report
 from training_helpers import (COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named, load_final_state,
@@ -56,6 +57,34 @@ def test_the_fault_stops_every_process_of_the_node_and_kills_none():
         assert _wait_until(lambda: len(top.children()) == 1)
         [rank] = top.children()
         assert _wait_until(lambda: _stopped(top) and _stopped(rank))  # stopped, not gone: a hang
+    finally:
+        for p in (*top.children(recursive=True), top):
+            p.kill()
+        top.wait(timeout=10)
+
+
+# A rank that first starts a daemon as NVRx's Wrapper starts its monitor process (two forks, a session of its
+# own, the middle process gone: the daemon is an orphan), then fires the node fault.
+_DAEMONIZING_RANK = ("import os, sys, time\n"
+                     "if os.fork() == 0:\n"
+                     "    os.setsid()\n"
+                     "    if os.fork() == 0:\n"
+                     "        time.sleep(60)\n"
+                     "    os._exit(0)\n"
+                     "os.wait()\n" + _RANK.replace("; ", "\n"))
+
+
+def test_a_daemon_of_a_local_pod_is_struck_with_its_node(tmp_path):
+    """In a pod an orphan goes to the container's PID 1, so a node fault reaches the Wrapper's monitor
+    processes too; the local pod's top process is a child subreaper for the same effect."""
+    top_code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {_DAEMONIZING_RANK!r}]); time.sleep(60)"
+    top = psutil.Popen([sys.executable, "-c", top_code, "ft_launcher"], cwd=Path(__file__).resolve().parents[2],
+                       start_new_session=True, preexec_fn=cluster_module._pod_top_process)
+    try:
+        # the rank and its daemon, re-parented to the top process (not to init) once its parent left
+        assert _wait_until(lambda: len(top.children()) == 2)
+        rank, daemon = sorted(top.children(), key=psutil.Process.create_time)
+        assert _wait_until(lambda: _stopped(top) and _stopped(rank) and _stopped(daemon))
     finally:
         for p in (*top.children(recursive=True), top):
             p.kill()

@@ -169,8 +169,8 @@ _INPROCESS = ("In-process restart (restart=both; training/train/inprocess.py); b
 class FaultToleranceConfig:
     restart: RestartMode = _doc("injob", "who restarts after a fault: injob (the default: ft_launcher restarts the "
                                          "worker group) or both (the Wrapper restarts the ranks in their processes "
-                                         "first; what it cannot handle, ft_launcher); NVRx 0.7.0 calls in-process "
-                                         "restart deprecated: new deployments should use in-job restart")
+                                         "first; what it cannot handle, ft_launcher); NVRx 0.7.0's release notes call "
+                                         "in-process restart deprecated: new deployments should use in-job restart")
     max_restarts: int = _doc(3, "ft_launcher's in-job restarts in a row without progress (NVRx 0.7.0's no-progress "
                                 "cycles): a restart after which a newer checkpoint was committed starts the count "
                                 "again, so a long run with many faults keeps its budget and a persistent fault still "

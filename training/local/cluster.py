@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -111,6 +112,7 @@ _DETECTIONS = (
 _ACTIVE_RANK = "Assigned active rank"
 _LEFT_OUT = ("Standby (rank=", "Late joiner detected")
 _GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphans below this process are re-parented to it, not to init
 
 
 @dataclass
@@ -252,9 +254,7 @@ class Cluster:
         with node.log_path.open("ab") as log_file:
             node.proc = psutil.Popen(command, cwd=REPO_ROOT, env=env, stdout=log_file,
                                      stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     # a killed controller leaves no cluster behind: the launcher
-                                     # gets SIGTERM and stops its own workers
-                                     preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                                     preexec_fn=_pod_top_process)
         node.descendants = []
         node.active = False
 
@@ -564,6 +564,17 @@ class Cluster:
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
+
+
+def _pod_top_process() -> None:
+    """A node's top process plays its pod's PID 1. A killed controller leaves no cluster behind: it gets
+    SIGTERM and stops its own workers. And it is a child subreaper: what daemonizes below it (the Wrapper's
+    monitor processes fork twice and leave their parent) stays in its tree, as in the pod, where an orphan
+    goes to the PID namespace's init (pid_namespaces(7)); so a node fault (training/train/node_strike.py)
+    and the node's kill reach it, and training.pod.launch reaps it. The attribute survives execve (prctl(2)),
+    through `ip netns exec` and `unshare`."""
+    die_with_parent(signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def process_group(pgid: int) -> list[psutil.Process]:

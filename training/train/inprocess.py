@@ -1,11 +1,13 @@
 """In-process restart (fault_tolerance.restart = both): training.train.run under
 nvidia_resiliency_ext.inprocess.Wrapper, inside ft_launcher.
 
-A fault in one rank (an exception, a hang past inprocess_soft_timeout) makes every rank abort its
-process groups (training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume
-from the in-memory copy of the last completed step (training/train/rollback.py), without a new process.
-What the Wrapper cannot handle ends it and falls back to ft_launcher: a lost process or node (the
-world would shrink, and FSDP shards no longer fit), or a spent restart budget (restarts in a row without progress: a persistent fault).
+A fault in one rank (an exception, a hang past the rank monitor's calculated section timeout,
+training/train/hang_watch.py, or past inprocess_soft_timeout) makes every rank abort its process groups
+(training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume from the in-memory
+copy of the last completed step (training/train/rollback.py), without a new process. What the Wrapper
+cannot handle ends it and falls back to ft_launcher: a lost process or node (the world would shrink, and
+FSDP shards no longer fit; a node whose heartbeats stop is given up after HEARTBEAT_TIMEOUT), or a spent
+restart budget (restarts in a row without progress, a failure in setup as in a step: a persistent fault).
 
 A drain (training/train/drain.py) is no fault: every rank leaves the Wrapper at the same step as from a
 completed run, and raises Drained only once out of it (a rank leaving with an exception would make the
@@ -53,6 +55,7 @@ from training.train.coordination import Coordination
 from training.train.distributed import choose_device, default_launcher_env
 from training.train.drain import DrainSignal, Drained
 from training.train.gloo_abort import ProcessGroupAbort
+from training.train.hang_watch import HangReport, HangWatch
 from training.train.rollback import MemoryRollback
 
 log = logging.getLogger(__name__)
@@ -69,8 +72,15 @@ LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before a
 # monitor thread's interrupt (it arrives within an interval plus the last-call wait).
 PEER_ABORT_WAIT = 3 * (MONITOR_THREAD_INTERVAL + LAST_CALL_WAIT)
 TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeout
-# Wrapper barriers wait for a rank killed at the hard timeout, with room for slow ranks.
-BARRIER_MARGIN = 30.0
+# A rank's monitor process heartbeats into the store; a peer's monitor that sees its heartbeat this stale marks
+# every stale rank terminated, which ends the restart's barrier at once and shrinks the world, so that the
+# Wrapper hands a lost or cut-off node to the launcher (NVRx 0.7.0 inprocess/sibling_monitor.py SiblingMonitor,
+# wrap.py's iteration barrier). The monitor is a process of its own, not slowed by training; the timeout
+# leaves a few missed beats of room, and stays below the injob detection of a partition (the calculated step
+# timeout), where the hard timeout made a lost node cost it (a minute and a half by default).
+HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_TIMEOUT = 4.0
+BARRIER_MARGIN = 30.0  # barrier_timeout's room for slow ranks
 _KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
 # A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
 # then ncclRemoteError's text. Not "NCCL communicator was aborted": this rank's own watchdog says
@@ -88,24 +98,25 @@ class Iteration:
     call_wrapper: inprocess.CallWrapper
     budget: "RestartBudget"
     drain_signal: DrainSignal  # the process's: a SIGTERM between two iterations is seen by the next
+    hang_watch: HangWatch  # the process's: the rank monitor's calculated timeouts, applied in-process
 
-    def unwatched(self) -> contextlib.AbstractContextManager[None]:
-        """The Wrapper's soft and hard timeouts off (a drain: it waits through whole saves, with no
-        progress to report, and the launcher's grace period bounds it)."""
-        return self.call_wrapper.disable_hang_protection()
+    @contextlib.contextmanager
+    def unwatched(self) -> Iterator[None]:
+        """The Wrapper's soft and hard timeouts and the hang watch off (a drain: it waits through whole
+        saves, with no progress to report, and the launcher's grace period bounds it)."""
+        with self.call_wrapper.disable_hang_protection(), self.hang_watch.paused():
+            yield
 
     def restore(self, state: dict[str, Stateful]) -> int | None:
-        """Load the in-memory copy of the last step every rank completed (None: there is none), and
-        end the Wrapper if too many restarts in a row made no progress. Collective."""
-        step = self.rollback.restore(state)
-        self.budget.resumed(self.number, step)
-        return step
+        """Load the in-memory copy of the last step every rank completed (None: there is none). Collective."""
+        return self.rollback.restore(state)
 
     def step_done(self, step: int, state: dict[str, Stateful]) -> float:
         """Reports progress and keeps the step in memory; returns the seconds the save took."""
         self.call_wrapper.ping()  # manual progress: a rank hung in Python is detected too
         started = time.perf_counter()
         self.rollback.save(step, state)
+        self.budget.completed(step)
         return time.perf_counter() - started
 
 
@@ -127,36 +138,59 @@ class FaultLog:
 class RestartBudget(inprocess.initialize.Initialize):
     """The Wrapper's restart budget: restarts in a row without progress, so a long run survives any
     number of faults and a persistent one still ends it. Ends the Wrapper (RestartAbort, a
-    BaseException: every rank leaves it) naming what the last iteration died of.
+    BaseException: every rank leaves it, and the launcher's in-job restart takes over) naming what the
+    last iteration died of.
 
-    Progress is decided on the step each iteration resumes at, which `MemoryRollback.restore` agrees
-    on across ranks, so every rank takes the same decision. A rank lost (world shrunk) ends it at once
-    in `__call__`, before the iteration starts."""
+    Charged as each iteration starts (the Wrapper's Initialize), for the one that just failed, wherever
+    it failed: in setup (a checkpoint manager, a model build, peer state, the attempt record that
+    cannot be made) as much as in a step. Progress is a step newer than any before that every rank
+    completed: each rank publishes the newest step it completed in `store`, and every rank reads the
+    same minimum, so every rank takes the same decision. It costs one store key per rank and restart.
+    A rank lost (world shrunk) ends it at once, before the iteration starts."""
 
-    def __init__(self, max_restarts: int, world_size: int, faults: FaultLog) -> None:
+    def __init__(self, max_restarts: int, world_size: int, faults: FaultLog, store: dist.Store,
+                 timeout: timedelta) -> None:
         self.max_restarts, self.world_size, self.faults = max_restarts, world_size, faults
-        self._resumed_at: int | None = None  # the newest step an iteration resumed at
+        self._store, self._timeout = store, timeout  # the wait for every rank's key
+        self._completed: int | None = None  # the newest step this rank completed
+        self._progress: int | None = None  # the newest step every rank had completed as an iteration started
         self.without_progress = 0
 
-    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
-        if state.iteration > 0 and state.world_size < self.world_size:
-            raise inprocess.exception.RestartAbort(
-                f"{self.world_size - state.world_size} rank(s) lost ({self.faults.describe(state.iteration - 1)}): "
-                "FSDP shards cannot shrink in-process; leaving the restart to the launcher")
-        return state
+    def completed(self, step: int) -> None:
+        """This rank completed `step` (and holds it in memory)."""
+        self._completed = step
 
-    def resumed(self, iteration: int, step: int | None) -> None:
-        """Iteration `iteration` resumed at the in-memory `step` (None: none); iteration 0 loads from disk."""
-        if iteration == 0:
-            return
-        progressed = step is not None and (self._resumed_at is None or step > self._resumed_at)
+    def __call__(self, state: inprocess.FrozenState) -> inprocess.FrozenState:
+        if state.iteration == 0:
+            return state
+        failed = state.iteration - 1
+        if state.world_size < self.world_size:
+            raise inprocess.exception.RestartAbort(
+                f"{self.world_size - state.world_size} rank(s) lost ({self.faults.describe(failed)}): "
+                "FSDP shards cannot shrink in-process; leaving the restart to the launcher")
+        every_rank = self._every_rank_completed(state)
+        progressed = every_rank is not None and (self._progress is None or every_rank > self._progress)
         if progressed:
-            self._resumed_at = step
+            self._progress = every_rank
         self.without_progress = 0 if progressed else self.without_progress + 1
         if self.without_progress > self.max_restarts:
             raise inprocess.exception.RestartAbort(
                 f"{self.without_progress} in-process restarts in a row made no progress (budget {self.max_restarts}, "
-                f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(iteration - 1)}")
+                f"fault_tolerance.inprocess_max_restarts); the last failed with: {self.faults.describe(failed)}")
+        return state
+
+    def _every_rank_completed(self, state: inprocess.FrozenState) -> int | None:
+        """The newest step every rank of this iteration had completed (None: some rank none)."""
+        keys = [f"completed/{state.iteration}/{rank}" for rank in range(state.world_size)]
+        self._store.set(keys[state.rank], "" if self._completed is None else str(self._completed))
+        self._store.wait(keys, self._timeout)
+        steps = [value.decode() for value in self._store.multi_get(keys)]
+        return None if "" in steps else min(map(int, steps))
+
+
+def barrier_timeout(cfg: TrainConfig) -> timedelta:
+    """How long the Wrapper's barriers wait: for a rank killed at the hard timeout, with room for slow ranks."""
+    return timedelta(seconds=cfg.fault_tolerance.inprocess_hard_timeout + BARRIER_MARGIN)
 
 
 def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port: int, on_cuda: bool,
@@ -164,7 +198,7 @@ def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port:
     """The Wrapper's kwargs for this config; its store in `coordination`."""
     ft = cfg.fault_tolerance
     hard = timedelta(seconds=ft.inprocess_hard_timeout)
-    barrier = hard + timedelta(seconds=BARRIER_MARGIN)
+    barrier = barrier_timeout(cfg)
     logs = Path(cfg.run_dir).resolve() / "logs"
     return dict(
         **coordination.wrapper_store(),
@@ -173,7 +207,8 @@ def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port:
         health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,  # no NVML/CUDA on CPU
         soft_timeout=timedelta(seconds=ft.inprocess_soft_timeout),
         hard_timeout=hard,
-        heartbeat_timeout=hard,  # a rank whose monitor process is silent this long is gone
+        heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL),
+        heartbeat_timeout=timedelta(seconds=HEARTBEAT_TIMEOUT),  # a rank whose monitor process is silent is gone
         barrier_timeout=barrier,
         completion_timeout=barrier,
         monitor_thread_interval=timedelta(seconds=MONITOR_THREAD_INTERVAL),
@@ -250,6 +285,18 @@ class _FaultReporter:
                              rank=first.rank if first else None, by=by, detail=f"Wrapper interruption records: {seen}")
 
 
+def _hang_reporter(call_wrapper: inprocess.CallWrapper) -> HangReport:
+    """Records a hang as the Wrapper's monitor process does at its soft timeout: every rank's monitor thread
+    sees the interruption, aborts, and the ranks restart in-process."""
+    def report(section: str, open_s: float, timeout: float) -> None:
+        rank = call_wrapper.state.rank
+        log.error("rank %d: the %s section open for %.1f s, past its calculated timeout (%.1f s): a hang; "
+                  "every rank restarts in-process", rank, section, open_s, timeout)
+        WrapperIterationStore(call_wrapper.iteration, call_wrapper.base_store).record_interrupted(
+            [InterruptionRecord(rank, Interruption.SOFT_TIMEOUT)])
+    return report
+
+
 def _handle_failure(report: _FaultReporter, call_wrapper: inprocess.CallWrapper, err: BaseException) -> None:
     """Report the failure; returns (the caller re-raises `err`) or raises the Wrapper's interrupt.
 
@@ -285,17 +332,20 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
     faults = FaultLog(app_store)
     report = _FaultReporter(cfg, faults)
     rollback = MemoryRollback()
-    budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults)
+    budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults,
+                           dist.PrefixStore("budget", app_store), barrier_timeout(cfg))
     wrapper = make_wrapper(cfg, coordination, budget)
 
     drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
+    hang_watch = HangWatch()
 
     @wrapper
     def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> Drained | None:
         n = call_wrapper.iteration
         try:
-            train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget,
-                                 drain_signal))
+            with hang_watch.watching(_hang_reporter(call_wrapper)):
+                train(cfg, Iteration(n, dist.PrefixStore(f"iteration{n}", app_store), rollback, call_wrapper, budget,
+                                     drain_signal, hang_watch))
         except Drained as drained:  # every rank drains at the same step: for the Wrapper the run completed
             return drained  # (an exception would interrupt the ranks still committing); raised once out of it
         except JobMustFail:  # no fault to restart from: the rank asked for the Job to fail

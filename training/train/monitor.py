@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 from training.contract.config import FaultToleranceConfig
 from training.contract.launcher import section_timeout_floor
+from training.train.hang_watch import HangWatch
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ _MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # where NVRx puts the rank m
 class RankMonitor:
     """Adapter over nvidia_resiliency_ext.fault_tolerance.RankMonitorClient."""
 
-    def __init__(self, cfg: FaultToleranceConfig) -> None:
+    def __init__(self, cfg: FaultToleranceConfig, watch: HangWatch | None = None) -> None:
         self._cfg = cfg
+        self._watch = watch  # restart=both: the calculated timeouts applied in-process (training/train/hang_watch.py)
         self._floor = section_timeout_floor(cfg)
         self._client: Any = None
         self._steps_seen = 0
@@ -62,7 +64,11 @@ class RankMonitor:
             yield
             return
         self._client.start_section(name)
+        if self._watch is not None:
+            self._watch.opened(name)
         yield
+        if self._watch is not None:
+            self._watch.closed()
         self._client.end_section(name)
         self._observed.add(name)
 
@@ -77,6 +83,8 @@ class RankMonitor:
             selected = [s for s in ("step", "checkpoint") if s in self._observed]
             self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
             self._calculated = True
+            if self._watch is not None:  # before the floor: the Wrapper applies what injob's launcher would
+                self._watch.calculated({s: self._client.section_timeouts.section.get(s) for s in selected})
             self._clamp()
             log.info("NVRx section timeouts calculated: %s", self._client.section_timeouts.section)
 

@@ -65,8 +65,8 @@ class RecoveryTier(Protocol):
 
 @dataclass(frozen=True)
 class InProcessTier:
-    """After an in-process restart, the step kept in host memory; it also charges the Wrapper's
-    restart budget (training/train/inprocess.py). Never older than a checkpoint: every step is kept."""
+    """After an in-process restart, the step kept in host memory (training/train/inprocess.py). Never
+    older than a checkpoint: every step is kept."""
     iteration: Iteration
     name: ClassVar[SourceKind] = "memory"
 
