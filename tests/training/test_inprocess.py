@@ -147,7 +147,7 @@ def _training_state(info, seed=0):
     model, optimizer = build(cfg, model_spec(cfg.model), info)
     stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7,
                          accumulation_steps=2)  # gradients accumulated over two micro-batches, as global_batch_size does
-    train = TrainState(stream, RankMonitor(cfg.fault_tolerance))
+    train = TrainState(stream, RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode))
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train,
              "rng_rank0": RngState(info.device)}
 

@@ -277,7 +277,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, restart: Iteration | None = None) -> None:
         t = cfg.training
         self.cfg, self.restart = cfg, restart
-        self.monitor = RankMonitor(cfg.fault_tolerance)  # first: the setup section covers process start-up
+        self.monitor = RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode)  # first: the setup section covers process start-up
         if restart is not None:  # the process's, watching between the Wrapper's iterations too
             self.drain_signal = restart.drain_signal
         else:
