@@ -28,6 +28,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.utils._pytree import tree_leaves
+
+from training.train.checkpoint.shm_budget import check_fd_budget, new_shared_buffer, raise_fd_limit
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -42,11 +45,19 @@ class _GilFreeStager(StateDictStager):
 
     def _stage_untyped_storage(self, storage: torch.UntypedStorage, non_blocking: bool = False) -> torch.UntypedStorage:
         staged = self._cached_storage_mapping.get(storage)
+        if storage.nbytes() == 0:
+            return torch.UntypedStorage(0)  # nothing to map: the writer gets it by value
         if staged is None or staged.nbytes() != storage.nbytes():
-            staged = torch.UntypedStorage._new_shared(storage.nbytes(), device="cpu")
+            staged = new_shared_buffer(storage.nbytes())  # its pages reserved: a full /dev/shm fails the save
             self._cached_storage_mapping[storage] = staged  # keyed weakly: gone with its source storage
         _as_bytes(staged).copy_(_as_bytes(storage))  # a tensor op: the GIL is released while it copies
         return staged
+
+
+def _storages(state_dict: dict[str, Any]) -> int:
+    """The staging buffers `state_dict` takes: one per distinct storage of its tensors (DTensors' local ones)."""
+    tensors = [getattr(t, "_local_tensor", t) for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
+    return len({t.untyped_storage()._cdata for t in tensors if t.untyped_storage().nbytes()})
 
 
 class SharedStaging(AsyncStager):
@@ -56,12 +67,15 @@ class SharedStaging(AsyncStager):
     _synchronize_after_execute = False  # the caller waits for the staging Future where it must (wait_staged)
 
     def __init__(self) -> None:
+        raise_fd_limit()  # the rank holds a descriptor per buffer (shm_budget)
         self._stager = _GilFreeStager()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-staging")
         self._last: Future[Any] | None = None
 
     def warm_up(self, state_dict: dict[str, Any]) -> Future[Any]:
-        """Allocate and touch the buffers for `state_dict` in the staging thread; returns at once."""
+        """Allocate and touch the buffers for `state_dict` in the staging thread; returns at once. A state with
+        more buffers than the writer process can receive is refused here (StagingBudgetError)."""
+        check_fd_budget(_storages(state_dict))
         self._last = self._thread.submit(self._stager.stage, state_dict)
         return self._last
 

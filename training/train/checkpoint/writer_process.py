@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from training.train.checkpoint.direct_io import DirectFileSystem
+from training.train.checkpoint.shm_budget import raise_fd_limit
 from training.train.checkpoint.shm_channel import ShmChannel
 
 T = TypeVar("T")
@@ -282,6 +283,7 @@ def _writer_main(fd: int) -> None:
     # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
     # "Serialization semantics") turns it off for this process only.
     torch.serialization.set_crc32_options(False)
+    raise_fd_limit()  # it receives two descriptors per staging buffer at once (shm_budget)
     channel = ShmChannel(socket.socket(fileno=fd))
     channel.send(None)  # ready
     _serve(channel)
