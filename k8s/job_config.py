@@ -264,13 +264,17 @@ def _validate(j: JobConfig) -> None:
         raise JobConfigError(f"shm_fraction={j.shm_fraction} is not allowed: more than 0, at most 0.5 "
                              "(/dev/shm is pod memory that the training process cannot use)")
     if j.peer_state_gib + j.staging_gib > j.shm_gib * (1 - SHM_RESERVE):
-        users = [f"peer state {j.peer_state_gib:.0f} GiB ({j.train.peer_state.replicas} replica(s))"] * (
-            j.peer_state_gib > 0) + [f"async checkpoint staging {j.staging_gib:.0f} GiB"] * (j.staging_gib > 0)
+        users, knobs = [], ["train on more nodes", "raise shm_fraction"]
+        if j.peer_state_gib:
+            users.append(f"peer state {j.peer_state_gib:.0f} GiB ({j.train.peer_state.replicas} replica(s))")
+            knobs.append("turn peer state off")
+        if j.staging_gib:
+            users.append(f"async checkpoint staging {j.staging_gib:.0f} GiB")
+            knobs.append("use checkpoint.mode=sync")
         raise JobConfigError(
             f"each node's /dev/shm must hold {' and '.join(users)} for {j.model_shape.name} on {j.nodes} nodes, "
             f"more than {1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
-            f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction"
-            f"{', turn peer state off' * (j.peer_state_gib > 0)}{', or use checkpoint.mode=sync' * (j.staging_gib > 0)}")
+            f"{j.instance.pod_memory_gib} GiB): {', '.join(knobs[:-1])}, or {knobs[-1]}")
     problems = j.capacity.problems()
     if problems:
         raise JobConfigError(f"{j.model_shape.name} on {j.nodes} x {j.instance.name}: " + "; and ".join(problems))

@@ -16,7 +16,7 @@ import torch
 from training.contract.events import EventLog, read_events
 from training.train.checkpoint import writer_process
 from training.train.checkpoint.manager import CheckpointManager
-from training.train.checkpoint.shm_budget import StagingBudgetError
+from training.train.checkpoint.shm_budget import StagingBudgetError, raise_fd_limit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 _CLONE_NEWNS = 0x00020000  # unshare(2)
@@ -92,3 +92,19 @@ def test_a_hard_fd_limit_too_low_for_the_state_is_refused_in_one_line(tmp_path):
     assert _in_a_forked_rank(rank) == 0
     line = refusal.read_text()
     assert "\n" not in line and "RLIMIT_NOFILE" in line and "300 staged tensors" in line and "512" in line
+
+
+def test_saves_go_on_with_more_than_1024_descriptors_open(tmp_path):
+    """With the limit lifted a rank may hold more descriptors than select(2)'s FD_SETSIZE (1024): the writer
+    process's handle must still watch its process (select.select refuses a descriptor past it)."""
+    def rank() -> None:
+        raise_fd_limit()  # as the rank's staging does before it allocates its buffers
+        held = [os.dup(0) for _ in range(1100)]  # the state's buffers, as many as 8b's take
+        try:
+            _saves(tmp_path, {"w": torch.ones(16)})
+        finally:
+            for fd in held:
+                os.close(fd)
+
+    assert _in_a_forked_rank(rank) == 0
+    assert "ckpt_committed" in [e["event"] for e in read_events(tmp_path)]

@@ -1,11 +1,11 @@
 """What the staging buffers of async saves cost the process in shared memory and file descriptors, and the
 checks that turn a shortage into one clear error instead of a dead rank or saves that fail forever.
 
-Each buffer is a file in /dev/shm (tmpfs) held by an open descriptor. A tmpfs page first written through a
-mapping while the file system is full raises SIGBUS in the rank; torch's shared-memory allocator reserves the pages first
-(posix_fallocate in ATen's MapAllocator, torch 2.13: "unable to allocate shared memory(shm) ... No space left
-on device"), so a full /dev/shm fails the allocation, and `new_shared_buffer` turns that into a line that
-says which file system is full, by how much, and what to change.
+Each buffer is a file in /dev/shm (tmpfs) held by an open descriptor. A tmpfs page first written through
+a mapping while the file system is full raises SIGBUS in the rank; torch's shared-memory allocator reserves
+the pages first (posix_fallocate in ATen's MapAllocator, torch 2.13: "unable to allocate shared memory(shm)
+... No space left on device"), so a full /dev/shm fails the allocation, and `new_shared_buffer` turns that
+into a line that says which file system is full, by how much, and what to change.
 
 A save hands the writer process one descriptor per buffer (training.train.checkpoint.shm_channel), and the
 writer holds up to two per buffer while it receives one (the previous save's mapping and the new one):

@@ -201,7 +201,7 @@ class WriterProcess:
 
     @property
     def running(self) -> bool:
-        return not select.select([self._pidfd], [], [], 0)[0]  # a pidfd reads ready once its process ended
+        return not self._ended(0)
 
     def wait_ready(self) -> None:
         """Block until the process serves (at once after a fork; seconds after a new interpreter's start,
@@ -236,7 +236,14 @@ class WriterProcess:
         and is removed by the next manager."""
         if self.running:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            select.select([self._pidfd], [], [])  # until it is gone
+            self._ended(None)  # until it is gone
+
+    def _ended(self, timeout_ms: int | None) -> bool:
+        """Whether the process ended, waiting up to `timeout_ms` (None: until it does). A pidfd reads ready once
+        its process ended (pidfd_open(2)); poll(2), not select(2), which refuses a descriptor past 1023."""
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(timeout_ms))
 
 
 _zygote: _Zygote | None = None
