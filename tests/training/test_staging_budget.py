@@ -16,6 +16,7 @@ import torch
 from training.contract.events import EventLog, read_events
 from training.train.checkpoint import writer_process
 from training.train.checkpoint.manager import CheckpointManager
+from training.train.checkpoint.staging import BY_VALUE_BYTES
 from training.train.checkpoint.shm_budget import StagingBudgetError, raise_fd_limit
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -64,8 +65,9 @@ def test_a_full_dev_shm_fails_the_save_not_the_rank(tmp_path):
     assert "checkpoint.mode=sync" in failed[0]["error"]
 
 
-def _many_tensors() -> dict[str, torch.Tensor]:
-    return {f"t{i}": torch.full((16,), float(i)) for i in range(300)}  # 1b's state has about 590
+def _many_tensors(count: int = 300) -> dict[str, torch.Tensor]:
+    """`count` tensors that each take a shared buffer (1b's state: about 340 of its 590 tensors)."""
+    return {f"t{i}": torch.full((BY_VALUE_BYTES // 4,), float(i)) for i in range(count)}
 
 
 def test_a_low_soft_fd_limit_is_lifted_for_the_save(tmp_path):
@@ -107,4 +109,19 @@ def test_saves_go_on_with_more_than_1024_descriptors_open(tmp_path):
                 os.close(fd)
 
     assert _in_a_forked_rank(rank) == 0
+    assert "ckpt_committed" in [e["event"] for e in read_events(tmp_path)]
+
+
+def test_small_tensors_cost_no_descriptor(tmp_path):
+    """AdamW's step counters and the norms' shards go by value: 150 large tensors and 300 small ones fit a hard
+    limit that 450 buffers would not."""
+    def rank() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+        state = {**_many_tensors(150), **{f"step{i}": torch.tensor(float(i)) for i in range(300)}}
+        _saves(tmp_path, state)
+        m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+        loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+        assert m.load(loaded).step == 1 and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+    assert _in_a_forked_rank(rank) == 0  # was refused (or, before the refusal, a truncated message: ckpt_failed)
     assert "ckpt_committed" in [e["event"] for e in read_events(tmp_path)]

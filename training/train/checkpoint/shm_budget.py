@@ -10,7 +10,8 @@ into a line that says which file system is full, by how much, and what to change
 A save hands the writer process one descriptor per buffer (training.train.checkpoint.shm_channel), and the
 writer holds up to two per buffer while it receives one (the previous save's mapping and the new one):
 `raise_fd_limit` lifts RLIMIT_NOFILE's soft limit (often 1024) to the hard limit, and
-`check_fd_budget` refuses a state with more buffers than the hard limit allows, before any is made.
+`check_fd_budget` refuses a state with more buffers than the hard limit allows, before any is made. Small
+tensors take no buffer (staging.BY_VALUE_BYTES): they travel inside the request.
 """
 from __future__ import annotations
 
