@@ -29,6 +29,7 @@ def _in_a_forked_rank(body: Callable[[], None]) -> int:
     if pid == 0:
         code = 3
         try:
+            torch.set_num_threads(1)  # the parent's OpenMP threads are not in the child (libgomp's pool would hang)
             body()
             code = 0
         finally:
