@@ -177,6 +177,11 @@ class JobConfig:
         return self.capacity.peer_shm_bytes / GIB if self.train.peer_state.enabled else 0.0
 
     @property
+    def staging_gib(self) -> float:
+        """/dev/shm that async saves' staging buffers take on each node (0 unless checkpoint.mode=async)."""
+        return self.capacity.staging_shm_bytes / GIB
+
+    @property
     def shm_gib(self) -> int:
         return max(1, int(self.instance.pod_memory_gib * self.shm_fraction))
 
@@ -258,12 +263,18 @@ def _validate(j: JobConfig) -> None:
     if not 0 < j.shm_fraction <= 0.5:
         raise JobConfigError(f"shm_fraction={j.shm_fraction} is not allowed: more than 0, at most 0.5 "
                              "(/dev/shm is pod memory that the training process cannot use)")
-    if j.peer_state_gib > j.shm_gib * (1 - SHM_RESERVE):
+    if j.peer_state_gib + j.staging_gib > j.shm_gib * (1 - SHM_RESERVE):
+        users, knobs = [], ["train on more nodes", "raise shm_fraction"]
+        if j.peer_state_gib:
+            users.append(f"peer state {j.peer_state_gib:.0f} GiB ({j.train.peer_state.replicas} replica(s))")
+            knobs.append("turn peer state off")
+        if j.staging_gib:
+            users.append(f"async checkpoint staging {j.staging_gib:.0f} GiB")
+            knobs.append("use checkpoint.mode=sync")
         raise JobConfigError(
-            f"peer_state.enabled=true needs {j.peer_state_gib:.0f} GiB of each node's /dev/shm for "
-            f"{j.model_shape.name} on {j.nodes} nodes with {j.train.peer_state.replicas} replica(s), more than "
-            f"{1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
-            f"{j.instance.pod_memory_gib} GiB): train on more nodes, raise shm_fraction, or turn peer state off")
+            f"each node's /dev/shm must hold {' and '.join(users)} for {j.model_shape.name} on {j.nodes} nodes, "
+            f"more than {1 - SHM_RESERVE:.0%} of its {j.shm_gib} GiB (shm_fraction={j.shm_fraction} of "
+            f"{j.instance.pod_memory_gib} GiB): {', '.join(knobs[:-1])}, or {knobs[-1]}")
     problems = j.capacity.problems()
     if problems:
         raise JobConfigError(f"{j.model_shape.name} on {j.nodes} x {j.instance.name}: " + "; and ".join(problems))

@@ -38,7 +38,13 @@ import pytest
                                                     "of training.batch_size (2)"),
     # peer state of the 8b model on one 24 GiB-memory node cannot fit the pod's /dev/shm
     (["-c", "gpuInstanceType=g6.xlarge", "-c", "gpuNodesMin=1", "-c", "gpuNodesDesired=1"], {},
-     "peer_state.enabled=true needs 179 GiB of each node's /dev/shm for 8b on 1 nodes"),
+     "each node's /dev/shm must hold peer state 179 GiB (1 replica(s)) and async checkpoint staging 90 GiB for 8b "
+     "on 1 nodes"),
+    # without peer state, an async save's staging copy of the node's state still lives in /dev/shm
+    (["-c", "gpuInstanceType=g6.xlarge", "-c", "gpuNodesMin=1", "-c", "gpuNodesDesired=1",
+      "--set", "peer_state.enabled=false"], {},
+     "each node's /dev/shm must hold async checkpoint staging 90 GiB for 8b on 1 nodes, more than 88% of its 3 GiB "
+     "(shm_fraction=0.25 of 12 GiB): train on more nodes, raise shm_fraction, or use checkpoint.mode=sync"),
     (["--grace-period", "120"], {},
      "termination_grace_s=120 contradicts fault_tolerance.drain_timeout_s=360.0"),
     (["--node-failure-toleration", "-1"], {},

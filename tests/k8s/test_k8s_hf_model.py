@@ -59,7 +59,7 @@ def test_mixtral_is_sized_by_every_expert_and_computes_with_the_routed_ones(tmp_
     exactly against the tiny Mixtral that transformers builds)."""
     platform = PlatformConfig()
     infra, model_dir = load_infra_outputs(platform, tmp_path / "no-outputs.json"), _local_copy(tmp_path, MIXTRAL_8X7B)
-    refusals = {"needs 1044 GiB of each node's /dev/shm": [],  # counted as one dense MLP per layer: 162 GiB
+    refusals = {"must hold peer state 1044 GiB": [],  # counted as one dense MLP per layer: 162 GiB
                 "an async save of 560.4 GB to FSx": ["peer_state.enabled=false"]}  # 12 bytes x 46.7 B
     for refusal, overrides in refusals.items():
         with pytest.raises(JobConfigError, match=refusal):

@@ -190,7 +190,8 @@ def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monke
     monkeypatch.setattr(ft_module, "RankMonitorClient", FakeRankMonitorClient)
     monkeypatch.setenv("FT_RANK_MONITOR_IPC_SOCKET", "/nonexistent")
     watch = HangWatch(interval_s=0.01)
-    monitor = RankMonitor(_cfg("fault_tolerance.calculate_timeouts_after=2").fault_tolerance, watch)
+    cfg = _cfg("fault_tolerance.calculate_timeouts_after=2")
+    monitor = RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode, watch)
     for _ in range(2):
         with monitor.section("step"):
             pass
@@ -295,7 +296,7 @@ def _training_state(info, seed=0):
     model, optimizer = build(cfg, model_spec(cfg.model), info)
     stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7,
                          accumulation_steps=2)  # gradients accumulated over two micro-batches, as global_batch_size does
-    train = TrainState(stream, RankMonitor(cfg.fault_tolerance))
+    train = TrainState(stream, RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode))
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train,
              "rng_rank0": RngState(info.device)}
 

@@ -27,9 +27,8 @@ def test_after_a_warm_up_a_save_allocates_nothing_and_stages_its_own_values(monk
     staging.warm_up(state)
     staging.wait()
     allocated = []
-    real_new_shared = torch.UntypedStorage._new_shared
-    monkeypatch.setattr(torch.UntypedStorage, "_new_shared",
-                        classmethod(lambda cls, *a, **kw: allocated.append(a) or real_new_shared(*a, **kw)))
+    real_new_shared = staging_module.new_shared_buffer
+    monkeypatch.setattr(staging_module, "new_shared_buffer", lambda *a: allocated.append(a) or real_new_shared(*a))
     state["w"].fill_(2.0)  # trained on after the warm-up
     staged = staging.stage(state).result()
     assert allocated == []

@@ -348,6 +348,13 @@ class Capacity:
         return node_memory_bytes(self.model.parameters, self.nodes, self.schedule.peer_replicas)
 
     @property
+    def staging_shm_bytes(self) -> int:
+        """/dev/shm that async saves' staging buffers take on each node: a copy of the node's share of the state,
+        held for the run (training.train.checkpoint.staging; on CUDA only where NVRx's async writer is missing,
+        counted all the same: the image decides which writer runs, not the chart)."""
+        return math.ceil(self.node_bytes) if self.schedule.mode == "async" else 0
+
+    @property
     def peer_fits_shm(self) -> bool:
         return self.peer_shm_bytes <= self.node.shm_bytes * (1 - SHM_RESERVE)
 

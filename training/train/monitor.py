@@ -3,11 +3,17 @@ ft_launcher flags derived from the training config) is training/contract/launche
 
 Sections: `setup` (process start to the first step), `step` (one training step; an async save's wait
 for its staging copy, before the optimizer's step, falls in it), `checkpoint` (the rest of a save's
-blocking part). After `calculate_timeouts_after` steps of an attempt, the step and
-checkpoint section timeouts are recomputed from observed timings (max × safety factor) and sent to
-the rank monitor; they are saved in checkpoints, so a restarted job gets tight hang detection
+blocking part). After `calculate_timeouts_after` steps of an attempt, the step and (sync saves
+only) checkpoint section timeouts are recomputed from observed timings (max × safety factor) and sent
+to the rank monitor; they are saved in checkpoints, so a restarted job gets tight hang detection
 from its first step. A heartbeat is sent after every step, so the launcher's heartbeat timeouts
 (from the config, generous) hold as a backstop.
+
+An async save's checkpoint section is a hand-off of milliseconds, but the same section also holds
+the waits that last as long as a whole save: a save due while the last one is in flight (when_busy=
+wait), a drain's commit, the final close. A timeout learned from hand-offs would kill healthy ranks in
+those waits, so with checkpoint.mode=async the checkpoint section keeps its configured timeout, and
+one learned earlier (a checkpoint of a sync run, or of a run before this rule) is put back to it.
 
 Without ft_launcher (no rank monitor socket in the environment) every call is a no-op, announced
 once with a log line.
@@ -20,8 +26,8 @@ import logging
 import os
 from typing import Any, Iterator
 
-from training.contract.config import FaultToleranceConfig
-from training.contract.launcher import section_timeout_floor
+from training.contract.config import CheckpointMode, FaultToleranceConfig
+from training.contract.launcher import section_timeout_floor, section_timeouts
 from training.train.hang_watch import HangWatch
 
 log = logging.getLogger(__name__)
@@ -32,10 +38,14 @@ _MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # where NVRx puts the rank m
 class RankMonitor:
     """Adapter over nvidia_resiliency_ext.fault_tolerance.RankMonitorClient."""
 
-    def __init__(self, cfg: FaultToleranceConfig, watch: HangWatch | None = None) -> None:
+    def __init__(self, cfg: FaultToleranceConfig, checkpoint_mode: CheckpointMode,
+                 watch: HangWatch | None = None) -> None:
         self._cfg = cfg
         self._watch = watch  # restart=both: the calculated timeouts applied in-process (training/train/hang_watch.py)
         self._floor = section_timeout_floor(cfg)
+        # the sections whose timeouts are learned from observed timings (the module's docstring: why not async's)
+        self._mode = checkpoint_mode
+        self._learned = ("step", "checkpoint") if checkpoint_mode == "sync" else ("step",)
         self._client: Any = None
         self._steps_seen = 0
         self._calculated = False
@@ -80,23 +90,38 @@ class RankMonitor:
         self._client.send_heartbeat()
         self._steps_seen += 1
         if not self._calculated and self._steps_seen >= self._cfg.calculate_timeouts_after:
-            selected = [s for s in ("step", "checkpoint") if s in self._observed]
+            selected = [s for s in self._learned if s in self._observed]
             self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
             self._calculated = True
             if self._watch is not None:  # before the floor: the Wrapper applies what injob's launcher would
                 self._watch.calculated({s: self._client.section_timeouts.section.get(s) for s in selected})
-            self._clamp()
+            self._correct_timeouts()
             log.info("NVRx section timeouts calculated: %s", self._client.section_timeouts.section)
 
-    def _clamp(self) -> None:
-        """Raise section timeouts below the floor (`section_timeout_floor`) to it, and say so."""
+    def _correct_timeouts(self) -> None:
+        """Put back the configured timeout of a section this run does not learn, raise section timeouts
+        below the floor (`section_timeout_floor`) to it, and say so."""
         state = self._client.state_dict()
-        sections = state[self._client.CURRENT_TIMEOUTS_STATE_KEY].get("section", {}).get("section", {})
+        timeouts = state[self._client.CURRENT_TIMEOUTS_STATE_KEY].get("section", {})
+        sections = timeouts.get("section", {})
+        # NVRx 0.7.0 SectionTimeouts (fault_tolerance/data.py): `section` by name, `calculated_sections` the
+        # learned ones; RankMonitorClient.state_dict/load_state_dict carry both
+        unlearned = {name: t for name, t in sections.items()
+                     if name in timeouts.get("calculated_sections", ()) and name not in self._learned}
+        for name in unlearned:
+            sections[name] = section_timeouts(self._cfg)[name]
+            timeouts["calculated_sections"].remove(name)
         low = {name: t for name, t in sections.items() if t is not None and t < self._floor}
+        sections.update({name: self._floor for name in low})
+        if not (unlearned or low):
+            return
+        self._client.load_state_dict(state)  # the public way to set timeouts: they apply at once
+        if unlearned:
+            log.warning("NVRx section timeouts %s learned earlier put back to their configured values: with "
+                        "checkpoint.mode=%s only %s are learned", {n: round(t, 2) for n, t in unlearned.items()},
+                        self._mode, "/".join(self._learned))
         if not low:
             return
-        sections.update({name: self._floor for name in low})
-        self._client.load_state_dict(state)  # the public way to set timeouts: they apply at once
         log.warning("NVRx section timeouts %s raised to %.0f s: with restart=%s the in-process Wrapper's hard "
                     "timeout (%.0f s, fault_tolerance.inprocess_hard_timeout) must catch a hang first",
                     {n: round(t, 2) for n, t in low.items()}, self._floor, self._cfg.restart,
@@ -110,7 +135,7 @@ class RankMonitor:
         state = json.loads(text)
         if self._client is not None and state:
             self._client.load_state_dict(state)
-            self._clamp()  # the checkpoint may come from a run with restart=injob
+            self._correct_timeouts()  # the checkpoint may come from a run with restart=injob
 
     def shutdown(self) -> None:
         if self._client is not None:

@@ -278,7 +278,8 @@ class Trainer:
         t = cfg.training
         self.cfg, self.restart = cfg, restart
         # first: the setup section covers process start-up
-        self.monitor = RankMonitor(cfg.fault_tolerance, watch=restart.hang_watch if restart is not None else None)
+        self.monitor = RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode,
+                                   watch=restart.hang_watch if restart is not None else None)
         if restart is not None:  # the process's, watching between the Wrapper's iterations too
             self.drain_signal = restart.drain_signal
         else:

@@ -28,6 +28,15 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.utils._pytree import tree_leaves
+
+from training.train.checkpoint.shm_budget import check_fd_budget, new_shared_buffer, raise_fd_limit
+
+# Storages smaller than this are staged in private memory and travel pickled in the save's request: copying them
+# through the socket costs microseconds, a buffer of their own a descriptor in the rank and two in the writer
+# (shm_budget). Norm weights, biases, AdamW's step counters and RNG states: about a quarter of a Llama state's
+# tensors, nothing of its bytes.
+BY_VALUE_BYTES = 64 << 10
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -43,10 +52,20 @@ class _GilFreeStager(StateDictStager):
     def _stage_untyped_storage(self, storage: torch.UntypedStorage, non_blocking: bool = False) -> torch.UntypedStorage:
         staged = self._cached_storage_mapping.get(storage)
         if staged is None or staged.nbytes() != storage.nbytes():
-            staged = torch.UntypedStorage._new_shared(storage.nbytes(), device="cpu")
+            # a small one goes to the writer by value inside the request (shm_channel): not worth a descriptor
+            shared = storage.nbytes() >= BY_VALUE_BYTES
+            staged = new_shared_buffer(storage.nbytes()) if shared else torch.UntypedStorage(storage.nbytes())
             self._cached_storage_mapping[storage] = staged  # keyed weakly: gone with its source storage
         _as_bytes(staged).copy_(_as_bytes(storage))  # a tensor op: the GIL is released while it copies
         return staged
+
+
+def _shared_buffers(state_dict: dict[str, Any]) -> int:
+    """The shared-memory buffers staging `state_dict` takes: one per distinct storage of its tensors (DTensors'
+    local ones) of at least BY_VALUE_BYTES."""
+    tensors = [getattr(t, "_local_tensor", t) for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(nbytes >= BY_VALUE_BYTES for nbytes in storages.values())
 
 
 class SharedStaging(AsyncStager):
@@ -56,12 +75,15 @@ class SharedStaging(AsyncStager):
     _synchronize_after_execute = False  # the caller waits for the staging Future where it must (wait_staged)
 
     def __init__(self) -> None:
+        raise_fd_limit()  # the rank holds a descriptor per buffer (shm_budget)
         self._stager = _GilFreeStager()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-staging")
         self._last: Future[Any] | None = None
 
     def warm_up(self, state_dict: dict[str, Any]) -> Future[Any]:
-        """Allocate and touch the buffers for `state_dict` in the staging thread; returns at once."""
+        """Allocate and touch the buffers for `state_dict` in the staging thread; returns at once. A state with
+        more buffers than the writer process can receive is refused here (StagingBudgetError)."""
+        check_fd_budget(_shared_buffers(state_dict))
         self._last = self._thread.submit(self._stager.stage, state_dict)
         return self._last
 

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from training.train.checkpoint.direct_io import DirectFileSystem
+from training.train.checkpoint.shm_budget import raise_fd_limit
 from training.train.checkpoint.shm_channel import ShmChannel
 
 T = TypeVar("T")
@@ -200,7 +201,7 @@ class WriterProcess:
 
     @property
     def running(self) -> bool:
-        return not select.select([self._pidfd], [], [], 0)[0]  # a pidfd reads ready once its process ended
+        return not self._ended(0)
 
     def wait_ready(self) -> None:
         """Block until the process serves (at once after a fork; seconds after a new interpreter's start,
@@ -235,7 +236,14 @@ class WriterProcess:
         and is removed by the next manager."""
         if self.running:
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            select.select([self._pidfd], [], [])  # until it is gone
+            self._ended(None)  # until it is gone
+
+    def _ended(self, timeout_ms: int | None) -> bool:
+        """Whether the process ended, waiting up to `timeout_ms` (None: until it does). A pidfd reads ready once
+        its process ended (pidfd_open(2)); poll(2), not select(2), which refuses a descriptor past 1023."""
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(timeout_ms))
 
 
 _zygote: _Zygote | None = None
@@ -282,6 +290,7 @@ def _writer_main(fd: int) -> None:
     # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
     # "Serialization semantics") turns it off for this process only.
     torch.serialization.set_crc32_options(False)
+    raise_fd_limit()  # it receives two descriptors per staging buffer at once (shm_budget)
     channel = ShmChannel(socket.socket(fileno=fd))
     channel.send(None)  # ready
     _serve(channel)

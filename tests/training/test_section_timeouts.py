@@ -1,0 +1,88 @@
+"""NVRx's checkpoint section timeout with async saves, against a real NVRx 0.7.0 rank monitor.
+
+An async save's checkpoint section is a hand-off of milliseconds; a timeout learned from it (NVRx's
+max x safety factor) killed a rank later waiting in the same section for a whole save. Each case runs
+the rank in a forked child with NVRx's RankMonitorServer beside it, and NVRx's own calculation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig as NvrxConfig
+from nvidia_resiliency_ext.fault_tolerance.rank_monitor_server import RankMonitorServer
+
+from training.contract.config import CheckpointMode, FaultToleranceConfig
+from training.contract.launcher import section_timeouts
+from training.train.monitor import RankMonitor
+
+QUICK_S = 0.01  # a step, an async save's hand-off
+WAIT_S = 1.5  # a wait for the save in flight: thirty times the quick one, far below the configured 600 s
+FT = FaultToleranceConfig(calculate_timeouts_after=3)
+
+
+@pytest.fixture()
+def rank_monitor(tmp_path: Path):
+    """NVRx's rank monitor server on a socket, checking every 0.1 s with the config's section timeouts."""
+    cfg = NvrxConfig(workload_check_interval=0.1, rank_section_timeouts=section_timeouts(FT),
+                     rank_out_of_section_timeout=FT.out_of_section_timeout,
+                     initial_rank_heartbeat_timeout=FT.initial_rank_heartbeat_timeout,
+                     rank_heartbeat_timeout=FT.rank_heartbeat_timeout, safety_factor=FT.timeout_safety_factor)
+    socket_path = str(tmp_path / "rmon.socket")
+    server = RankMonitorServer.run_in_subprocess(cfg, socket_path, mp_ctx=mp.get_context("fork"))
+    yield socket_path
+    server.kill()
+    server.join()
+
+
+def _rank(socket_path: str, mode: CheckpointMode, load: str | None, wait_s: float, state_file: Path) -> int:
+    """Fork a rank: quick steps and saves past calculate_timeouts_after, then one checkpoint-section wait of
+    `wait_s`; it writes its monitor's state to `state_file`. Its exit code, or minus the signal that killed it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.environ.update(FT_RANK_MONITOR_IPC_SOCKET=socket_path, RANK="0")
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            monitor = RankMonitor(FT, mode)
+            if load is not None:
+                monitor.load_state_dict(load)
+            monitor.end_setup()
+            for _ in range(FT.calculate_timeouts_after + 1):
+                with monitor.section("step"):
+                    time.sleep(QUICK_S)
+                with monitor.section("checkpoint"):
+                    time.sleep(QUICK_S)
+                monitor.step_done()
+            state_file.write_text(monitor.state_dict())
+            with monitor.section("checkpoint"):
+                time.sleep(wait_s)
+            monitor.shutdown()
+            os._exit(0)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _checkpoint_timeout(state_file: Path) -> float:
+    return json.loads(state_file.read_text())["current_timeouts"]["section"]["section"]["checkpoint"]
+
+
+def test_async_saves_keep_the_configured_checkpoint_timeout(rank_monitor, tmp_path):
+    state = tmp_path / "state.json"
+    assert _rank(rank_monitor, "async", None, WAIT_S, state) == 0  # was killed (SIGKILL) by the rank monitor
+    assert _checkpoint_timeout(state) == FT.checkpoint_section_timeout
+    assert json.loads(state.read_text())["current_timeouts"]["section"]["section"]["step"] < 1  # still learned
+
+
+def test_a_learned_checkpoint_timeout_from_a_checkpoint_is_put_back(rank_monitor, tmp_path):
+    learned, resumed = tmp_path / "sync.json", tmp_path / "async.json"
+    assert _rank(rank_monitor, "sync", None, 0, learned) == 0
+    assert _checkpoint_timeout(learned) < 1  # sync saves learn it: NVRx's max x safety factor of quick saves
+    assert _rank(rank_monitor, "async", learned.read_text(), WAIT_S, resumed) == 0
+    assert _checkpoint_timeout(resumed) == FT.checkpoint_section_timeout
