@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import select
 import socket
 import struct
 from typing import Any
@@ -79,10 +80,13 @@ class ShmChannel:
             socket.send_fds(self._sock, [b"\0"], pickler.fds[start:start + SCM_MAX_FD])
         self._sock.sendall(payload)
 
-    def recv(self) -> Any:
-        """The next object; EOFError once the other end is closed. A message whose descriptors did not all
-        arrive (the receiver's descriptor limit) is read to its end and refused with OSError, so the
-        next one can still be read."""
+    def recv(self, timeout: float | None = None) -> Any:
+        """The next object; EOFError once the other end is closed; TimeoutError when no message began within
+        `timeout` seconds (None: wait for ever). A message whose descriptors did not all arrive (the
+        receiver's descriptor limit) is read to its end and refused with OSError, so the next one can still
+        be read."""
+        if timeout is not None and not select.select([self._sock], [], [], timeout)[0]:
+            raise TimeoutError(f"shm channel: no message within {timeout:g} s")
         size, count = _HEADER.unpack(self._read(_HEADER.size))
         fds: list[int] = []
         truncated = False
