@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import errno
 import json
@@ -35,6 +34,7 @@ from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
 from training.train.trainer import build, lr_at, run, train_step
+from nvrx_fakes import FakeQueue, fake_nvrx  # noqa: F401 (a fixture)
 from training_helpers import REPO_ROOT
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
@@ -380,62 +380,9 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
 # ---- NVRx's async writer (CUDA only), with NVRx's pieces replaced by fakes ------------------------
 
 
-class _FakeQueue:
-    """AsyncCallsQueue whose worker writes only when waited for: later than the training steps
-    that follow the save, as NVRx's persistent worker may."""
-
-    def __init__(self, persistent: bool = True) -> None:
-        self.requests: list = []
-        self.closed: list[bool] = []  # the `abort` of each close()
-
-    def schedule_async_request(self, request) -> None:  # noqa: ANN001
-        self.requests.append(request)
-
-    def maybe_finalize_async_calls(self, blocking: bool = False) -> None:
-        while blocking and self.requests:
-            request = self.requests.pop(0)
-            request.async_fn(*request.async_fn_args)
-            for finalize in request.finalize_fns:
-                finalize()
-
-    def get_num_unfinalized_calls(self) -> int:
-        return len(self.requests)
-
-    def close(self, abort: bool = False) -> None:
-        self.closed.append(abort)
-
-
-class _FakeFileSystemWriterAsync:
-    written: list[dict] = []
-
-    def __init__(self, path: Path) -> None:
-        self.state: dict = {}
-
-    def get_save_function_and_args(self):  # noqa: ANN201
-        return lambda: self.written.append(copy.deepcopy(self.state)), None, []
-
-
-@pytest.fixture()
-def fake_nvrx(monkeypatch) -> list[dict]:
-    """NVRx's async checkpointing faked at the names _NvrxAsyncWriter imports; returns the list of
-    state dicts its worker wrote, each as read at write time."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async, state_dict_saver
-
-    def plan(state_dict, writer, process_group=None):  # noqa: ANN001, ANN202
-        writer.state = state_dict
-        return writer, None, None
-
-    monkeypatch.setattr(core, "AsyncCallsQueue", _FakeQueue)
-    monkeypatch.setattr(filesystem_async, "FileSystemWriterAsync", _FakeFileSystemWriterAsync)
-    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", plan)
-    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_finalize", lambda *args: None)
-    monkeypatch.setattr(_FakeFileSystemWriterAsync, "written", [])
-    return _FakeFileSystemWriterAsync.written
-
-
 def test_nvrx_writer_writes_the_cpu_state_of_its_step(fake_nvrx, tmp_path):
     step = torch.tensor(3.0)  # AdamW's step: a CPU tensor, incremented in place by the next step
-    writer = _NvrxAsyncWriter(None)
+    writer = _NvrxAsyncWriter(None, lambda replaced: None)
     writer.start({"optimizer": {"state": {"w": {"step": step, "exp_avg": torch.ones(2)}}}}, tmp_path / "s3", 3)
     step += 1  # training goes on while the save is in flight
     assert writer.done(blocking=True)
@@ -447,12 +394,8 @@ def test_nvrx_writer_writes_the_cpu_state_of_its_step(fake_nvrx, tmp_path):
 def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx, monkeypatch, tmp_path, fault, closed):
     """`run` is one in-process restart iteration: dying with a save in flight, it must stop NVRx's
     worker itself (close(abort=True)), not leave that to the queue's garbage collection."""
-    queues = []
-
-    def nvrx_writer(device, group, hook):  # noqa: ANN001, ANN202 (on CPU too)
-        writer = _NvrxAsyncWriter(group)
-        queues.append(writer._queue)
-        return writer
+    def nvrx_writer(device, group, hook, deadlines, report):  # noqa: ANN001, ANN202 (on CPU too)
+        return _NvrxAsyncWriter(group, report)
 
     monkeypatch.setattr(manager, "make_async_writer", nvrx_writer)
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -467,7 +410,7 @@ def test_run_closes_nvrx_writer_and_aborts_it_when_the_iteration_dies(fake_nvrx,
     else:
         run(cfg)
         assert [s for s, _ in committed_checkpoints(cfg.checkpoint_dir)] == [4, 2]
-    [queue] = queues
+    [queue] = FakeQueue.built
     assert queue.closed == closed
 
 

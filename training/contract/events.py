@@ -37,6 +37,10 @@ depend on the event:
                                                    file system of `path` (the checkpoint directory) is full
                                                    (ENOSPC, or EDQUOT over a quota); free_bytes: null if unknown
   ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
+  ckpt_writer_replaced  rank, process, pid,        the rank whose async checkpoint writer was found dead or stuck
+                  new_pid, reason                  and replaced (training/train/checkpoint/writer_process.py);
+                                                   process: zygote | writer | nvrx_worker; new_pid: null when
+                                                   it starts at the next save
   fault_injected  kind, rank, step, spec           the faulty rank, just before the fault fires; spec:
                                                    the fault spec as written (training/train/faults.py)
   fault_detected  kind, rank, detail, by           whoever detects it; by: the detecting party
@@ -70,7 +74,7 @@ from typing import Any, Iterable, Iterator
 
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
-    "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
+    "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "ckpt_writer_replaced", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
     "peer_state", "peer_copy_rejected",
     "run_end",
 })

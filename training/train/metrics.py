@@ -102,6 +102,8 @@ class RunCollector(Collector):
             "checkpoints_failed": ("Checkpoint saves that failed so far", tally.ckpt_failed),
             "checkpoints_failed_no_space": ("Checkpoint saves that failed so far because the checkpoint file system "
                                             "was full (ENOSPC/EDQUOT)", tally.ckpt_no_space),
+            "checkpoint_writers_replaced": ("Async checkpoint writers (a rank's writer process, its zygote, NVRx's "
+                                            "worker) found dead or stuck and replaced so far", tally.ckpt_writer_replaced),
         }
         return [restarts, *(GaugeMetricFamily(PREFIX + name, text, value=value)
                             for name, (text, value) in gauges.items())]

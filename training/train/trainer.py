@@ -41,7 +41,7 @@ from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
-from training.train.checkpoint.writers import with_emulated_delay
+from training.train.checkpoint.writers import WriterDeadlines, with_emulated_delay
 from training.train.checkpoint.writer_process import start_zygote as start_writer_zygote
 from training.train.distributed import DistInfo, device_memory_bytes, init_distributed, teardown
 from training.train.drain import (IMPOSSIBLE, DrainPlan, DrainSignal, DrainView, Drained, agree_on_plan,
@@ -312,7 +312,8 @@ class Trainer:
             self.ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
                                           when_busy=cfg.checkpoint.when_busy, events=self.events,
                                           device=self.info.device,
-                                          write_hook=with_emulated_delay(self.injector.around_write))
+                                          write_hook=with_emulated_delay(self.injector.around_write),
+                                          deadlines=WriterDeadlines.of(cfg))
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
             self.resume()
             self.ckpt.wait_for_writer()  # in NVRx's setup section, not in the first saves'

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from training.contract.config import TrainConfig
 from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
 from training.train.checkpoint.fit import misfit
@@ -42,7 +43,8 @@ from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
 from training.train.checkpoint.layout import (BackgroundDeletion, SaveFenced, clean_up, commit, committed_checkpoints,
                                               free_bytes, out_of_space, prune, remove_older_saves, save_dir_name,
                                               set_aside, set_aside_names, start_generation, write_resume_step)
-from training.train.checkpoint.writers import AsyncWriter, WriteHook, file_writer, make_async_writer
+from training.train.checkpoint.writer_process import Replaced
+from training.train.checkpoint.writers import AsyncWriter, WriteHook, WriterDeadlines, file_writer, make_async_writer
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
                  events: EventLog | None = None, device: torch.device = torch.device("cpu"),
-                 write_hook: WriteHook | None = None) -> None:
+                 write_hook: WriteHook | None = None, deadlines: WriterDeadlines | None = None) -> None:
         self.dir = Path(directory)
         self.mode, self.keep, self.when_busy = mode, keep, when_busy
         self.events = events
@@ -127,9 +129,10 @@ class CheckpointManager:
                 newest = committed_checkpoints(self.dir)[:1]
                 write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
         if mode == "async":
+            deadlines = deadlines or WriterDeadlines.of(TrainConfig())
             # A separate group: background-save collectives must not interleave with the training group's.
-            group = dist.new_group(backend="gloo") if self.distributed else None
-            self._writer = make_async_writer(device, group, write_hook)
+            group = dist.new_group(backend="gloo", timeout=deadlines.group_timeout) if self.distributed else None
+            self._writer = make_async_writer(device, group, write_hook, deadlines, self._writer_replaced)
         self.generation = self._broadcast(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
 
     @property
@@ -389,6 +392,12 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.close(abort=True)
             self._writer = None  # closed once: a drain that abandoned its save aborts before the run's end does
+
+    def _writer_replaced(self, replaced: Replaced) -> None:
+        """This rank's writer was found dead or stuck and replaced: an event of this rank's own (not rank 0's)."""
+        if self.events is not None:
+            self.events.emit("ckpt_writer_replaced", rank=self.rank, process=replaced.process, pid=replaced.pid,
+                             new_pid=replaced.new_pid, reason=replaced.reason)
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.rank == 0 and self.events is not None:

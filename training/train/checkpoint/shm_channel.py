@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import select
 import socket
 import struct
 from typing import Any
@@ -23,6 +24,14 @@ import torch
 SCM_MAX_FD = 253  # unix(7): the most file descriptors one sendmsg may carry
 _HEADER = struct.Struct("!QI")  # pickle bytes, file descriptors
 _FileKey = tuple[int, int]  # (st_dev, st_ino): one shared memory, whichever descriptor names it
+
+
+def readable(fd: Any, timeout_s: float | None) -> bool:
+    """Whether `fd` (a descriptor or a socket) reads ready within `timeout_s` (None: wait for ever). poll(2),
+    not select(2), which refuses a descriptor past 1023: a rank holds one per staging buffer."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))
 
 
 class _Pickler(pickle.Pickler):
@@ -79,10 +88,13 @@ class ShmChannel:
             socket.send_fds(self._sock, [b"\0"], pickler.fds[start:start + SCM_MAX_FD])
         self._sock.sendall(payload)
 
-    def recv(self) -> Any:
-        """The next object; EOFError once the other end is closed. A message whose descriptors did not all
-        arrive (the receiver's descriptor limit) is read to its end and refused with OSError, so the
-        next one can still be read."""
+    def recv(self, timeout: float | None = None) -> Any:
+        """The next object; EOFError once the other end is closed; TimeoutError when no message began within
+        `timeout` seconds (None: wait for ever). A message whose descriptors did not all arrive (the
+        receiver's descriptor limit) is read to its end and refused with OSError, so the next one can still
+        be read."""
+        if timeout is not None and not readable(self._sock, timeout):
+            raise TimeoutError(f"shm channel: no message within {timeout:g} s")
         size, count = _HEADER.unpack(self._read(_HEADER.size))
         fds: list[int] = []
         truncated = False

@@ -17,7 +17,14 @@ fails; the listener also costs the training process a connection and an HMAC han
 Protocol, one write in flight: the parent sends WriteRequest(path, plan, data); the process answers with
 the list of WriteResults or with the exception the write raised. It never commits anything (the training
 process's rank 0 does, layout.commit), so a writer process outliving its training iteration can at most
-leave files in an uncommitted `.tmp-` directory. It is forked by the rank's zygote (`_Zygote`), so a new one
+leave files in an uncommitted `.tmp-` directory.
+
+Every wait on the writer and its zygote is bounded (`deadline_s`, from the checkpoint section timeout: a
+write that outlasts it would have the rank monitor kill the rank in the next save's wait anyway). A writer
+with no answer in time (stuck in I/O: a process in uninterruptible FSx I/O does not die even from SIGKILL
+until the I/O returns) fails its save, is SIGKILLed, and abandoned: its socket is closed, so it can never
+answer a later save, and the next save gets a new writer. A zygote found dead (the OOM killer, ENOMEM on
+fork) or stuck is replaced once per request (`Replaced` says so). It is forked by the rank's zygote (`_Zygote`), so a new one
 costs a fork, not an interpreter's imports, and an in-process or in-job restart waits for none; it dies with
 the zygote, which dies with the rank (PR_SET_PDEATHSIG), and when its socket closes; `abort()` kills it
 mid-write. Signals to the rank's process group (a drain's SIGTERM) do not reach it: a drain waits for the
@@ -25,9 +32,10 @@ write in flight to commit.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -46,9 +54,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from training.train.checkpoint.direct_io import DirectFileSystem
 from training.train.checkpoint.shm_budget import raise_fd_limit
-from training.train.checkpoint.shm_channel import ShmChannel
+from training.train.checkpoint.shm_channel import ShmChannel, readable
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# How long an abort or a replacement waits for a SIGKILLed process to end: one that is not in uninterruptible
+# I/O ends within milliseconds; waiting longer for one that is would hold an in-process restart up.
+_KILL_GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent thread exits
 
 
@@ -62,6 +75,31 @@ class WriteRequest:
 class WriterProcessDied(RuntimeError):
     """The writer process ended while a write was in flight (killed, out of memory): the save fails,
     and the next save starts a new process."""
+
+
+class WriterTimedOut(WriterProcessDied):
+    """The writer process gave no answer within its deadline: the save fails, the process is killed and
+    abandoned, and the next save starts a new one."""
+
+
+class ZygoteLost(WriterProcessDied):
+    """The zygote did not fork a writer when asked (it died, or gave no answer within the deadline)."""
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """A rank's checkpoint writer found dead or stuck, and the one that took its place."""
+    process: str  # "zygote", "writer" or "nvrx_worker" (NVRx's persistent worker, training.train.checkpoint.writers)
+    pid: int
+    new_pid: int | None  # None: it starts at the next save
+    reason: str
+
+
+def _kill_and_wait(pidfd: int, grace_s: float) -> bool:
+    """SIGKILL the process of `pidfd`; whether it ended within `grace_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    return readable(pidfd, grace_s)  # a pidfd reads ready once its process ended (pidfd_open(2))
 
 
 class _Resolved:
@@ -86,8 +124,11 @@ def _serve(channel: ShmChannel) -> None:
             continue
         try:
             # DCP's own writer, with the same defaults as the training process's (one file per rank, fsync),
-            # its shard file written around the page cache (direct_io.py).
-            writer = dcp.FileSystemWriter(request.path)
+            # its shard file written around the page cache (direct_io.py). No copy ahead: the staged data is on
+            # the CPU already, and with it FileSystemWriter loads through a CUDA stream wherever CUDA is
+            # available (_OverlappingCpuLoader, torch 2.13), a CUDA context on GPU 0 per rank's writer. torch's
+            # own FileSystemWriter.stage turns it off for async saves the same way.
+            writer = dcp.FileSystemWriter(request.path, per_thread_copy_ahead=0)
             writer.fs = DirectFileSystem()
             written = writer.write_data(request.plan, _Resolved(request.data))
             written.wait()
@@ -126,7 +167,14 @@ class _Zygote:
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self._sock, self.pid = sock, pid
+        self._pidfd = os.pidfd_open(pid)  # the zygote itself, whoever reaps it and reuses its pid
         self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls) -> _Zygote:
+        """Forked where that is safe (no thread but the main one: a fork copies no other thread, and a lock
+        another thread held stays held in the child), else a new interpreter."""
+        return cls.fork() if threading.active_count() == 1 else cls.spawn()
 
     @classmethod
     def fork(cls) -> _Zygote:
@@ -156,15 +204,33 @@ class _Zygote:
         theirs.close()
         return cls(ours, process.pid)
 
-    def new_writer(self) -> WriterProcess:
+    def new_writer(self, deadline_s: float) -> WriterProcess:
+        """A new writer process; ZygoteLost if the zygote is gone or gives no answer within `deadline_s` (a
+        new interpreter answers once it has imported torch: seconds)."""
         ours, theirs = socket.socketpair()
-        with self._lock:
-            socket.send_fds(self._sock, [b"W"], [theirs.fileno()])
+        try:
+            with self._lock:
+                self._sock.settimeout(deadline_s)
+                socket.send_fds(self._sock, [b"W"], [theirs.fileno()])
+                answer = self._sock.recv(self._PID.size, socket.MSG_WAITALL)
+        except OSError as err:  # BrokenPipeError, ConnectionResetError: it died; TimeoutError: it is stuck
+            ours.close()
+            raise ZygoteLost(f"checkpoint writer zygote {self.pid} did not answer: {type(err).__name__}: {err}") from err
+        finally:
             theirs.close()
-            answer = self._sock.recv(self._PID.size, socket.MSG_WAITALL)
         if len(answer) != self._PID.size:
-            raise WriterProcessDied(f"checkpoint writer zygote {self.pid} is gone")
+            ours.close()
+            raise ZygoteLost(f"checkpoint writer zygote {self.pid} is gone")
         return WriterProcess(self._PID.unpack(answer)[0], ShmChannel(ours))
+
+    def close(self) -> None:
+        """Kill it (it may be alive but stuck), reap it where it ended (it is this process's child), release
+        its socket."""
+        self._sock.close()
+        if _kill_and_wait(self._pidfd, _KILL_GRACE_S):
+            with contextlib.suppress(ChildProcessError):  # reaped already (subprocess's own clean-up)
+                os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
+        os.close(self._pidfd)
 
 
 def _zygote_loop(sock: socket.socket) -> None:
@@ -188,62 +254,83 @@ def _zygote_loop(sock: socket.socket) -> None:
 
 
 class WriterProcess:
-    """The rank's handle on one writer process (a child of its zygote). After it died or was aborted,
-    `shared_writer_process` forks another; a save thread that still holds this handle can only fail
+    """The rank's handle on one writer process (a child of its zygote). After it died, timed out or was
+    aborted, `shared_writer_process` forks another; a save thread that still holds this handle can only fail
     (WriterProcessDied), never reach the next process."""
 
     def __init__(self, pid: int, channel: ShmChannel) -> None:
         self.pid = pid
-        self._pidfd = os.pidfd_open(pid)  # the process itself, whatever reuses its pid later
+        self._pidfd: int | None = os.pidfd_open(pid)  # the process itself, whatever reuses its pid later
+        self._life = threading.Lock()  # the pidfd: the save thread may kill while the training thread closes
         self._channel = channel
         self._one_write = threading.Lock()  # two managers of one process (tests) take turns
         self._ready = False  # its first message (None) came: it is serving
+        self.failure: str | None = None  # why it was abandoned: it gave no answer in time
 
     @property
     def running(self) -> bool:
-        return not self._ended(0)
+        with self._life:  # a pidfd reads ready once its process ended
+            return self._pidfd is not None and not readable(self._pidfd, 0)
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, deadline_s: float) -> None:
         """Block until the process serves (at once after a fork; seconds after a new interpreter's start,
         where the wait lands where the caller chooses, the rank's setup, rather than in its first saves:
         there a save waiting for the one before it can outlast NVRx's checkpoint section timeout)."""
-        self._exchange(lambda: None)
+        self._exchange(lambda: None, deadline_s)
 
-    def write(self, request: WriteRequest) -> list[WriteResult]:
-        """Write one rank's shards (blocks the calling thread, not the CPU); raises what the write raised."""
+    def write(self, request: WriteRequest, deadline_s: float) -> list[WriteResult]:
+        """Write one rank's shards (blocks the calling thread, not the CPU); raises what the write raised, or
+        WriterTimedOut when no answer came within `deadline_s`."""
         def send_and_receive() -> list[WriteResult] | BaseException:
             self._channel.send(request)
-            return self._channel.recv()
+            return self._channel.recv(deadline_s)
 
-        answer = self._exchange(send_and_receive)
+        answer = self._exchange(send_and_receive, deadline_s)
         if isinstance(answer, BaseException):
             raise answer
         return answer
 
-    def _exchange(self, talk: Callable[[], T]) -> T:
+    def _exchange(self, talk: Callable[[], T], deadline_s: float) -> T:
         try:
             with self._one_write:
                 if not self._ready:
-                    self._channel.recv()
+                    self._channel.recv(deadline_s)
                     self._ready = True
                 return talk()
+        except TimeoutError:
+            self.failure = f"no answer within {deadline_s:g} s"
+            ended = self._kill()
+            self.close()  # an answer that comes after all reaches nobody
+            log.error("checkpoint writer process %d gave no answer within %g s (stuck in I/O?): its save fails; it "
+                      "was SIGKILLed (%s) and is abandoned; the next save starts a new one", self.pid, deadline_s,
+                      "ended" if ended else f"still not ended after {_KILL_GRACE_S:g} s")
+            raise WriterTimedOut(f"checkpoint writer process {self.pid} gave no answer within {deadline_s:g} s "
+                                 "(stuck in I/O?): killed and abandoned") from None
         except (EOFError, OSError) as err:
             raise WriterProcessDied(f"checkpoint writer process {self.pid} died") from err
 
+    def _kill(self) -> bool:
+        """SIGKILL it; whether it ended within _KILL_GRACE_S (True if it is closed already)."""
+        with self._life:
+            return self._pidfd is None or _kill_and_wait(self._pidfd, _KILL_GRACE_S)
+
     def abort(self) -> None:
         """The iteration dies: kill the process whatever it is doing (a save thread waiting on it gets
-        WriterProcessDied). Its `.tmp-` directory stays uncommitted (only the training process commits)
-        and is removed by the next manager."""
-        if self.running:
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            self._ended(None)  # until it is gone
+        WriterProcessDied), waiting a few seconds at most, and close the handle. Its `.tmp-` directory stays
+        uncommitted (only the training process commits) and is removed by the next manager."""
+        if not self._kill():
+            log.error("checkpoint writer process %d did not end within %g s of SIGKILL (uninterruptible I/O?): "
+                      "abandoned; its save stays uncommitted, and the next save starts a new writer",
+                      self.pid, _KILL_GRACE_S)
+        self.close()
 
-    def _ended(self, timeout_ms: int | None) -> bool:
-        """Whether the process ended, waiting up to `timeout_ms` (None: until it does). A pidfd reads ready once
-        its process ended (pidfd_open(2)); poll(2), not select(2), which refuses a descriptor past 1023."""
-        poller = select.poll()
-        poller.register(self._pidfd, select.POLLIN)
-        return bool(poller.poll(timeout_ms))
+    def close(self) -> None:
+        """Release the handle (its pidfd and socket; a writer that outlives it gets EOF and leaves)."""
+        with self._life:
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+        self._channel.close()
 
 
 _zygote: _Zygote | None = None
@@ -256,18 +343,39 @@ def start_zygote() -> None:
     that imported torch). Elsewhere the first save spawns one instead (seconds)."""
     global _zygote
     if _zygote is None:
-        _zygote = _Zygote.fork() if threading.active_count() == 1 else _Zygote.spawn()
+        _zygote = _Zygote.start()
 
 
-def shared_writer_process() -> WriterProcess:
+def shared_writer_process(deadline_s: float, report: Callable[[Replaced], None]) -> WriterProcess:
     """This process's writer process, running: one per process, not one per CheckpointManager, kept while
-    it runs (a test's next manager, a clean close); after an abort or its death, the zygote forks another."""
-    global _shared, _zygote
-    if _shared is None or not _shared.running:
-        if _zygote is None:
-            _zygote = _Zygote.spawn()
-        _shared = _zygote.new_writer()
+    it runs (a test's next manager, a clean close); after an abort, its death or a timeout, the zygote forks
+    another. A writer abandoned after a timeout, and a zygote found dead or stuck, are `report`ed as replaced."""
+    global _shared
+    if _shared is not None and _shared.running:
+        return _shared
+    old, _shared = _shared, None
+    if old is not None:
+        old.close()
+    _shared = _new_writer(deadline_s, report)
+    if old is not None and old.failure is not None:
+        report(Replaced("writer", old.pid, _shared.pid, old.failure))
     return _shared
+
+
+def _new_writer(deadline_s: float, report: Callable[[Replaced], None]) -> WriterProcess:
+    """A writer forked by the zygote; a zygote that does not answer is replaced, and asked once more."""
+    global _zygote
+    if _zygote is None:
+        _zygote = _Zygote.spawn()
+    try:
+        return _zygote.new_writer(deadline_s)
+    except ZygoteLost as err:
+        lost = _zygote
+        lost.close()
+        _zygote = _Zygote.start()  # in a training process with threads: a new interpreter (seconds)
+        log.error("%s; a new zygote (%d) takes its place", err, _zygote.pid)
+        report(Replaced("zygote", lost.pid, _zygote.pid, str(err)))
+        return _zygote.new_writer(deadline_s)
 
 
 def _forget_the_parents_writer() -> None:

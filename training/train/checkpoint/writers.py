@@ -20,6 +20,8 @@ import logging
 import os
 import time
 from concurrent import futures
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -32,15 +34,37 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.utils._pytree import tree_map_only
 
+from training.contract.config import TrainConfig
 from training.contract.launcher import SAVE_DELAY_ENV
 from training.train.checkpoint.staging import SharedStaging
-from training.train.checkpoint.writer_process import WriteRequest, WriterProcess, shared_writer_process
+from training.train.checkpoint.writer_process import Replaced, WriteRequest, WriterProcess, shared_writer_process
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # hook(step, write) -> write(): called on each rank as it writes its shards of the save of `step`
 WriteHook = Callable[[int, Callable[[], T]], T]
+
+
+@dataclass(frozen=True)
+class WriterDeadlines:
+    """How long an async save may wait on its background writer (writer_process.py)."""
+    write_s: float  # one rank's writer answering one request (fault_tolerance.checkpoint_section_timeout)
+    collective_s: float  # one collective once every rank has reached it (training.collective_timeout_s)
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> WriterDeadlines:
+        return cls(cfg.fault_tolerance.checkpoint_section_timeout, cfg.training.collective_timeout_s)
+
+    @property
+    def group_timeout(self) -> timedelta:
+        """The checkpoint group's collectives: the gather after the shard writes waits for the slowest rank's
+        write (up to write_s), then as long as any collective. torch's default for a gloo group is 30 min."""
+        return timedelta(seconds=self.write_s + self.collective_s)
+
+
+# hands a Replaced on to whoever records it (the CheckpointManager's event log)
+ReplacementReport = Callable[[Replaced], None]
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
@@ -102,14 +126,15 @@ class _HandOffWriter(_HookedFileSystemWriter):
     """FileSystemWriter that plans here and hands this rank's shard write to the writer process: the
     items' data (views of the shared-memory staging buffers, or small pickled objects) go as they are."""
 
-    def __init__(self, path: Path, step: int, hook: WriteHook | None, process: WriterProcess) -> None:
+    def __init__(self, path: Path, step: int, hook: WriteHook | None, process: WriterProcess,
+                 deadline_s: float) -> None:
         super().__init__(path, step, hook or _unhooked)
-        self._process = process
+        self._process, self._deadline_s = process, deadline_s
 
     def _write(self, plan, planner):  # noqa: ANN001, ANN202
         request = WriteRequest(self.path, plan, {item.index: planner.resolve_data(item) for item in plan.items})
         written: Future[list[WriteResult]] = Future()
-        written.set_result(self._process.write(request))
+        written.set_result(self._process.write(request, self._deadline_s))
         return written
 
 
@@ -142,13 +167,15 @@ class _TorchAsyncWriter:
     at most one save is in flight. The buffers are shared memory, so the writer process reads them
     where they are; pinned memory is for CUDA copies, not used here."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None,
+                 deadlines: WriterDeadlines, report: ReplacementReport) -> None:
         self._pg = process_group
         self._hook = write_hook
+        self._deadlines, self._report = deadlines, report
         self._future: futures.Future[Any] | None = None  # the save: durable on every rank once done
         self._staged: futures.Future[None] | None = None  # its staging copy
         self._stager = SharedStaging()
-        self._process = shared_writer_process()
+        self._process = shared_writer_process(deadlines.write_s, report)
 
     @property
     def writer_pid(self) -> int | None:
@@ -158,13 +185,15 @@ class _TorchAsyncWriter:
         self._stager.warm_up(_plain(state))
 
     def wait_ready(self) -> None:
-        self._process.wait_ready()
+        self._process.wait_ready(self._deadlines.write_s)
         self._stager.wait()
 
     def start(self, state: dict[str, Any], path: Path, step: int) -> None:
-        self._process = shared_writer_process()  # after a writer process died or was aborted: a new one
-        response = dcp.async_save(_plain(state), storage_writer=_HandOffWriter(path, step, self._hook, self._process),
-                                  process_group=self._pg, async_stager=self._stager)
+        # after a writer process died, timed out or was aborted: a new one
+        self._process = shared_writer_process(self._deadlines.write_s, self._report)
+        writer = _HandOffWriter(path, step, self._hook, self._process, self._deadlines.write_s)
+        response = dcp.async_save(_plain(state), storage_writer=writer, process_group=self._pg,
+                                  async_stager=self._stager)
         # a stager that returns a Future gets both: the copy's completion and the save's (torch 2.13)
         assert isinstance(response, AsyncSaveResponse), type(response)
         self._staged, self._future = response.staging_completion, response.upload_completion
@@ -200,13 +229,24 @@ class _NvrxAsyncWriter:
     """NVRx async checkpointing (CUDA only: it stages with CUDA copies). Planning is collective
     and synchronous; the write runs in NVRx's persistent worker process; finalization (gather of
     write results, .metadata on the coordinator) runs on every rank in `done`, which NVRx makes a
-    collective: every rank must call `poll()`/`wait()` at the same steps, as the train loop does."""
+    collective: every rank must call `poll()`/`wait()` at the same steps, as the train loop does.
 
-    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+    NVRx's queue never checks that its worker lives: a worker killed mid-write (the OOM killer) leaves its
+    call unfinished for ever, so a poll says "not done" at every step and a blocking wait loops without end
+    (PersistentAsyncCaller.is_current_async_call_done in NVRx 0.7.0's async_ckpt/core.py). Here each poll
+    checks the worker: a dead one's call is marked finished, so NVRx's own finalization fails it on every
+    rank (the write results it gathers lack this rank's) or, where the worker had written them, commits it;
+    the queue is then rebuilt, and the next save starts a new worker. A blocking wait polls the same way."""
+
+    _POLL_S = 0.1  # NVRx's own interval while a blocking wait waits for its worker
+
+    def __init__(self, process_group: dist.ProcessGroup | None, report: ReplacementReport) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
         self._pg = process_group
-        self._queue = AsyncCallsQueue(persistent=True)
+        self._report = report
+        self._new_queue = functools.partial(AsyncCallsQueue, persistent=True)
+        self._queue = self._new_queue()
 
     writer_pid = None  # NVRx's persistent worker is the queue's own
 
@@ -230,6 +270,8 @@ class _NvrxAsyncWriter:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
             save_state_dict_async_finalize, save_state_dict_async_plan)
 
+        if self._dead_worker() is not None:  # died between saves: NVRx would wait for its preload for ever
+            self._rebuild("between saves")
         path.mkdir(parents=True, exist_ok=True)
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             _cpu_snapshot(_plain(state)), FileSystemWriterAsync(path), process_group=self._pg)
@@ -238,25 +280,57 @@ class _NvrxAsyncWriter:
         self._queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn))
 
     def done(self, blocking: bool) -> bool:
-        self._queue.maybe_finalize_async_calls(blocking=blocking)
-        return self._queue.get_num_unfinalized_calls() == 0
+        while not self._poll():
+            if not blocking:
+                return False
+            time.sleep(self._POLL_S)
+        return True
+
+    def _poll(self) -> bool:
+        """One collective check of the save in flight, finalized (or failed: raises) where every rank is done."""
+        dead = self._dead_worker()
+        if dead is not None and self._queue.get_num_unfinalized_calls():
+            caller = self._queue.persistent_caller
+            if caller.cur_item is None:  # NVRx's mark of a call its worker reported finished
+                caller.cur_item = self._queue.async_calls[0].idx
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+        finally:
+            if dead is not None and not self._queue.get_num_unfinalized_calls():  # its call is settled
+                self._rebuild("with a save in flight")
+        return not self._queue.get_num_unfinalized_calls()
+
+    def _dead_worker(self) -> Any:
+        """NVRx's persistent worker process if it has ended (None while it runs, or before the first save)."""
+        caller = self._queue.persistent_caller
+        process = caller.process if caller is not None else None
+        return process if process is not None and not process.is_alive() else None
+
+    def _rebuild(self, when: str) -> None:
+        dead = self._dead_worker()
+        log.error("NVRx's checkpoint worker process %d died %s (exit code %s): a save it had not written fails; "
+                  "a new worker starts at the next save", dead.pid, when, dead.exitcode)
+        self._queue.close(abort=True)  # NVRx 0.7.0: terminate and join, at once for a process that has ended
+        self._queue = self._new_queue()
+        self._report(Replaced("nvrx_worker", dead.pid, None, f"died {when} (exit code {dead.exitcode})"))
 
     def close(self, abort: bool) -> None:
         # NVRx 0.7.0: abort terminates the persistent worker (SIGTERM, then SIGKILL) and skips the
         # finalization. Left to garbage collection, the queue's __del__ runs a plain close, whose
         # blocking finalization waits for the worker and then all-reduces over a torn-down group.
-        self._queue.close(abort=abort)
+        # A plain close of a dead worker would wait for its answer to 'DONE' for ever.
+        self._queue.close(abort=abort or self._dead_worker() is not None)
 
 
-def make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None,
-                      write_hook: WriteHook | None) -> AsyncWriter:
+def make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None,
+                      deadlines: WriterDeadlines, report: ReplacementReport) -> AsyncWriter:
     if device.type == "cuda":
         try:
-            writer = _NvrxAsyncWriter(process_group)
+            writer = _NvrxAsyncWriter(process_group, report)
             if write_hook is not None:
                 log.warning("checkpoint fault injection (ckpt-crash, disk-full) does not reach NVRx's async "
                             "writer: use checkpoint.mode=sync to inject them on CUDA")
             return writer
         except ImportError:
             log.info("nvidia_resiliency_ext async checkpointing not importable; using dcp.async_save")
-    return _TorchAsyncWriter(process_group, write_hook)
+    return _TorchAsyncWriter(process_group, write_hook, deadlines, report)
