@@ -102,6 +102,8 @@ class RunCollector(Collector):
             "checkpoints_failed": ("Checkpoint saves that failed so far", tally.ckpt_failed),
             "checkpoints_failed_no_space": ("Checkpoint saves that failed so far because the checkpoint file system "
                                             "was full (ENOSPC/EDQUOT)", tally.ckpt_no_space),
+            "events_dropped": ("Events the run's log lacks because their writer could not write them (a full or "
+                               "failing file system), as counted once writing resumed", tally.events_dropped),
         }
         return [restarts, *(GaugeMetricFamily(PREFIX + name, text, value=value)
                             for name, (text, value) in gauges.items())]

@@ -326,7 +326,8 @@ class Trainer:
         nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         self.events.emit("run_start", world_size=world_size, nodes=nodes, config=self.cfg.to_dict())
         kind = "fresh" if attempt == 0 else "inprocess" if self.restart is not None and self.restart.number else "injob"
-        record_attempt(self.cfg.run_dir, attempt, kind)
+        if not record_attempt(self.cfg.run_dir, attempt, kind):  # the next attempt takes this number again
+            self.events.count_dropped("attempt_start")
         if attempt:
             self.events.emit("restart", attempt=attempt, restart_kind=kind)
 

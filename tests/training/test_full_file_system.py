@@ -1,0 +1,118 @@
+"""A run directory on a file system that is really full (a small tmpfs, filled and freed again): the event
+log, the attempt record, the checkpoint directory's GENERATION and a commit's bookkeeping meet ENOSPC, and
+none of them may end training; once space is back, checkpoints commit again."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from training.contract.events import EventLog, next_attempt, read_events, record_attempt
+from training.report.goodput import build_report, format_report
+from training.train.checkpoint.layout import committed_checkpoints, current_generation
+from training.train.checkpoint.manager import CheckpointManager
+from training.train.metrics import RunCollector
+from training_helpers import events_named
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _metrics(run_dir) -> dict[str, float]:
+    return {s.name: s.value for family in RunCollector(run_dir, 0.0).collect() for s in family.samples}
+
+
+def test_events_on_a_full_file_system_are_dropped_counted_and_reported_once_space_is_back(small_fs, caplog):
+    run_dir = small_fs.path
+    events = EventLog(run_dir, "rank0")
+    events.emit("step", step=1, loss=1.0, step_time_s=1.0, tokens=8)
+    small_fs.fill()
+    caplog.set_level(logging.ERROR)
+    for step in range(2, 201):  # rank 0's every step, beyond the page the log's file has begun: none may raise
+        events.emit("step", step=step, loss=1.0, step_time_s=1.0, tokens=8)
+    assert not record_attempt(run_dir, 1, "injob")  # an attempt that starts on the full file system goes on
+    events.count_dropped("attempt_start")
+    assert events.dropped["step"] > 0 and events.dropped["attempt_start"] == 1
+    assert sum("cannot be written" in r.getMessage() for r in caplog.records if "rank0" in r.getMessage()) == 1
+    small_fs.free()
+    events.emit("step", step=201, loss=1.0, step_time_s=1.0, tokens=8)
+    events.emit("run_end", step=201, status="completed")
+    records = read_events(run_dir)
+    steps = [r["step"] for r in records if r["event"] == "step"]
+    assert steps == list(range(1, len(steps))) + [201]  # whole lines only: a line cut short is skipped
+    assert len(steps) + events.dropped["step"] == 201
+    [dropped] = [r for r in records if r["event"] == "events_dropped"]
+    assert dropped["count"] == events.dropped["step"] + 1 and dropped["events"] == dict(events.dropped)
+    assert "No space left on device" in dropped["error"]
+    assert [r["event"] for r in records[-3:]] == ["events_dropped", "step", "run_end"]
+    assert next_attempt(run_dir) == 0  # the dropped attempt_start: its number is taken again
+    report = build_report(records)
+    assert report.events_dropped == dropped["count"] and f"Events dropped: {dropped['count']}" in format_report(report)
+    assert _metrics(run_dir)["training_events_dropped"] == dropped["count"]
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((4096,), value)}
+
+
+def test_a_worker_group_that_cannot_write_generation_trains_without_checkpoints_until_space_is_back(
+        small_fs, tmp_path, caplog):
+    run_dir = tmp_path / "run"  # the events elsewhere: what the test reads must not be lost to the full fs
+    events = EventLog(run_dir, "rank0")
+    ckpt_dir = small_fs.path / "ckpt"
+    CheckpointManager(ckpt_dir, mode="sync", keep=3, events=events).save(5, _state(5.0))  # generation 1
+    small_fs.fill()
+    caplog.set_level(logging.ERROR)
+    manager = CheckpointManager(ckpt_dir, mode="sync", keep=3, events=events)  # a restart on the full fs
+    for step in (10, 15):
+        manager.save(step, _state(float(step)))
+    assert [e["step"] for e in events_named(run_dir, "ckpt_failed")] == [10, 15]
+    assert all("GENERATION could not be written" in e["error"] for e in events_named(run_dir, "ckpt_failed"))
+    assert [e["step"] for e in events_named(run_dir, "ckpt_no_space")] == [10, 15]
+    assert sum("NO CHECKPOINT at step" in r.getMessage() for r in caplog.records) == 2  # at every save
+    assert [step for step, _ in committed_checkpoints(ckpt_dir)] == [5]
+    small_fs.free()
+    manager.save(20, _state(20.0))
+    assert manager.saved_step == 20 and current_generation(ckpt_dir) == 2
+    assert [step for step, _ in committed_checkpoints(ckpt_dir)] == [20, 5]
+    assert [e["step"] for e in events_named(run_dir, "ckpt_committed")] == [5, 20]
+
+
+def test_a_newer_worker_group_fences_a_group_that_took_no_generation(small_fs, tmp_path):
+    events = EventLog(tmp_path / "run", "rank0")
+    ckpt_dir = small_fs.path / "ckpt"
+    small_fs.fill()
+    late = CheckpointManager(ckpt_dir, mode="sync", keep=3, events=events)  # found no GENERATION: 0
+    small_fs.free()
+    CheckpointManager(ckpt_dir, mode="sync", keep=3).save(5, _state(5.0))  # a newer group: generation 1
+    late.save(10, _state(10.0))  # a cut-off group of the past must not take generation 2 over it
+    assert current_generation(ckpt_dir) == 1 and [s for s, _ in committed_checkpoints(ckpt_dir)] == [5]
+    [failed] = events_named(tmp_path / "run", "ckpt_failed")
+    assert failed["step"] == 10 and "fenced" in failed["error"]
+
+
+def test_a_renamed_checkpoint_is_committed_though_its_bookkeeping_after_the_rename_fails(small_fs, tmp_path):
+    run_dir = tmp_path / "run"
+    ckpt_dir = small_fs.path / "ckpt"
+    leave_pages: list[int] = []  # once set: the file system fills up as soon as the shards are written
+
+    def write_then_fill(step, write):
+        written = write()
+        if leave_pages:
+            small_fs.fill(leave_pages=leave_pages[0])
+        return written
+
+    manager = CheckpointManager(ckpt_dir, mode="sync", keep=3, events=EventLog(run_dir, "rank0"),
+                                write_hook=write_then_fill)
+    manager.save(5, _state(5.0))
+    _, first = committed_checkpoints(ckpt_dir)[0]
+    # what a commit writes up to its rename, DCP's .metadata and the COMMITTED marker, fits; nothing after it
+    leave_pages.append(sum(-(-(first / name).stat().st_size // small_fs.PAGE) for name in (".metadata", "COMMITTED")))
+    manager.save(10, _state(10.0))
+    small_fs.free()
+    assert manager.saved_step == 10
+    assert [e["step"] for e in events_named(run_dir, "ckpt_committed")] == [5, 10]
+    assert events_named(run_dir, "ckpt_failed") == []
+    restored = _state(0.0)
+    assert CheckpointManager(ckpt_dir, mode="sync", keep=3).load(restored).step == 10
+    assert torch.equal(restored["w"], _state(10.0)["w"])
