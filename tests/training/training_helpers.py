@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -155,6 +156,7 @@ class SmallFileSystem:
             pytest.skip(f"a full file system needs a tmpfs mount (root): {mounted.stderr.strip()}")
         self.path = path
         self._filler = path / ".filler"
+        self._stop_filling: threading.Event | None = None
 
     def fill(self, leave_pages: int = 0) -> None:
         """Take every free page but `leave_pages`: the next writes beyond those fail with ENOSPC."""
@@ -172,7 +174,22 @@ class SmallFileSystem:
         pages = -(-self._filler.stat().st_size // self.PAGE)
         os.truncate(self._filler, max(0, pages - leave_pages) * self.PAGE)
 
+    def keep_full(self) -> None:
+        """Fill it now, and again every few milliseconds until `free`, as other writers of a shared file system
+        would: what a failed save's clean-up frees is taken at once."""
+        self.fill()
+        self._stop_filling = threading.Event()
+        threading.Thread(target=self._top_up, args=(self._stop_filling,), daemon=True).start()
+
+    def _top_up(self, stop: threading.Event) -> None:
+        while not stop.wait(0.005):
+            self.fill()
+
     def free(self) -> None:
+        if self._stop_filling is not None:
+            self._stop_filling.set()
+            time.sleep(0.05)  # a top-up under way ends
+            self._stop_filling = None
         self._filler.unlink(missing_ok=True)
 
     def unmount(self) -> None:

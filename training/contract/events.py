@@ -132,6 +132,7 @@ class EventLog:
         if not self._append(record, count_as=None):
             return False
         self._unreported.clear()
+        self._first_error = ""
         log.warning("event log %s writable again: %d event(s) had been dropped (%s)", self._path,
                     record["count"], ", ".join(f"{n} {kind}" for kind, n in sorted(unreported.items())))
         return True
@@ -171,12 +172,20 @@ class EventLog:
     def _open(self, raising: bool = False) -> None:
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as err:
             if raising:
                 raise
             self._first_error = self._first_error or f"{type(err).__name__}: {err}"[:300]
             log.error("event log %s cannot be opened (%s); its events are dropped until it can", self._path, err)
+            return
+        # A line that an earlier writer of this source left torn (killed mid-write, a full file system) is ended
+        # before this writer's first record, which would otherwise be lost with it. Unknown: an empty line more.
+        try:
+            size = os.fstat(self._fd).st_size
+            self._torn = size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
+        except OSError:
+            self._torn = True
 
     def close(self) -> None:
         if self._fd is not None:

@@ -24,7 +24,7 @@ fault nobody injected); it is open until the first step completed after its rest
   recovery time     fault -> first step completed after the restart (the first restart,
                     attempt_start or resume after the fault); without a restart, the first step
                     that started after the fault completes, for a fault training outlives (an
-                    injected disk-full: a failed save; or a fault nobody injected).
+                    injected disk-full: a failed save; fs-eio; or a fault nobody injected).
                     None when training never went on.
   steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
                     the step every rank left at, `drained`, whose path says how it was kept) minus the step
@@ -51,7 +51,7 @@ from training.report.tally import UsefulSteps
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
-OUTLIVED = ("disk-full",)  # injected fault kinds that training outlives without a restart
+OUTLIVED = ("disk-full", "fs-eio")  # injected fault kinds that training outlives without a restart
 
 
 class ReportError(Exception):

@@ -607,16 +607,24 @@ def main(argv: list[str] | None = None) -> int:
             run_inprocess(cfg, run)
     except JobMustFail as err:  # no restart can help: the checkpoints need a person
         log.error("%s", err)
-        sys.stdout.flush()
+        _flush_output()
         os._exit(CONFIG_ERROR)
     except Drained:
-        sys.stdout.flush()
+        _flush_output()
         os._exit(TERMINATED)
     except BaseException:  # noqa: BLE001
         # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
         # thread that may be stuck in a collective with a dead peer.
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            traceback.print_exc()
+        _flush_output()
         os._exit(1)
     return 0
+
+
+def _flush_output() -> None:
+    """Flush standard output and error before os._exit; a failing flush (the local cluster writes them to the
+    run directory, which may be full) must not keep the process from its exit code."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):
+            stream.flush()
