@@ -39,10 +39,12 @@ def test_events_on_a_full_file_system_are_dropped_counted_and_reported_once_spac
     assert not record_attempt(run_dir, 1, "injob")  # an attempt that starts on the full file system goes on
     events.count_dropped("attempt_start")
     assert events.dropped["step"] > 0 and events.dropped["attempt_start"] == 1
+    assert events.unwritten == sum(events.dropped.values())  # what rank 0's metrics show meanwhile
     assert sum("cannot be written" in r.getMessage() for r in caplog.records if "rank0" in r.getMessage()) == 1
     small_fs.free()
     events.emit("step", step=201, loss=1.0, step_time_s=1.0, tokens=8)
     events.emit("run_end", step=201, status="completed")
+    assert events.unwritten == 0
     records = read_events(run_dir)
     steps = [r["step"] for r in records if r["event"] == "step"]
     assert steps == list(range(1, len(steps))) + [201]  # whole lines only: a line cut short is skipped
@@ -192,7 +194,7 @@ def test_a_two_node_run_survives_an_fsx_outage_and_a_file_system_that_fills_and_
             fs.keep_full()
             assert committed["step"] < KILL_STEP
             # the restarted group has passed its first save (skipped: no GENERATION) when its rank 0 is past KILL_STEP
-            scrape_when(port, lambda m: m.get(("training_step", ()), 0) > KILL_STEP, timeout=180)
+            full = scrape_when(port, lambda m: m.get(("training_step", ()), 0) > KILL_STEP, timeout=180)
             fs.free()
             freed_at = time.time()
             output, _ = proc.communicate(timeout=300)
@@ -201,6 +203,7 @@ def test_a_two_node_run_survives_an_fsx_outage_and_a_file_system_that_fills_and_
                 proc.kill()
                 proc.communicate()
         assert proc.returncode == 0, output[-4000:]
+        assert full[("training_events_unwritten", ())] > 0  # the metrics said so while the log could not
         events = read_events(run_dir)
         named = lambda name: [e for e in events if e["event"] == name]  # noqa: E731
         assert [e["status"] for e in named("run_end")] == ["completed"]

@@ -121,6 +121,11 @@ class EventLog:
             return
         self._append({"t": time.time(), "event": event, "source": self.source, **fields})
 
+    @property
+    def unwritten(self) -> int:
+        """Events dropped that no events_dropped record counts yet: non-zero while the log cannot be written."""
+        return sum(self._unreported.values())
+
     def count_dropped(self, event: str) -> None:
         """Count an event that another log of this process (`record_attempt`'s) could not write."""
         self._drop(event, None)

@@ -460,7 +460,7 @@ class Trainer:
             self.samples.write(json.dumps({"step": step, "indices": indices}) + "\n")
             self.samples.flush()
         if self.metrics is not None:
-            self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
+            self.metrics.update(step, mean_loss, step_time, self.tokens_per_step, self.events.unwritten)
         self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
 
     def drain(self, step: int, step_time: float) -> None:
