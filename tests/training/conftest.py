@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from training.train.distributed import DistInfo
-from training_helpers import COMMON, ONE_NODE, StoppedRun, completed, run_local, run_stopped_by_ctrl_c
+from training_helpers import (COMMON, ONE_NODE, SmallFileSystem, StoppedRun, completed, run_local,
+                              run_stopped_by_ctrl_c)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +35,11 @@ def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     dist.destroy_process_group()
+
+
+@pytest.fixture()
+def small_fs(tmp_path: Path):
+    """An 8 MiB tmpfs under tmp_path, to fill and free (SmallFileSystem); unmounted after the test."""
+    fs = SmallFileSystem(tmp_path / "fs", 8 << 20)
+    yield fs
+    fs.unmount()

@@ -1,10 +1,12 @@
 """Helpers for the training tests: run the local emulated cluster as a subprocess, read its results."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -138,3 +140,57 @@ def run_stopped_by_ctrl_c(run_dir: Path) -> StoppedRun:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     return StoppedRun(run_dir, proc.returncode, out, metrics, tree)
+
+
+class SmallFileSystem:
+    """A real file system of `size` bytes at `path` (a tmpfs: mounting it needs root, as here and in CI) that a
+    test fills, so that writes fail with ENOSPC as on a full FSx, and frees again."""
+
+    PAGE = 4096  # tmpfs allocates its space in pages
+
+    def __init__(self, path: Path, size: int) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                 capture_output=True, text=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"a full file system needs a tmpfs mount (root): {mounted.stderr.strip()}")
+        self.path = path
+        self._filler = path / ".filler"
+        self._stop_filling: threading.Event | None = None
+
+    def fill(self, leave_pages: int = 0) -> None:
+        """Take every free page but `leave_pages`: the next writes beyond those fail with ENOSPC."""
+        fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for chunk in (1 << 20, self.PAGE):
+                try:
+                    while os.write(fd, bytes(chunk)) == chunk:
+                        pass
+                except OSError as err:
+                    if err.errno != errno.ENOSPC:
+                        raise
+        finally:
+            os.close(fd)
+        pages = -(-self._filler.stat().st_size // self.PAGE)
+        os.truncate(self._filler, max(0, pages - leave_pages) * self.PAGE)
+
+    def keep_full(self) -> None:
+        """Fill it now, and again every few milliseconds until `free`, as other writers of a shared file system
+        would: what a failed save's clean-up frees is taken at once."""
+        self.fill()
+        self._stop_filling = threading.Event()
+        threading.Thread(target=self._top_up, args=(self._stop_filling,), daemon=True).start()
+
+    def _top_up(self, stop: threading.Event) -> None:
+        while not stop.wait(0.005):
+            self.fill()
+
+    def free(self) -> None:
+        if self._stop_filling is not None:
+            self._stop_filling.set()
+            time.sleep(0.05)  # a top-up under way ends
+            self._stop_filling = None
+        self._filler.unlink(missing_ok=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "--lazy", str(self.path)], check=True)  # lazy: a process may still hold a file

@@ -55,6 +55,9 @@ depend on the event:
                                                    per rank
   peer_copy_rejected  shard, step, node            rank 0: a copy in node memory failed its CRC-32 check at
                                                    restore and was not used; the next source was taken
+  events_dropped  count, events, error             any source, before its first event written after some could
+                                                   not be (an I/O error: a full file system, an FSx hiccup):
+                                                   count of them, events: their count by kind, error: the first
   node_replaced   node, attempt                    the local controller
   drained         step, saved_step, path,          rank 0: every rank left at `step` after a SIGTERM;
                   checkpoint_s, peers_s,           saved_step: the newest step kept, where the restart resumes;
@@ -66,16 +69,21 @@ depend on the event:
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+log = logging.getLogger(__name__)
 
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
     "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "ckpt_writer_replaced", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
-    "peer_state", "peer_copy_rejected",
+    "peer_state", "peer_copy_rejected", "events_dropped",
     "run_end",
 })
 
@@ -88,22 +96,110 @@ def events_dir(run_dir: str | os.PathLike) -> Path:
 
 
 class EventLog:
-    """Appends events for one source; each record is one write() of one line, flushed at once."""
+    """Appends events for one source; each record is one write() of one line, flushed at once.
+
+    `emit` never raises an I/O error into its caller: a full file system (ENOSPC), an FSx hiccup (EIO,
+    ESTALE) or a log that cannot be opened drops the event instead, counted by kind (`dropped`) and logged
+    at most once every DROP_LOG_S. The first event written after drops is preceded by an `events_dropped`
+    record of them, so the report and the metrics count what the log lacks. Costs: nothing while writes
+    succeed; a dropped event costs its failed write (and an open of the file while it cannot be opened)."""
+
+    DROP_LOG_S = 60.0
 
     def __init__(self, run_dir: str | os.PathLike, source: str) -> None:
         self.source = source
-        directory = events_dir(run_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(directory / f"{source}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._path = events_dir(run_dir) / f"{source}.jsonl"
+        self._fd: int | None = None
+        self.dropped: Counter[str] = Counter()  # events lost so far, by kind: a count for the whole process
+        self._unreported: Counter[str] = Counter()  # of those, the ones no events_dropped record names yet
+        self._first_error = ""  # the first error of the unreported drops
+        self._logged_at = -float("inf")
+        self._torn = False  # a write ended mid-line: the next record starts on a line of its own
+        self._open()
 
     def emit(self, event: str, **fields: Any) -> None:
         if event not in EVENTS:
             raise ValueError(f"unknown event {event!r}; known: {sorted(EVENTS)}")
-        record = {"t": time.time(), "event": event, "source": self.source, **fields}
-        os.write(self._fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        if self._unreported and not self._report_drops():
+            self._drop(event, None)
+            return
+        self._append({"t": time.time(), "event": event, "source": self.source, **fields})
+
+    @property
+    def unwritten(self) -> int:
+        """Events dropped that no events_dropped record counts yet: non-zero while the log cannot be written."""
+        return sum(self._unreported.values())
+
+    def count_dropped(self, event: str) -> None:
+        """Count an event that another log of this process (`record_attempt`'s) could not write."""
+        self._drop(event, None)
+
+    def _report_drops(self) -> bool:
+        unreported = dict(self._unreported)
+        record = {"t": time.time(), "event": "events_dropped", "source": self.source,
+                  "count": sum(unreported.values()), "events": unreported, "error": self._first_error}
+        if not self._append(record, count_as=None):
+            return False
+        self._unreported.clear()
+        self._first_error = ""
+        log.warning("event log %s writable again: %d event(s) had been dropped (%s)", self._path,
+                    record["count"], ", ".join(f"{n} {kind}" for kind, n in sorted(unreported.items())))
+        return True
+
+    def _append(self, record: dict[str, Any], count_as: str | None = "") -> bool:
+        """Write `record` as one line; False (the event counted as dropped, unless `count_as` is None) on an
+        I/O error. A write cut short (a full file system) leaves a torn line, which readers skip."""
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        try:
+            if self._fd is None:
+                self._open(raising=True)
+            data = b"\n" + line if self._torn else line
+            written = os.write(self._fd, data)
+            self._torn = written < len(data)
+            if self._torn:
+                # a regular file's write cut short: its file system (or quota) has no room for the rest
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({len(data) - written} of {len(data)} "
+                                            "bytes not written)")
+        except OSError as err:
+            if count_as is not None:
+                self._drop(record["event"], err)
+            return False
+        return True
+
+    def _drop(self, event: str, err: OSError | None) -> None:
+        self.dropped[event] += 1
+        self._unreported[event] += 1
+        if err is not None and not self._first_error:
+            self._first_error = f"{type(err).__name__}: {err}"[:300]
+        now = time.monotonic()
+        if now - self._logged_at >= self.DROP_LOG_S:
+            self._logged_at = now
+            log.error("event log %s cannot be written (%s): %d event(s) dropped so far; training goes on",
+                      self._path, err or self._first_error or f"{event} dropped by another log of this process",
+                      sum(self.dropped.values()))
+
+    def _open(self, raising: bool = False) -> None:
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as err:
+            if raising:
+                raise
+            self._first_error = self._first_error or f"{type(err).__name__}: {err}"[:300]
+            log.error("event log %s cannot be opened (%s); its events are dropped until it can", self._path, err)
+            return
+        # A line that an earlier writer of this source left torn (killed mid-write, a full file system) is ended
+        # before this writer's first record, which would otherwise be lost with it. Unknown: an empty line more.
+        try:
+            size = os.fstat(self._fd).st_size
+            self._torn = size > 0 and os.pread(self._fd, 1, size - 1) != b"\n"
+        except OSError:
+            self._torn = True
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -200,13 +296,16 @@ def _line_start(path: Path, size: int, chunk: int = 1 << 16) -> int:
     return 0
 
 
-def record_attempt(run_dir: str | os.PathLike, attempt: int, restart_kind: str) -> None:
-    """Rank 0 at the start of an attempt: its attempt_start, in the attempts file (`next_attempt`)."""
-    log = EventLog(run_dir, ATTEMPTS_SOURCE)
+def record_attempt(run_dir: str | os.PathLike, attempt: int, restart_kind: str) -> bool:
+    """Rank 0 at the start of an attempt: its attempt_start, in the attempts file (`next_attempt`). Whether it
+    was written: one that could not be (an I/O error) is logged and dropped, and the next attempt then takes
+    this attempt's number again (the report counts restarts from their own events)."""
+    attempts = EventLog(run_dir, ATTEMPTS_SOURCE)
     try:
-        log.emit("attempt_start", attempt=attempt, restart_kind=restart_kind)
+        attempts.emit("attempt_start", attempt=attempt, restart_kind=restart_kind)
     finally:
-        log.close()
+        attempts.close()
+    return not attempts.dropped
 
 
 def next_attempt(run_dir: str | os.PathLike) -> int:

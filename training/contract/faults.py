@@ -51,6 +51,10 @@ environment variable, comma-separated, added to the config's list at every worke
     disk-full@20:count=2         the first 2 checkpoint saves from step 20 fail on rank 0 with
                                  OSError(ENOSPC) as they start writing: ckpt_failed, nothing
                                  visible, training goes on and the next interval retries
+    fs-eio@30:rank=0:duration=5  for 5 s from step 30, every file call of rank 0 on the run and checkpoint
+                                 directories fails with EIO, as an FSx client eviction or failover makes
+                                 them fail (training/train/outage.py says how, and what it cannot reach);
+                                 training goes on, the saves in that window fail, the next ones commit
     exception@5:rank=1:persistent  fires on every attempt, not once: the job ends after its
                                  restart budget (fault_tolerance.max_restarts)
 
@@ -60,7 +64,8 @@ fires in the first save of a step >= STEP. Keys (each kind accepts its own, see 
 `rank` (global rank, default 0), `node` (the node index: the pod's JOB_COMPLETION_INDEX, which
 training.local sets too; else torchelastic's GROUP_RANK; a node fault takes node=N or rank=R, the
 node that runs rank R at that step, which after a hot spare took over is another node),
-`count` (saves that fail, default 1), `duration` (seconds a partition lasts; default: for good),
+`count` (saves that fail, default 1), `duration` (seconds a partition lasts, default: for good; seconds
+an fs-eio lasts, which it needs),
 and the flag `persistent` (exception, sigkill, hang, ckpt-crash).
 
 What each kind does when it fires, and the once-per-run record, is training/train/faults.py's.
@@ -81,7 +86,7 @@ ENV_VAR = "TRAINING_FAULTS"
 # Kinds that destroy data (checkpoints) or take a node's pod or network down. In a pod they need the
 # config's chaos switch (allow_destructive_faults, in the Job's immutable ConfigMap): TRAINING_FAULTS, an
 # environment variable, cannot turn them on by itself. The local cluster and tests run outside a pod.
-DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "node-hang", "node-loss", "partition"})
+DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "fs-eio", "node-hang", "node-loss", "partition"})
 POD_ENV = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container
 
 
@@ -138,6 +143,8 @@ KINDS: dict[str, FaultKind] = {
     "corrupt-ckpt": FaultKind("the newest committed checkpoint is truncated, then the rank dies", _RANK),
     "disk-full": FaultKind("the next `count` saves fail with ENOSPC; training goes on", _RANK | {"count"},
                            when="write"),
+    "fs-eio": FaultKind("the rank's file calls on the run directory fail with EIO for `duration` seconds; training "
+                        "goes on", _RANK | {"duration"}),
 }
 
 
@@ -175,6 +182,8 @@ def parse_fault(text: str) -> FaultSpec:
             raise FaultSpecError(f"fault spec {text!r}: {kind} needs node=N (the node index) or rank=R (the node "
                                  "that runs rank R, wherever it is: after a hot spare took over, another node)")
         options.setdefault("rank", None)
+    if kind == "fs-eio" and "duration" not in options:
+        raise FaultSpecError(f"fault spec {text!r}: fs-eio needs duration=SECONDS (how long the file system fails)")
     return FaultSpec(text=text.strip(), kind=kind, step=step, **options)  # type: ignore[arg-type]
 
 

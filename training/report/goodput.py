@@ -24,7 +24,7 @@ fault nobody injected); it is open until the first step completed after its rest
   recovery time     fault -> first step completed after the restart (the first restart,
                     attempt_start or resume after the fault); without a restart, the first step
                     that started after the fault completes, for a fault training outlives (an
-                    injected disk-full: a failed save; or a fault nobody injected).
+                    injected disk-full: a failed save; fs-eio; or a fault nobody injected).
                     None when training never went on.
   steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
                     the step every rank left at, `drained`, whose path says how it was kept) minus the step
@@ -35,6 +35,7 @@ fault nobody injected); it is open until the first step completed after its rest
                     fault, recovery and recomputed steps together. None when it never got there.
 Checkpoints: saves started, committed and failed (ckpt_start, ckpt_committed, ckpt_failed); the
 blocking time of each save (ckpt_blocked.seconds): mean, max, total.
+Events dropped: what the events_dropped records count (shown only when some were).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from training.report.tally import UsefulSteps
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
-OUTLIVED = ("disk-full",)  # injected fault kinds that training outlives without a restart
+OUTLIVED = ("disk-full", "fs-eio")  # injected fault kinds that training outlives without a restart
 
 
 class ReportError(Exception):
@@ -105,6 +106,7 @@ class Timeline:
     attempts: tuple[Attempt, ...]
     faults: tuple[Fault, ...]
     counts: dict[str, int]  # events by name
+    events_dropped: int  # events the log lacks: their writers could not write them (events_dropped records)
     first_loss: float
     final_loss: float
 
@@ -136,6 +138,7 @@ class GoodputReport:
     infra_goodput: float
     faults: tuple[Fault, ...]
     checkpoints: CheckpointStats
+    events_dropped: int  # events the log lacks (a full or failing file system): the figures leave them out
     first_loss: float
     final_loss: float  # loss of the last step in the trajectory that produced the final model
 
@@ -169,6 +172,7 @@ def build_timeline(events: Sequence[Event]) -> Timeline:
                        for r in events if r["event"] == "attempt_start"),
         faults=_faults(events, t0, typical_step_s=statistics.median(step_times)),
         counts=dict(Counter(r["event"] for r in events)),
+        events_dropped=sum(int(_number(r, "count")) for r in events if r["event"] == "events_dropped"),
         first_loss=_number(steps[0], "loss"),
         final_loss=_number(steps[-1], "loss"),
     )
@@ -193,6 +197,7 @@ def summarize(tl: Timeline) -> GoodputReport:
         training_goodput=_ratio(productive, tl.wall_s),
         infra_goodput=_ratio(executed, tl.wall_s),
         faults=tl.faults,
+        events_dropped=tl.events_dropped,
         first_loss=tl.first_loss,
         final_loss=tl.final_loss,
         checkpoints=CheckpointStats(
@@ -352,6 +357,9 @@ def format_report(report: GoodputReport) -> str:
            if ck.blocking_saves else "not logged"),
         f"Faults: {len(report.faults)}",
     ]
+    if report.events_dropped:
+        lines.insert(-1, f"Events dropped: {report.events_dropped} (their writers could not write the log: a full or "
+                         "failing file system); the figures above leave them out")
     # drain (peers): how a drain kept the step reached
     kinds = [f"{f.kind} ({f.drain_path})" if f.drain_path else f.kind for f in report.faults]
     width = max([16, *(len(k) + 1 for k in kinds)])

@@ -116,6 +116,7 @@ class RunTally:
     ckpt_failed: int = 0
     ckpt_no_space: int = 0  # of those failed: the checkpoint file system was full
     ckpt_writer_replaced: int = 0  # a rank's async checkpoint writer found dead or stuck and replaced
+    events_dropped: int = 0  # events the log lacks: their writer could not write them (events_dropped)
     blocking_total_s: float = 0.0
     blocking_max_s: float = 0.0
     committed_at: float | None = None  # time of the newest ckpt_committed
@@ -155,6 +156,8 @@ class RunTally:
             self.ckpt_no_space += 1
         elif name == "ckpt_writer_replaced":
             self.ckpt_writer_replaced += 1
+        elif name == "events_dropped":
+            self.events_dropped += int(r["count"])
         elif name == "ckpt_blocked":
             seconds = float(r["seconds"])
             self.blocking_total_s += seconds

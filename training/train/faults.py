@@ -30,6 +30,7 @@ from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir,
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.node_strike import Strike
+from training.train.outage import begin_outage, in_outage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,6 +172,11 @@ def _crash_mid_save(spec: FaultSpec, write: Callable[[], T]) -> T:
     _kill_self()
 
 
+def _fail_file_system(spec: FaultSpec, ctx: FireContext) -> None:
+    assert spec.duration is not None  # parse_fault requires it
+    begin_outage([ctx.run_dir, ctx.checkpoint_dir], spec.duration)
+
+
 def _disk_full(spec: FaultSpec, write: Callable[[], T]) -> T:
     raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec.text})")
 
@@ -188,6 +194,7 @@ class FireContext:
 AT_STEP: dict[str, Callable[[FaultSpec, FireContext], None]] = {
     "exception": _raise, "sigkill": _sigkill, "hang": _hang, "node-loss": _lose_node, "node-hang": _hang_node,
     "drain": _request_drain, "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
+    "fs-eio": _fail_file_system,
 }
 NODE_STRIKES = frozenset({"node-loss", "node-hang"})  # kinds that strike the whole node (node_strike.py)
 IN_WRITE: dict[str, Callable[[FaultSpec, Callable[[], T]], T]] = {"ckpt-crash": _crash_mid_save,
@@ -228,6 +235,8 @@ class FaultInjector:
 
     def around_write(self, step: int, write: Callable[[], T]) -> T:
         """Run `write` (this rank's part of the save of `step`), or the fault that replaces it."""
+        if in_outage():  # an fs-eio outage: the writer process, which it does not reach, would meet it too
+            raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (injected file-system outage)")
         for spec in self._mine:
             in_write = IN_WRITE.get(spec.kind)
             if in_write is None or step < spec.step:

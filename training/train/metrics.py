@@ -2,7 +2,7 @@
 
 Two sources, so that nothing is counted twice:
 - the step just completed, set by the training loop: step, loss, step time, tokens/s and, with a known
-  GPU peak, MFU (training/contract/flops.py);
+  GPU peak, MFU (training/contract/flops.py); and the events rank 0 could not write to the log yet;
 - the run so far, from the event log by the report's own definitions (training/report/tally.py), so a
   scrape and `python -m training.report` agree: training and infra goodput, restarts by kind, checkpoint
   blocking and the age of the newest committed checkpoint. The log is read at most every
@@ -104,6 +104,8 @@ class RunCollector(Collector):
                                             "was full (ENOSPC/EDQUOT)", tally.ckpt_no_space),
             "checkpoint_writers_replaced": ("Async checkpoint writers (a rank's writer process, its zygote, NVRx's "
                                             "worker) found dead or stuck and replaced so far", tally.ckpt_writer_replaced),
+            "events_dropped": ("Events the run's log lacks because their writer could not write them (a full or "
+                               "failing file system), as counted once writing resumed", tally.events_dropped),
         }
         return [restarts, *(GaugeMetricFamily(PREFIX + name, text, value=value)
                             for name, (text, value) in gauges.items())]
@@ -143,6 +145,8 @@ class TrainingMetrics:
         self.step_time = gauge("step_time_seconds", "Time of the last step")
         self.tokens_per_s = gauge("tokens_per_second", "Tokens of the last step (all ranks) / its step time")
         self.mfu = gauge("mfu_ratio", "Model FLOPs utilization of the last step") if gpu_peak_tflops else None
+        self.events_unwritten = gauge("events_unwritten", "Events this rank 0 could not write to the run's log and "
+                                      "has not counted there yet (events_dropped): non-zero while the log fails")
         self._server: Any = None
         self._closed = threading.Event()
         self._binder = threading.Thread(target=self._bind, name="metrics-bind", daemon=True)
@@ -161,8 +165,9 @@ class TrainingMetrics:
                     warned = True
             self._closed.wait(BIND_RETRY_S)
 
-    def update(self, step: int, loss: float, step_time_s: float, tokens: int) -> None:
+    def update(self, step: int, loss: float, step_time_s: float, tokens: int, events_unwritten: int) -> None:
         self.step.set(step)
+        self.events_unwritten.set(events_unwritten)
         self.loss.set(loss)
         self.step_time.set(step_time_s)
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0

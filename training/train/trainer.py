@@ -329,7 +329,8 @@ class Trainer:
         nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         self.events.emit("run_start", world_size=world_size, nodes=nodes, config=self.cfg.to_dict())
         kind = "fresh" if attempt == 0 else "inprocess" if self.restart is not None and self.restart.number else "injob"
-        record_attempt(self.cfg.run_dir, attempt, kind)
+        if not record_attempt(self.cfg.run_dir, attempt, kind):  # the next attempt takes this number again
+            self.events.count_dropped("attempt_start")
         if attempt:
             self.events.emit("restart", attempt=attempt, restart_kind=kind)
 
@@ -462,7 +463,7 @@ class Trainer:
             self.samples.write(json.dumps({"step": step, "indices": indices}) + "\n")
             self.samples.flush()
         if self.metrics is not None:
-            self.metrics.update(step, mean_loss, step_time, self.tokens_per_step)
+            self.metrics.update(step, mean_loss, step_time, self.tokens_per_step, self.events.unwritten)
         self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
 
     def drain(self, step: int, step_time: float) -> None:
@@ -609,16 +610,24 @@ def main(argv: list[str] | None = None) -> int:
             run_inprocess(cfg, run)
     except JobMustFail as err:  # no restart can help: the checkpoints need a person
         log.error("%s", err)
-        sys.stdout.flush()
+        _flush_output()
         os._exit(CONFIG_ERROR)
     except Drained:
-        sys.stdout.flush()
+        _flush_output()
         os._exit(TERMINATED)
     except BaseException:  # noqa: BLE001
         # Exit at once, as a crash would: interpreter shutdown would join a background checkpoint
         # thread that may be stuck in a collective with a dead peer.
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            traceback.print_exc()
+        _flush_output()
         os._exit(1)
     return 0
+
+
+def _flush_output() -> None:
+    """Flush standard output and error before os._exit; a failing flush (the local cluster writes them to the
+    run directory, which may be full) must not keep the process from its exit code."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):
+            stream.flush()

@@ -24,7 +24,8 @@ directories, so that is what a deletion in place (before pruning renamed first) 
 that failed for it (ENOSPC, or EDQUOT over a quota) from any other.
 
 Fencing: every CheckpointManager (one per worker group: an attempt, a rendezvous round, an in-process
-restart) takes the next generation number from GENERATION as it starts, and writes only into
+restart) takes the next generation number from GENERATION as it starts (where that write fails, at a
+later save, unless a newer group has started meanwhile; until then it saves nothing), and writes only into
 `.tmp-step_N.g<its generation>`. A worker of an older generation that is still running (a node cut off
 from its peers but not from the file system, a paused process) therefore writes where no newer save
 looks, and its rank 0 commits only while GENERATION still holds its own number, checked just before the
@@ -33,6 +34,7 @@ says it was fenced). Its leftovers are removed when a newer generation starts or
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -85,11 +87,16 @@ def current_generation(directory: str | os.PathLike) -> int:
         return 0
 
 
-def start_generation(directory: Path) -> int:
-    """Rank 0 of a new worker group: the next generation, made durable before any rank writes."""
-    generation = current_generation(directory) + 1
-    _replace_text(directory / GENERATION_FILE, f"{generation}\n", durable=True)
-    return generation
+def start_generation(directory: Path, found: int | None = None) -> int:
+    """Rank 0 of a new worker group: the next generation, made durable before any rank writes. `found`: what
+    GENERATION held when the group started, for a group whose first try failed (a full file system) and
+    tries again later: SaveFenced if a newer group started meanwhile, which then owns the directory."""
+    newest = current_generation(directory)
+    if found is not None and newest != found:
+        raise SaveFenced(f"fenced: generation {newest} of the workers started after this worker group found "
+                         f"{found}; a newer worker group's checkpoints win")
+    _replace_text(directory / GENERATION_FILE, f"{newest + 1}\n", durable=True)
+    return newest + 1
 
 
 class SaveFenced(RuntimeError):
@@ -114,9 +121,19 @@ def commit(directory: Path, tmp: Path, step: int, *, generation: int, world_size
         _delete(replaced)  # a leftover of an earlier replacement whose deletion failed
         os.rename(final, replaced)  # not deleted yet: a crash before the next rename puts it back (clean_up)
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    # Committed from here on: the renamed directory is complete (its marker is durable). What follows is
+    # bookkeeping, whose failure (a full file system, an FSx hiccup) must not report the save as failed.
+    try:
+        _fsync_dir(directory)
+    except OSError as err:
+        log.warning("checkpoint %s committed, but its directory could not be synced (%s): a crash of the file "
+                    "server may still undo the rename", final, err)
     _delete(replaced)
-    write_resume_step(directory, step + 1)
+    try:
+        write_resume_step(directory, step + 1)
+    except OSError as err:
+        log.warning("checkpoint %s committed, but %s could not be written (%s); the next commit writes it",
+                    final, resume_step_file(directory).name, err)
     return final
 
 
@@ -275,12 +292,17 @@ def _replace_text(path: Path, text: str, durable: bool = False) -> None:
     """A reader of `path` sees the old text or the new one, never a torn write. `durable`: on disk, name
     included, when this returns (the resume step need not be: the commit it follows already is)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # no debris of a write that failed (a full file system)
+            tmp.unlink()
+        raise
     if durable:
         _fsync_dir(path.parent)
 

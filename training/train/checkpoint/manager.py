@@ -11,7 +11,10 @@ together.
 
 A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
 goes on. A full file system (layout.out_of_space) also emits ckpt_no_space and logs an error naming the
-directory: every later save fails too until space is freed.
+directory: every later save fails too until space is freed. A save whose rename succeeded is committed,
+whatever the bookkeeping after it (resume step, clearing up, pruning) meets. A worker group that cannot
+write GENERATION as it starts (NoGeneration) trains without checkpoints: each save it skips is an error
+line and ckpt_failed, and tries GENERATION again, so checkpoints resume once the file system takes writes.
 
 Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
 evidence of damage (inspection.py) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
@@ -40,9 +43,10 @@ from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
 from training.train.checkpoint.fit import misfit
 from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
-from training.train.checkpoint.layout import (BackgroundDeletion, SaveFenced, clean_up, commit, committed_checkpoints,
-                                              free_bytes, out_of_space, prune, remove_older_saves, save_dir_name,
-                                              set_aside, set_aside_names, start_generation, write_resume_step)
+from training.train.checkpoint.layout import (GENERATION_FILE, BackgroundDeletion, SaveFenced, clean_up, commit,
+                                              committed_checkpoints, current_generation, free_bytes, out_of_space,
+                                              prune, remove_older_saves, save_dir_name, set_aside, set_aside_names,
+                                              start_generation, write_resume_step)
 from training.train.checkpoint.writer_process import Replaced
 from training.train.checkpoint.writers import AsyncWriter, WriteHook, WriterDeadlines, file_writer, make_async_writer
 
@@ -63,6 +67,15 @@ def _describe(err: BaseException) -> str:
         err = cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
         return f"rank {rank}: {type(err).__name__}: {err}"[:500]
     return f"{type(err).__name__}: {err}"[:500]
+
+
+class NoGeneration(RuntimeError):
+    """This worker group has no generation (layout.py, Fencing), so it saves nothing: GENERATION could not be
+    written (a full file system, an I/O error; tried again at every save) or, `fenced`, a newer group started."""
+
+    def __init__(self, message: str, fenced: bool = False) -> None:
+        super().__init__(message)
+        self.fenced = fenced
 
 
 class CheckpointLoadError(RuntimeError):
@@ -119,21 +132,67 @@ class CheckpointManager:
         # `save` (sync), so it never counts a save that was fenced or failed to commit.
         self.saved_step: int | None = None
         self.last_save_s: float | None = None  # how long the last save that was written took, start to durable
-        self.generation = 0  # see layout.py, Fencing; every rank learns rank 0's number below
+        # See layout.py, Fencing; every rank learns rank 0's number below. 0: none (NoGeneration, rank 0's
+        # `_no_generation`): the group trains without checkpoints, and rank 0 tries again at every save.
+        self.generation = 0
+        self._found_generation: int | None = None  # rank 0: what GENERATION held as this group started
+        self._no_generation: NoGeneration | None = None
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.generation = start_generation(self.dir)
-            remove_older_saves(self.dir, self.generation)  # abandoned by a crash mid-save, or an older generation's
-            clean_up(self.dir)  # an interrupted replacement or deletion
-            if not resume_step_file(self.dir).exists():
-                newest = committed_checkpoints(self.dir)[:1]
-                write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
+            self.generation = self._start_generation()
         if mode == "async":
             deadlines = deadlines or WriterDeadlines.of(TrainConfig())
             # A separate group: background-save collectives must not interleave with the training group's.
             group = dist.new_group(backend="gloo", timeout=deadlines.group_timeout) if self.distributed else None
             self._writer = make_async_writer(device, group, write_hook, deadlines, self._writer_replaced)
         self.generation = self._broadcast(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
+
+    def _start_generation(self) -> int:
+        """Rank 0: this worker group's generation, its directory rid of older groups' debris; 0 where it has
+        none (`_no_generation` says why: GENERATION could not be written, or a newer group started since)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if self._found_generation is None:  # an I/O error here too: the retry compares with what it finds
+                self._found_generation = current_generation(self.dir)
+            generation = start_generation(self.dir, self._found_generation)
+        except SaveFenced as err:
+            self._no_generation = NoGeneration(f"{err}: this worker group saves no checkpoint", fenced=True)
+            return 0
+        except OSError as err:
+            self._no_generation = NoGeneration(
+                f"{GENERATION_FILE} could not be written ({type(err).__name__}: {err}): this worker group saves no "
+                "checkpoint until it can")
+            self._no_generation.__cause__ = err  # out_of_space looks there
+            return 0
+        self._no_generation = None
+        try:
+            remove_older_saves(self.dir, generation)  # abandoned by a crash mid-save, or an older generation's
+            clean_up(self.dir)  # an interrupted replacement or deletion
+            if not resume_step_file(self.dir).exists():
+                newest = committed_checkpoints(self.dir)[:1]
+                write_resume_step(self.dir, newest[0][0] + 1 if newest else 1)
+        except OSError as err:  # each commit clears up again
+            log.warning("checkpoint directory %s: clearing up as generation %d starts failed (%s); the next commit "
+                        "tries again", self.dir, generation, err)
+        return generation
+
+    def _retry_generation(self, step: int) -> bool:
+        """Every rank, at a save of a group without a generation: rank 0 tries to take one again (space may have
+        been freed). Where it cannot, the save is skipped with an error line and ckpt_failed (ckpt_no_space)."""
+        t0 = time.monotonic()
+        if self.rank == 0 and not (self._no_generation is not None and self._no_generation.fenced):
+            self.generation = self._start_generation()
+        self.generation = self._broadcast(lambda: self.generation)
+        if self.generation:
+            self._log(f"checkpoints resume at step {step}: this worker group is generation {self.generation} now")
+            return True
+        if self.rank == 0:
+            assert self._no_generation is not None
+            log.error("NO CHECKPOINT at step %d, training goes on without: %s (tried again at every save)", step,
+                      self._no_generation)
+            self._emit("ckpt_start", step=step)
+            self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
+            self._failed(step, None, self._no_generation)
+        return False
 
     @property
     def writer_pid(self) -> int | None:
@@ -159,7 +218,7 @@ class CheckpointManager:
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any]) -> None:
-        if self.mode == "off":
+        if self.mode == "off" or (self.generation == 0 and not self._retry_generation(step)):
             return
         t0 = time.monotonic()
         if self._inflight is not None:
@@ -289,15 +348,20 @@ class CheckpointManager:
         self._emit("ckpt_committed", step=step, path=str(final), seconds=round(time.monotonic() - started, 4),
                    generation=self.generation)
         self._deletion.wait()  # the last commit's, long done as a rule: clean_up must not race it
-        remove_older_saves(self.dir, self.generation)
-        clean_up(self.dir)
-        self._deletion.start(prune(self.dir, self.keep))
+        try:
+            remove_older_saves(self.dir, self.generation)
+            clean_up(self.dir)
+            self._deletion.start(prune(self.dir, self.keep))
+        except OSError as err:  # committed all the same; what is left, the next commit clears up
+            log.warning("checkpoint %s committed; clearing up and pruning after it failed (%s): the next commit "
+                        "tries again", final, err)
         return True
 
-    def _failed(self, step: int, tmp: Path, err: BaseException) -> None:
+    def _failed(self, step: int, tmp: Path | None, err: BaseException) -> None:
         if self.rank != 0:
             return
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         error = _describe(err)
         self._log(f"checkpoint at step {step} failed, nothing made visible, training goes on: {error}")
         self._emit("ckpt_failed", step=step, error=error)
