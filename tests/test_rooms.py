@@ -1,4 +1,4 @@
-"""The rooms of training/ and who may import whom (README, Layout): imports flow one way, no module
+"""The rooms of training/ and who may import whom (README.md, Layout): imports flow one way, no module
 imports another in a circle, and rendering manifests never loads torch."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _training_modules() -> dict[str, set[str]]:
 
 def test_every_module_lives_in_a_room():
     loose = [m for m in _training_modules() if m != "training" and m.split(".")[1] not in ALLOWED]
-    assert not loose, f"modules outside the rooms {sorted(ALLOWED)}: {loose} (README, Layout)"
+    assert not loose, f"modules outside the rooms {sorted(ALLOWED)}: {loose} (README.md, Layout)"
 
 
 def test_rooms_import_only_the_rooms_below_them():

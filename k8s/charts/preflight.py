@@ -5,7 +5,7 @@ training nodes and spares), each checked by k8s/nccl_check.py against its own fl
 An MPIJob (Kubeflow MPI Operator v2, kubeflow.org/v2beta1), as awsome-distributed-training and the EKS
 user guide's EFA page run nccl-tests: multi-node nccl-tests are MPI programs, one rank per GPU, and the
 operator starts the workers, hands the launcher their hostfile and SSH keys, and runs mpirun once they
-are up. The operator is a cluster prerequisite (README). Workers and launcher run the training image,
+are up. The operator is a cluster prerequisite (docs/deploying.md). Workers and launcher run the training image,
 which carries the EFA installer's Open MPI, aws-ofi-nccl and nccl-tests (training/Dockerfile).
 """
 from __future__ import annotations
@@ -145,7 +145,7 @@ class PreflightChart(Chart):
                        "slotsPerWorker": job.instance.gpus,
                        # The operator's default, AtStartup, starts the launcher at once: on fresh nodes still
                        # pulling the image its SSH attempts run out first. WaitForWorkersReady is in
-                       # kubeflow.org/v2beta1 since MPI Operator v0.5.0 (PR 484; the README installs v0.6.0).
+                       # kubeflow.org/v2beta1 since MPI Operator v0.5.0 (PR 484; docs/deploying.md installs v0.6.0).
                        "launcherCreationPolicy": "WaitForWorkersReady",
                        # The launcher's exit is the verdict; finished pods stay a day for `kubectl logs`.
                        "runPolicy": {"backoffLimit": LAUNCHER_BACKOFF_LIMIT, "cleanPodPolicy": "Running",

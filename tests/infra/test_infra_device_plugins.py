@@ -31,7 +31,7 @@ def test_both_charts_from_their_repositories(full):
 
 def test_every_chart_is_pinned_to_one_version_from_an_https_repository(full):
     """Device plugins and Prometheus alike. Their repositories are classic HTTP Helm repositories, which
-    offer no digest reference to pin by (README, "Nodes, AWS and supply chain")."""
+    offer no digest reference to pin by (docs/security.md, "Nodes, AWS and supply chain")."""
     charts = _all_charts(full)
     assert sorted(charts) == ["aws-efa-k8s-device-plugin", "nvidia-device-plugin", "prometheus"]
     for name, chart in charts.items():

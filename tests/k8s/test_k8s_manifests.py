@@ -331,7 +331,7 @@ def test_without_outputs_placeholders_are_used_and_announced(render):
 
 def test_training_container_has_no_capability_and_logs_the_nccl_transport_once(render):
     r = render()
-    # No IPC_LOCK on EFA either: a non-root process never holds an added capability (README, Security model).
+    # No IPC_LOCK on EFA either: a non-root process never holds an added capability (docs/security.md).
     assert r.container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     # NCCL's INIT and NET lines (NET/OFI or NET/Socket) on a pod's first worker attempt only.
     assert (r.env["NCCL_DEBUG"], r.env["NCCL_DEBUG_FIRST_ATTEMPT"], r.env["NCCL_DEBUG_SUBSYS"]) == ("WARN", "INFO", "INIT,NET")

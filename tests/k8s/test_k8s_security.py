@@ -214,7 +214,7 @@ def test_every_pod_meets_baseline_and_all_but_the_preflight_and_fsx_owner_meet_r
     assert {name: baseline_violations(pod) for name, pod in pods.items() if baseline_violations(pod)} == {}
     restricted = {name: restricted_violations(pod) for name, pod in pods.items()}
     # The preflight (sshd, mpirun as root) and the fsx-owner init container of the trainer and the store:
-    # README, Security model.
+    # docs/security.md.
     fsx_owner = ["fsx-owner may run as root", "fsx-owner capabilities"]
     assert restricted["fsdp-train"] == restricted["fsdp-train-rendezvous"] == fsx_owner
     assert restricted["fsdp-train-nccl-preflight-launcher"] and restricted["fsdp-train-nccl-preflight-worker"]

@@ -309,11 +309,11 @@ def test_config_refuses_a_gpu_count_the_capacity_model_does_not_size(capsys: pyt
         in capsys.readouterr().err
 
 
-def test_readme_capacity_tables_are_the_models_output(capsys: pytest.CaptureFixture) -> None:
+def test_docs_capacity_tables_are_the_models_output(capsys: pytest.CaptureFixture) -> None:
     assert main(["--capacity-tables"]) == 0
     tables = capsys.readouterr().out.strip()
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "capacity.md").read_text()
     capacity, hsdp = tables.split("\n\n")
     assert capacity.startswith("| model | nodes | FSx GiB") and hsdp.startswith("| model | nodes | GPU state GB")
     for table in (capacity, hsdp):
-        assert table in readme, "README's capacity tables differ from `python -m training.plan --capacity-tables`"
+        assert table in page, "docs/capacity.md differs from `python -m training.plan --capacity-tables`"

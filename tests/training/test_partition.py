@@ -83,7 +83,7 @@ def test_without_netns_a_partition_fault_is_refused(tmp_path):
 # observed step x safety factor) stops every rank; the restart resumes at the checkpoint of step 10, or with
 # peer state (spare, heals) from node memory at step 11, or 10 if step 11's copy was still on its way. The first
 # step of a run takes up to ~0.9 s here, which at COMMON's factor of 50 is a 45 s timeout: gloo's 30 s would
-# come first, and a 25 s partition would heal unnoticed (as the README's timeouts table says it should).
+# come first, and a 25 s partition would heal unnoticed (as the timeouts table of docs/recovery.md says it should).
 # A factor of 15 keeps the timeout near 13 s.
 PARTITION_OVERRIDES = ("checkpoint.mode=sync", "fault_tolerance.timeout_safety_factor=15")
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")

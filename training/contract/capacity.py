@@ -6,7 +6,7 @@ and the schedule (interval, keep, drain grace, peer state), it computes the save
 finishes within the interval, the drain's commit against its grace, the peer copy and send and the interval
 they allow, restores from FSx and from peers, the footprint of `keep` checkpoints, the steps each mechanism
 loses, and, beside them, HSDP with replica groups (`HsdpCase`). The chart refuses a config that fails it
-(k8s/job_config.py), `python -m training.plan --config` prints it, and the README's tables are its output.
+(k8s/job_config.py), `python -m training.plan --config` prints it, and the tables of docs/capacity.md are its output.
 
 Every figure is a projection: p5 has not been measured here. Each constant names its source; those without
 one say they are assumptions, to be replaced by measurements (`make bench` on a p5 node).
@@ -63,7 +63,7 @@ NCCL_EFA_EFFICIENCY = 0.75
 CRC32_GBS = 0.78
 # Assumption: one GPU's copy of its shard to pinned host memory (async staging, peer state's copy), GB/s: p5's
 # hosts are 3rd-generation AMD EPYC (PCIe Gen4, 32 GB/s each way per x16 link) and eight GPUs copy at once
-# through one host's memory (README, "In-memory rollback at 8b on p5": the same figure).
+# through one host's memory (docs/capacity.md, "In-memory rollback at 8b on p5": the same figure).
 HOST_COPY_GBS = 25.0
 # "The Llama 3 Herd of Models" (2024), Table 4: 38-43% BF16 model FLOPs utilization on 8,192-16,384 H100s. The
 # projected step time assumes the low end of that, rounded.
@@ -151,7 +151,7 @@ class NodeSpec:
     # Lustre User Guide, "Throughput to individual client instances": what one client drives depends on the file
     # system type (ours has no EFA) and the client's network interface; its table of per-client limits was not
     # readable here. Assumption: 100 Gbps, p5's primary network card (DescribeInstanceTypes' per-card figure,
-    # not read here either); no figure at the sizes the README tabulates depends on it.
+    # not read here either); no figure at the sizes docs/capacity.md tabulates depends on it.
     ena_gbs: float = 12.5
 
     @property

@@ -1,71 +1,9 @@
 """The run's append-only event log: the contract between training and the goodput report.
 
-Each writer (a rank, the local controller, the fault injector) appends JSON lines to its own file
-`<run_dir>/events/<source>.jsonl`, so concurrent writers never interleave within a line, also on
-Lustre where O_APPEND across clients is not atomic. `read_events` merges all files by time; `EventTail`
-reads only what was appended since its last read (a two-week run writes over a million step events:
-a reader that runs often must not read them again). Rank 0 writes `attempt_start` to a file of its own,
-`attempts.jsonl`, so that the next attempt learns its number from one line per attempt (`next_attempt`).
-
-Every record has `t` (unix seconds, float), `event` (one of EVENTS) and `source`; the other fields
-depend on the event:
-
-  job_start       nodes, nproc_per_node, spares    the local controller, before any launcher starts, so
-                                                   the report's wall time includes start-up
-  run_start       world_size, nodes, config        rank 0, once per process group start (attempt)
-  attempt_start   attempt, restart_kind            rank 0, source `attempts` (`record_attempt`);
-                                                   restart_kind: fresh | injob | inprocess
-  resume          step, source_kind, path,         rank 0; source_kind: disk | memory (in-process) | peer
-                                                   (node memory, training/train/peer_state.py) | none;
-                  saved_world_size                 saved_world_size: the world size that wrote the checkpoint
-  state_derived   step, saved_world_size,          rank 0: the checkpoint was resharded to another world
-                  world_size, keys                 size; `keys`: per-rank state it lacked, derived
-                                                   deterministically instead
-  step            step, loss, step_time_s, tokens  rank 0, after each completed optimizer step; with
-                  [rollback_s] [peer_s]            in-process restarts, rollback_s: seconds spent keeping
-                                                   the step in memory after it (training/train/rollback.py);
-                                                   with peer state, peer_s: the same for node memory
-  ckpt_start      step                             rank 0
-  ckpt_blocked    step, seconds                    rank 0: time training was blocked by this save; an
-                                                   async one's once its staging copy is made, its wait for
-                                                   the copy before the next optimizer step included
-  ckpt_committed  step, path, seconds,             rank 0: save visible; seconds from start to commit;
-                  generation                       generation: the worker group's (training/train/checkpoint/layout.py)
-  ckpt_failed     step, error                      rank 0: the save is invisible, training goes on (error
-                                                   starts with "fenced:" for a late save of an older generation)
-  ckpt_no_space   step, path, free_bytes, error    rank 0, after that ckpt_failed: the save failed because the
-                                                   file system of `path` (the checkpoint directory) is full
-                                                   (ENOSPC, or EDQUOT over a quota); free_bytes: null if unknown
-  ckpt_fallback   path, error                      rank 0: a checkpoint could not be loaded, an older one is used
-  ckpt_writer_replaced  rank, process, pid,        the rank whose async checkpoint writer was found dead or stuck
-                  new_pid, reason                  and replaced (training/train/checkpoint/writer_process.py);
-                                                   process: zygote | writer | nvrx_worker; new_pid: null when
-                                                   it starts at the next save
-  fault_injected  kind, rank, step, spec           the faulty rank, just before the fault fires; spec:
-                                                   the fault spec as written (training/train/faults.py)
-  fault_detected  kind, rank, detail, by           whoever detects it; by: the detecting party
-                                                   (controller, nvrx rank monitor, Wrapper …)
-  restart         attempt, restart_kind            controller or rank 0; restart_kind: injob (ft_launcher
-                                                   restarted the worker group), inprocess (Wrapper),
-                                                   node (a node's pod replaced)
-  peer_state      interval, every, replicas,       rank 0, when peer state settled its interval (once per attempt)
-                  bytes_per_rank                   and whenever a new measurement changes it
-                                                   (training/train/peer_state.py): interval, the most steps a
-                                                   lost node costs; every, steps between copies; node memory
-                                                   per rank
-  peer_copy_rejected  shard, step, node            rank 0: a copy in node memory failed its CRC-32 check at
-                                                   restore and was not used; the next source was taken
-  events_dropped  count, events, error             any source, before its first event written after some could
-                                                   not be (an I/O error: a full file system, an FSx hiccup):
-                                                   count of them, events: their count by kind, error: the first
-  node_replaced   node, attempt                    the local controller
-  drained         step, saved_step, path,          rank 0: every rank left at `step` after a SIGTERM;
-                  checkpoint_s, peers_s,           saved_step: the newest step kept, where the restart resumes;
-                  time_left_s, seconds             path: how the step reached was kept (committed already,
-                                                   checkpoint, peers, none: training/train/drain.py), chosen from
-                                                   the estimated checkpoint_s and peers_s (null: never measured,
-                                                   or impossible) against time_left_s; seconds: its duration
-  run_end         step, status                     rank 0 (status: completed) or controller (failed)
+Each writer (a rank, the local controller, the fault injector) appends JSON lines to a file of its own,
+`<run_dir>/events/<source>.jsonl`, so writers never interleave within a line, on Lustre too. Every record
+has `t`, `event` (one of EVENTS) and `source`; the fields of each event are in docs/observability.md
+("Event schema"), which a test checks against EVENTS.
 """
 from __future__ import annotations
 

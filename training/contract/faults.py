@@ -1,74 +1,8 @@
-"""Fault specs, torch-free: which faults to inject when, each fired once per run (training/train/faults.py).
+"""Fault specs, torch-free: which faults to inject when, each fired once per run unless persistent.
 
-Spec format (config `faults:` list, `--faults` of training.local, or the TRAINING_FAULTS
-environment variable, comma-separated, added to the config's list at every worker start):
-
-    KIND@STEP[:key=value…][:persistent]
-
-    exception@30:rank=1          rank 1 raises FaultInjected when it reaches step 30
-    sigkill@60:rank=3            rank 3 SIGKILLs itself when it reaches step 60
-    hang@40:rank=1               rank 1 stops (no heartbeat, no collective) and sleeps; its peers
-                                 block in the next collective, inside their `step` section, until
-                                 NVRx's rank monitor kills one at the step-section timeout (the hung
-                                 rank's own heartbeat / out-of-section timeouts are the backstop);
-                                 these must be shorter than training.collective_timeout_s so that
-                                 NVRx, not gloo, detects the hang
-    node-loss@50:node=1          node 1's pod (training.pod.launch, ft_launcher and every process they
-                                 started) is SIGKILLed halfway through step 50 (fired by the node's
-                                 local rank 0, so a hot spare's index fires once it trains); the Job /
-                                 local controller replaces the node, a spare takes its place if any.
-                                 Node faults of the same step land together: node-loss@50:node=0 and
-                                 node-loss@50:node=1 lose both nodes in step 50 (each strikes once the
-                                 other fired), as a rack's power loss would
-    drain@50:node=1              node 1 is drained, as `kubectl drain` or a spot/capacity-block end
-                                 would: training.local's controller (the kubelet here) sends SIGTERM
-                                 to its launcher and SIGKILL after the grace period; every rank
-                                 commits the step reached and leaves (training/train/drain.py), the node
-                                 is replaced and the run resumes with no step lost
-    partition@50:node=1:duration=20  node 1's network link goes down halfway through step 50, for 20 s
-                                 (without duration: for good); its processes keep running and may
-                                 still reach the file system, as behind a failed NIC or switch port.
-                                 Every rank blocks in the next collective until NVRx's timeouts fire;
-                                 the survivors restart without it (a spare takes its place, or they
-                                 wait for it to come back or be replaced). Needs training.local
-                                 --netns, which plays the network (and Kubernetes: a node unreachable
-                                 for --replacement-delay seconds has its pod replaced on another
-                                 machine; its old processes are killed once the link is back)
-    node-hang@50:node=1          node 1 hangs but does not die, as a machine whose kernel or kubelet stops
-                                 responding: halfway through step 50 every process of its pod is stopped
-                                 (SIGSTOP). On EKS its kubelet stops reporting: the node goes NotReady and
-                                 its pod, once evicted, stays Terminating (podReplacementPolicy: Failed)
-                                 until PodGC deletes it (k8s/mark_hung_nodes.py marks the node out of
-                                 service); training.local's controller plays that kubelet and the marker:
-                                 a node stopped for --replacement-delay seconds has its pod replaced, its
-                                 stopped processes are left where they are
-    ckpt-crash@20:rank=1         rank 1 dies (SIGKILL) inside the first checkpoint save from step 20,
-                                 after writing its shards and before the save commits (async mode:
-                                 in the background writer); the restart loads the previous checkpoint
-    corrupt-ckpt@25              rank 0 truncates every shard file of the newest committed
-                                 checkpoint, then SIGKILLs itself, so that the restart must load it
-                                 and fall back to the one before (ckpt_fallback event)
-    disk-full@20:count=2         the first 2 checkpoint saves from step 20 fail on rank 0 with
-                                 OSError(ENOSPC) as they start writing: ckpt_failed, nothing
-                                 visible, training goes on and the next interval retries
-    fs-eio@30:rank=0:duration=5  for 5 s from step 30, every file call of rank 0 on the run and checkpoint
-                                 directories fails with EIO, as an FSx client eviction or failover makes
-                                 them fail (training/train/outage.py says how, and what it cannot reach);
-                                 training goes on, the saves in that window fail, the next ones commit
-    exception@5:rank=1:persistent  fires on every attempt, not once: the job ends after its
-                                 restart budget (fault_tolerance.max_restarts)
-
-KIND is one of KINDS. STEP (at least 1) is the step the rank is about to run: a step fault fires
-after step STEP-1 completed and before step STEP starts; a checkpoint fault (ckpt-crash, disk-full)
-fires in the first save of a step >= STEP. Keys (each kind accepts its own, see KINDS):
-`rank` (global rank, default 0), `node` (the node index: the pod's JOB_COMPLETION_INDEX, which
-training.local sets too; else torchelastic's GROUP_RANK; a node fault takes node=N or rank=R, the
-node that runs rank R at that step, which after a hot spare took over is another node),
-`count` (saves that fail, default 1), `duration` (seconds a partition lasts, default: for good; seconds
-an fs-eio lasts, which it needs),
-and the flag `persistent` (exception, sigkill, hang, ckpt-crash).
-
-What each kind does when it fires, and the once-per-run record, is training/train/faults.py's.
+A spec is `KIND@STEP[:key=value…][:persistent]`, KIND one of KINDS. What each kind does and which keys it
+takes is in docs/faults.md ("Fault grammar"), which a test checks against KINDS; firing them is
+training/train/faults.py's.
 """
 from __future__ import annotations
 

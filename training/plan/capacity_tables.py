@@ -1,4 +1,4 @@
-"""The README's capacity tables (`python -m training.plan --capacity-tables`): the Job's config (k8s/train.yaml)
+"""The tables of docs/capacity.md (`python -m training.plan --capacity-tables`): the Job's config (k8s/train.yaml)
 with 8b and the 70b-class shape on 2, 32 and 256 p5.48xlarge nodes, and HSDP with replica groups beside today's
 mechanisms. Each row's FSx is the smallest PERSISTENT_2 file system at 1000 MBps/TiB that holds `keep`
 checkpoints and one in flight, and its interval is the planner's recommendation at the Llama 3 failure rate.

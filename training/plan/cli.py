@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fsx-storage-gib", type=positive_int_arg, help="FSx storage (default: cdk.json's)")
     parser.add_argument("--fsx-throughput-per-tib", type=positive_int_arg, help="FSx MBps/TiB (default: cdk.json's)")
     parser.add_argument("--capacity-tables", action="store_true",
-                        help="print the README's capacity tables (8b and 70b on 2, 32, 256 p5 nodes) and exit")
+                        help="print the tables of docs/capacity.md (8b and 70b on 2, 32, 256 p5 nodes) and exit")
     args = parser.parse_args(argv)
     if args.capacity_tables:
         print(capacity_tables())

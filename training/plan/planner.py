@@ -44,7 +44,7 @@ survive a lost node), failed saves, slowdown from an asynchronous save finishing
 --fsx-storage-gib and --fsx-throughput-per-tib (default: cdk.json's): S is the time a save blocks the step, R the
 recovery of a lost node from FSx (injob) and from peer state, and D an async save's modelled duration. It prints
 the capacity table first.
---capacity-tables prints the README's tables (8b and 70b on 2, 32 and 256 p5 nodes, and HSDP beside them).
+--capacity-tables prints the tables of docs/capacity.md (8b and 70b on 2, 32 and 256 p5 nodes, and HSDP beside them).
 
 --from-bench FILE takes S and R from a benchmark result (JSON):
     {"checkpoint": {"async_blocking_s": 0.4, "sync_blocking_s": 6.2},
