@@ -39,7 +39,7 @@ from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
 from training.train.rollback import KEEP, MemoryRollback, copy_into
 from training.train.trainer import ModelState, OptimizerState, RngState, TrainState, build, train_step
-from training_helpers import assert_bitwise_equal, completed, events_named, load_final_state, run_local
+from training_helpers import as_a_forked_rank, assert_bitwise_equal, completed, events_named, load_final_state, run_local
 
 # ---- the Wrapper adapter and the config ---------------------------------------------------------
 
@@ -226,6 +226,7 @@ def _wrapper_run(cfg, setup_failure, result):
     def failing(*args, **kwargs):
         raise setup_failure
 
+    as_a_forked_rank()  # else the model's build can hang, and the Wrapper's hard timeout kills the rank mid-setup
     trainer.CheckpointManager = failing
     try:
         inprocess_module.run_inprocess(cfg, trainer.run)
@@ -246,12 +247,13 @@ def test_a_deterministic_setup_failure_ends_the_wrapper_after_its_budget(tmp_pat
                "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15")
     ctx = multiprocessing.get_context("fork")
     result = ctx.Queue()
+    gc.collect()  # the test process's garbage dies here, not in the child
     child = ctx.Process(target=_wrapper_run, args=(cfg, OSError(errno.ENOSPC, "No space left on device"), result))
     child.start()
     try:
         outcome = result.get(timeout=120)
     except queue.Empty:
-        outcome = "still restarting in-process after 120 s"
+        outcome = f"no outcome after 120 s (the child's exit code: {child.exitcode})"
         child.kill()
     child.join()
     assert outcome.startswith("3 in-process restarts in a row made no progress (budget 2, "

@@ -4,6 +4,7 @@ The rank must survive both: the save fails with a line that names the limit and 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import resource
 import subprocess
@@ -18,6 +19,7 @@ from training.train.checkpoint import writer_process
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint.staging import BY_VALUE_BYTES
 from training.train.checkpoint.shm_budget import StagingBudgetError, raise_fd_limit
+from training_helpers import as_a_forked_rank
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 _CLONE_NEWNS = 0x00020000  # unshare(2)
@@ -25,11 +27,12 @@ _CLONE_NEWNS = 0x00020000  # unshare(2)
 
 def _in_a_forked_rank(body: Callable[[], None]) -> int:
     """Run `body` in a forked child; its exit code (0: returned, 3: raised), or minus the signal that killed it."""
+    gc.collect()  # the test process's garbage dies here, not in the child
     pid = os.fork()
     if pid == 0:
         code = 3
         try:
-            torch.set_num_threads(1)  # the parent's OpenMP threads are not in the child (libgomp's pool would hang)
+            as_a_forked_rank()
             body()
             code = 0
         finally:

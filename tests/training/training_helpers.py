@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import signal
 import subprocess
@@ -77,6 +78,17 @@ def completed(run: LocalRun) -> LocalRun:
     """`run`, asserted to have exited 0 (the tail of its output as the message)."""
     assert run.returncode == 0, run.output[-4000:]
     return run
+
+
+def as_a_forked_rank() -> None:
+    """First call in a child forked from the test process, before it trains: the parent's OpenMP pool is not in
+    the child (libgomp hangs at the first parallel op), and the parent's garbage (process groups, stores: C++
+    objects owning threads that the child does not have) must not be collected here, where their destructors
+    abort on a thread that is not there. Collect in the parent before forking (`gc.collect()`) too."""
+    import torch
+
+    torch.set_num_threads(1)
+    gc.freeze()
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
