@@ -65,6 +65,12 @@ depend on the event:
                                                    checkpoint, peers, none: training/train/drain.py), chosen from
                                                    the estimated checkpoint_s and peers_s (null: never measured,
                                                    or impossible) against time_left_s; seconds: its duration
+  quorum          step, group, live_groups, rows,  rank 0 of a replica group (parallel.replica_groups >= 2), when
+                  healed_from_step                 the live groups change or it healed: rows, its share of the
+                                                   step's micro-batch rows; healed_from_step: the step it was at
+                                                   before a live group's state was loaded (null: no heal)
+  step_discarded  step, seconds                    rank 0 of a replica group: the step did not commit (a group
+                                                   failed in it) and is run again from the same samples
   run_end         step, status                     rank 0 (status: completed) or controller (failed)
 """
 from __future__ import annotations
@@ -83,7 +89,7 @@ log = logging.getLogger(__name__)
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
     "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "ckpt_writer_replaced", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
-    "peer_state", "peer_copy_rejected", "events_dropped",
+    "peer_state", "peer_copy_rejected", "events_dropped", "quorum", "step_discarded",
     "run_end",
 })
 
