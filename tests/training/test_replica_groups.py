@@ -5,18 +5,20 @@ What a user is promised: the surviving group trains on after a short stall, the 
 live state, both end bitwise equal, the losses are an uninterrupted run's and every sample is trained once."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from training.contract.config import TrainConfigError, load_train_config
+from training.contract.config import ParallelConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.launcher import free_port
@@ -25,12 +27,13 @@ from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training.train.replica_groups import start_lighthouse
 
-STEPS, BATCH, GLOBAL_BATCH, RANKS = 16, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group
+STEPS, BATCH, GLOBAL_BATCH, RANKS = 24, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group
 SHAPE = (f"training.steps={STEPS}", f"training.batch_size={BATCH}", f"training.global_batch_size={GLOBAL_BATCH}",
          "training.seq_len=16", "training.device=cpu", "training.collective_timeout_s=10", "checkpoint.mode=off",
          "checkpoint.save_final=true", "logging.sample_log=true", "logging.log_interval=100")
 GROUPS = ("parallel.replica_groups=2", "parallel.step_timeout_s=5")
 FAULT_STEP = 6
+ALONE_STEPS = 3  # the failed group comes back once the survivor committed this many steps without it
 STALL_BOUND_S = 6.0  # heartbeat_timeout_s (1 s) plus re-forming the quorum's process group, on 2 busy cores
 
 
@@ -59,6 +62,7 @@ def _fork_rank(group: Group, rank: int, port: int, lighthouse: str | None) -> in
         if lighthouse is not None:
             os.environ[LIGHTHOUSE_ENV] = lighthouse
         code = trainer.main([f"run_dir={group.run_dir}", *group.overrides])
+        sys.stdout.flush()
     finally:
         os._exit(code)
 
@@ -69,16 +73,33 @@ def _start(group: Group, lighthouse: str | None) -> None:
     group.pids = [_fork_rank(group, rank, port, lighthouse) for rank in range(RANKS)]
 
 
-def _run(groups: list[Group], lighthouse: str | None, timeout: float = 120) -> None:
+def _run(groups: list[Group], lighthouse: str | None, restart_when: Callable[[], bool] = lambda: True,
+         timeout: float = 120) -> None:
     """Until every group's ranks exit 0; a group one of whose ranks fails is killed whole and started again
-    (ft_launcher's in-job restart), at most once."""
+    (ft_launcher's in-job restart), at most once, as soon as `restart_when()` (a restart takes time: here the
+    test says how long). Whatever is left when it fails is killed."""
     for group in groups:
         _start(group, lighthouse)
-    deadline = time.monotonic() + timeout
     running = {pid: group for group in groups for pid in group.pids}
-    while running:
-        assert time.monotonic() < deadline, f"ranks still running: {running}"
-        pid, status = os.waitpid(-1, os.WNOHANG)
+    try:
+        _supervise(running, lighthouse, restart_when, time.monotonic() + timeout)
+    finally:
+        for pid in running:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def _supervise(running: dict[int, Group], lighthouse: str | None, restart_when: Callable[[], bool],
+               deadline: float) -> None:
+    down: list[Group] = []
+    while running or down:
+        assert time.monotonic() < deadline, f"ranks still running: {running}, groups down: {down}"
+        for group in [g for g in down if restart_when()]:
+            down.remove(group)
+            group.restarts += 1
+            _start(group, lighthouse)
+            running.update({p: group for p in group.pids})
+        pid, status = os.waitpid(-1, os.WNOHANG) if running else (0, 0)
         if pid == 0:
             time.sleep(0.05)
             continue
@@ -91,9 +112,7 @@ def _run(groups: list[Group], lighthouse: str | None, timeout: float = 120) -> N
                 os.kill(other, signal.SIGKILL)
                 os.waitpid(other, 0)
                 running.pop(other)
-        group.restarts += 1
-        _start(group, lighthouse)
-        running.update({p: group for p in group.pids})
+        down.append(group)
 
 
 def _logs(group: Group) -> str:
@@ -102,6 +121,15 @@ def _logs(group: Group) -> str:
 
 def _steps(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == "step"]
+
+
+def _trained_alone(run_dir: Path) -> int:
+    """Steps the group committed since its last quorum of one live group (0 while in a larger one)."""
+    events = [e for e in read_events(run_dir) if e["event"] in ("quorum", "step")]
+    quorums = [i for i, e in enumerate(events) if e["event"] == "quorum"]
+    if not quorums or events[quorums[-1]]["live_groups"] != 1:
+        return 0
+    return sum(e["event"] == "step" for e in events[quorums[-1]:])
 
 
 def _samples(run_dir: Path) -> dict[int, list[int]]:
@@ -114,6 +142,32 @@ def _samples(run_dir: Path) -> dict[int, list[int]]:
     return out
 
 
+@contextlib.contextmanager
+def _lighthouse(cfg: ParallelConfig, scratch: Path) -> Iterator[str]:
+    """torchft's LighthouseServer in a process forked from this one, its address; this process never runs
+    torchft's Rust runtime itself: a rank forked after it has would inherit the runtime without its threads
+    and block in its first call (seen here: the main thread parked in tokio, in the Manager's creation)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(os.open(scratch / "lighthouse.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+            server = start_lighthouse(cfg)
+            os.write(write, server.address().encode())
+            signal.pause()
+        finally:
+            os._exit(1)
+    os.close(write)
+    try:
+        address = os.read(read, 200).decode()
+        assert address, "the Lighthouse did not start"
+        yield address
+    finally:
+        os.close(read)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """The same global batch on one FSDP2 group of the same 2 ranks (parallel.replica_groups=1)."""
@@ -122,39 +176,40 @@ def uninterrupted(tmp_path_factory) -> Path:
     return group.run_dir
 
 
+@pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
 @pytest.mark.parametrize("fault", ["sigkill@{}:rank=0", "exception@{}:rank=1"], ids=["sigkill-rank0", "exception-rank1"])
 def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_live_state(
         tmp_path, uninterrupted, fault):
-    cfg = load_train_config(None, [*SHAPE, *GROUPS])
-    lighthouse = start_lighthouse(cfg.parallel)
-    try:
-        survivor = Group(0, tmp_path / "group0", (*SHAPE, *GROUPS), [])
-        failing = Group(1, tmp_path / "group1", (*SHAPE, *GROUPS, f"faults={fault.format(FAULT_STEP)}"), [])
+    survivor = Group(0, tmp_path / "group0", (*SHAPE, *GROUPS), [])
+    failing = Group(1, tmp_path / "group1", (*SHAPE, *GROUPS, f"faults={fault.format(FAULT_STEP)}"), [])
+    with _lighthouse(load_train_config(None, [*SHAPE, *GROUPS]).parallel, tmp_path) as address:
         started = time.monotonic()
-        _run([survivor, failing], lighthouse.address())
+        _run([survivor, failing], address, restart_when=lambda: _trained_alone(survivor.run_dir) >= ALONE_STEPS)
         took = time.monotonic() - started
-    finally:
-        lighthouse.shutdown()
     assert failing.restarts == 1, _logs(failing)
 
     # the survivor never stopped for longer than the bound, and lost at most the step in flight
+    # (the group that asks first starts alone; the other heals into the quorum from it at once, its first step
+    # then the second)
     steps = _steps(survivor.run_dir)
-    assert [e["step"] for e in steps] == list(range(1, STEPS + 1))
+    first = steps[0]["step"]
+    assert first in (1, 2) and [e["step"] for e in steps] == list(range(first, STEPS + 1))
     stall = max(b["t"] - a["t"] for a, b in zip(steps, steps[1:]))
     assert stall < STALL_BOUND_S, f"survivor stalled {stall:.2f} s"
     discarded = [e["step"] for e in read_events(survivor.run_dir) if e["event"] == "step_discarded"]
     assert discarded in ([], [FAULT_STEP]), discarded
-    # (the group that asks first starts alone; the other heals into the quorum at once)
     quorums = [(e["step"], e["live_groups"]) for e in read_events(survivor.run_dir) if e["event"] == "quorum"]
     after_fault = [(step, live) for step, live in quorums if step >= FAULT_STEP - 1]
     assert [live for _, live in after_fault] == [1, 2] and after_fault[0][0] == FAULT_STEP - 1, quorums
 
     # the restarted group healed from the survivor's live state, at a later step, not from step 0
     [healed] = [e for e in read_events(failing.run_dir)
-                if e["event"] == "quorum" and e["healed_from_step"] == 0 and e["step"] >= FAULT_STEP]
+                if e["event"] == "quorum" and e["healed_from_step"] == 0 and e["step"] >= FAULT_STEP + ALONE_STEPS - 1]
     assert healed["live_groups"] == 2
-    print(f"\n{fault}: survivor's longest stall {stall:.2f} s, discarded {discarded}, group 1 healed at step "
-          f"{healed['step']}, {took:.1f} s in all", file=sys.stderr)
+    restarted = [e for e in read_events(failing.run_dir) if e["event"] == "resume"][-1]  # its setup done
+    print(f"\n{fault}: survivor's longest stall {stall:.2f} s, discarded {discarded}; group 1 healed at step "
+          f"{healed['step']}, {healed['t'] - restarted['t']:.2f} s from its setup to the heal; {took:.1f} s in all",
+          file=sys.stderr)
 
     # both groups end with the same parameters and optimizer state, bit for bit
     mismatch = bitwise_mismatch(load_final_state(survivor.run_dir, tmp_path), load_final_state(failing.run_dir, tmp_path))
@@ -162,7 +217,8 @@ def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_
 
     # the losses are the uninterrupted run's (another split of the same samples: float tolerance)
     reference = {e["step"]: e["loss"] for e in _steps(uninterrupted)}
-    assert {e["step"]: e["loss"] for e in steps} == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    assert {e["step"]: e["loss"] for e in steps} == pytest.approx({s: reference[s] for s in range(first, STEPS + 1)},
+                                                                  rel=1e-5, abs=1e-6)
 
     # every sample of every step trained once, by whichever groups were live
     by_step = _samples(survivor.run_dir)

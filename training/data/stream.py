@@ -8,6 +8,8 @@ world size: an optimizer step of G = W·A·B samples (W ranks, A micro-batches o
 [consumed, consumed + G), of which rank `r` reads the contiguous A·B from consumed + r·A·B, micro-batch
 by micro-batch. So a run resumed at another world size continues at the same sample, neither skipping
 nor repeating one, and with the same G (training.global_batch_size) its steps hold the same samples.
+With replica groups (`share`), the live groups split each step's samples by rows, and the position moves
+only once a step committed (`advance`): a step run again holds the same samples.
 
 A token file (token_file.py) is read through its sidecar: the loader takes the width from it, and
 refuses a model whose vocabulary is smaller than the tokenizer's.

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 def start_lighthouse(cfg: ParallelConfig, bind: str = "[::]:0") -> LighthouseServer:
     """The Lighthouse, in this process (tests) or as its own (the cluster's Deployment, later): a quorum of
-    one group is enough (the others may all be down), a dead group is dropped after cfg.heartbeat_timeout_s."""
+    one group is enough (the others may all be down), a dead group is dropped after cfg.heartbeat_timeout_s.
+    So at a fresh start the group that asks first trains alone and the others heal into the quorum from it."""
     return LighthouseServer(bind=bind, min_replicas=1, join_timeout_ms=int(cfg.join_timeout_s * 1000),
                             heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000))
 

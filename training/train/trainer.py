@@ -408,9 +408,12 @@ class Trainer:
         reduce = "" if self.stream.accumulation_steps == 1 else (
             ", gradients reduce-scattered after every micro-batch" if self.gradient_reduce == "micro_batch" else
             ", gradients reduce-scattered once per step")
-        log.info("world size %d, %s, model %s, global batch %d (%d micro-batch(es) of %d per rank%s); %s",
-                 info.world_size, info.backend, self.spec.shape.name, self.stream.global_batch_size,
-                 self.stream.accumulation_steps, self.stream.batch_size, reduce,
+        groups = self.cfg.parallel.replica_groups
+        split = (f"{self.stream.accumulation_steps} micro-batch(es) of {self.stream.batch_size} per rank" if groups == 1
+                 else f"{self.rows} rows of {info.world_size} micro-batches of {self.stream.batch_size}, shared by "
+                      f"the live ones of {groups} replica groups")
+        log.info("world size %d, %s, model %s, global batch %d (%s%s); %s",
+                 info.world_size, info.backend, self.spec.shape.name, self.stream.global_batch_size, split, reduce,
                  f"resumed from {restored.origin} at step {step}" if restored else
                  f"starting at step 0 from {'its pretrained weights' if self.pretrained else 'seeded weights'}")
         if restored is None or restored.saved_world_size in (None, info.world_size):
