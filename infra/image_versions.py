@@ -170,6 +170,16 @@ WHEELS = {facts.package: facts for facts in (
             "(the cp312 wheel's WHEEL: 'Tag: cp312-cp312-manylinux_2_39_x86_64'; pip finds none for cp313)"
         ),
     ),
+    WheelFacts(
+        package="torchft",
+        version="0.2.0",
+        pythons=frozenset({"3.9", "3.10", "3.11", "3.12", "3.13"}),
+        glibc_floor=(2, 17),
+        source=(
+            "PyPI files of torchft 0.2.0: cp39 to cp313 manylinux_2_17_x86_64 wheels (a Rust extension, "
+            "torchft/_torchft.*.so), no sdist; pip finds none for cp314 (`pip download --python-version 3.14`)"
+        ),
+    ),
 )}
 
 
@@ -265,7 +275,7 @@ def _wheel_problems(pins: ImagePins, base: BaseImageFacts | None) -> list[str]:
             problems.append(_unknown(package, version, [wheel.version], "wheel"))
         elif base is not None and base.python not in wheel.pythons:
             problems.append(
-                f"{package} {version} has wheels for Python {', '.join(sorted(wheel.pythons))} only, NGC PyTorch "
+                f"{package} {version} has wheels for Python {', '.join(sorted(wheel.pythons, key=parse_version))} only, NGC PyTorch "
                 f"{base.tag} runs Python {base.python}; source: {wheel.source}"
             )
         elif base is not None and base.glibc < wheel.glibc_floor:

@@ -80,6 +80,16 @@ def test_a_base_whose_python_nvrx_has_no_wheel_for_is_refused(dockerfile, lock, 
     assert "PyPI files of nvidia-resiliency-ext 0.7.0" in problem
 
 
+def test_a_base_whose_python_torchft_has_no_wheel_for_is_refused(dockerfile, lock, monkeypatch):
+    # A hypothetical base on Python 3.14: NVRx 0.7.0 has a cp314 wheel, torchft 0.2.0 stops at cp313.
+    monkeypatch.setitem(image_versions.BASE_IMAGES, "99.04", BaseImageFacts(
+        tag="99.04", cuda_major=13, python="3.14", glibc=(2, 39), pip_constraint_file="/etc/pip/constraint.txt",
+        source="test"))
+    [problem] = check_pins(read_pins(_with_base_tag(dockerfile, "99.04"), lock))
+    assert problem.startswith("torchft 0.2.0 has wheels for Python 3.9, 3.10, 3.11, 3.12, 3.13 only, NGC PyTorch "
+                              "99.04 runs Python 3.14")
+
+
 def test_a_base_older_than_nvrx_glibc_floor_is_refused(dockerfile, lock, monkeypatch):
     # A hypothetical base on Ubuntu 22.04 (glibc 2.35): NVRx 0.7.0's wheels are manylinux_2_39.
     monkeypatch.setitem(image_versions.BASE_IMAGES, "99.02", BaseImageFacts(

@@ -60,8 +60,9 @@ def test_image_pip_installs_only_hash_locked_packages(repo_root):
     for install in installs:
         assert "--require-hashes" in install.split() and "-r" in install.split(), install
     locked = _image_lock(repo_root)
-    # the tests exercise the NVRx the image ships; the metrics endpoint and `training.data prepare` too
-    for package in ("nvidia-resiliency-ext", "prometheus-client", "tokenizers", "pyyaml", "matplotlib", "nvidia-ml-py"):
+    # the tests exercise the NVRx and the torchft the image ships; the metrics endpoint and `training.data prepare` too
+    for package in ("nvidia-resiliency-ext", "torchft", "prometheus-client", "tokenizers", "pyyaml", "matplotlib",
+                    "nvidia-ml-py"):
         assert locked[package][0] == importlib.metadata.version(package), package
     # where requirements.txt pins a package too, the image runs the version tested here
     tested = _pins((repo_root / "requirements.txt").read_text())

@@ -1,7 +1,7 @@
 """`TrainConfig`: the typed training config, from a YAML/JSON file plus `--section.key value` overrides.
 
 Sections follow torchtitan's job config: model, training, data, checkpoint, fault_tolerance, logging,
-plus metrics (rank 0's Prometheus endpoint, MFU) and peer_state.
+plus metrics (rank 0's Prometheus endpoint, MFU), peer_state and parallel (replica groups).
 Unknown sections or keys and out-of-range values fail with a message naming the key, the value
 and what is allowed. A closed set of values is a `Literal` type, checked from the type itself; each
 key's documentation lives in its field (`doc`), from where `--help` lists it (`config_keys_help`).
@@ -22,6 +22,7 @@ from typing import Any, Literal, Sequence
 import yaml
 
 from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.replica_groups import split_problem
 from training.contract.shapes import PRESETS
 
 ModelPreset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the shapes table is the one list
@@ -242,6 +243,31 @@ class PeerStateConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Replica groups (HSDP on torchft, training/train/replica_groups.py): FSDP2 shards the model within a
+    group, torchft's Manager sums the groups' gradients every step through a Lighthouse, and a group that
+    fails leaves the quorum while the others train on."""
+    replica_groups: int = _doc(1, "R: groups of whole nodes, each a full copy of the model sharded over its own "
+                                  "ranks (its world size is theirs). 1: plain FSDP2 over every rank, as without "
+                                  "this section. R >= 2 needs torchft 0.2.0; training.global_batch_size is then "
+                                  "the whole step's over every group (null: R x group world size x batch_size), "
+                                  "split over the live groups by rows of micro-batches "
+                                  "(training/contract/replica_groups.py).")
+    step_timeout_s: float = _doc(10.0, "R >= 2: torchft's Manager timeout (its `timeout`), which bounds the "
+                                       "cross-group all-reduce, the commit vote and a heal's state transfer: a "
+                                       "group that hangs inside the all-reduce costs the others this long "
+                                       "(torchft's default: 60 s).")
+    quorum_timeout_s: float = _doc(30.0, "R >= 2: how long a group waits for the Lighthouse's quorum before its "
+                                         "ranks fail (an in-job restart follows): longer than a step and a "
+                                         "checkpoint save of the slowest group (torchft's default: 60 s).")
+    heartbeat_timeout_s: float = _doc(1.0, "R >= 2, the Lighthouse's: a group whose manager has not heartbeaten "
+                                           "(every 0.1 s) for this long is dead and leaves the quorum; the other "
+                                           "groups' longest stall after a group dies (torchft's default: 5 s).")
+    join_timeout_s: float = _doc(0.5, "R >= 2, the Lighthouse's: how long a quorum waits for a group that "
+                                      "heartbeats but has not asked to join (torchft's default: 60 s).")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int = _doc(10, "steps between progress lines (rank 0)")
     sample_log: bool = _doc(False, "Each rank appends the global sample indices of every step to "
@@ -270,6 +296,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     peer_state: PeerStateConfig = field(default_factory=PeerStateConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     faults: tuple[str, ...] = _doc((), "fault specs to inject; format in training/train/faults.py")
@@ -280,6 +307,21 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    def rows_per_step(self, group_world_size: int) -> int:
+        """Rows of micro-batches in every step (a row: one micro-batch per rank of a group; training/contract/
+        replica_groups.py) with groups of `group_world_size` ranks: at R = 1 a rank's micro-batches per step
+        (accumulation_steps). A shape the groups cannot share is a TrainConfigError naming the shapes that can."""
+        t, groups = self.training, self.parallel.replica_groups
+        if groups == 1:
+            return t.accumulation_steps(group_world_size)
+        if t.global_batch_size is None:  # R x group world size x batch_size: one row per group
+            return groups
+        problem = split_problem(t.global_batch_size // t.batch_size, groups, group_world_size)
+        if problem:
+            raise TrainConfigError(f"training.global_batch_size={t.global_batch_size} with parallel.replica_groups="
+                                   f"{groups} cannot be reached by groups of {group_world_size} ranks: {problem}")
+        return t.global_batch_size // (group_world_size * t.batch_size)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -543,6 +585,7 @@ def _validate(c: TrainConfig) -> None:
         fail("fault_tolerance.calculate_timeouts_after", ft.calculate_timeouts_after, "at least 1 step")
     if ft.timeout_safety_factor < 1:
         fail("fault_tolerance.timeout_safety_factor", ft.timeout_safety_factor, "1 or more")
+    _validate_parallel(c.parallel, t)
     m = c.metrics
     if not (m.port == 0 or 1024 <= m.port <= 65535):
         fail("metrics.port", m.port, "0 (off) or a TCP port from 1024 to 65535")
@@ -554,3 +597,22 @@ def _validate(c: TrainConfig) -> None:
         fail("logging.log_interval", c.logging.log_interval, "at least 1 step")
     if not c.run_dir:
         fail("run_dir", c.run_dir, "a directory path")
+
+
+def _validate_parallel(p: ParallelConfig, t: TrainingConfig) -> None:
+    def fail(key: str, value: Any, allowed: str) -> None:
+        raise TrainConfigError(f"parallel.{key}={value!r} is not allowed: {allowed}")
+
+    if p.replica_groups < 1:
+        fail("replica_groups", p.replica_groups, "1 (plain FSDP2) or more (replica groups on torchft)")
+    for key in ("step_timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+        if not getattr(p, key) > 0:
+            fail(key, getattr(p, key), "greater than 0 seconds")
+    if p.quorum_timeout_s <= p.heartbeat_timeout_s:
+        fail("quorum_timeout_s", p.quorum_timeout_s, f"more than heartbeat_timeout_s ({p.heartbeat_timeout_s}): "
+             "the quorum after a group dies forms once its heartbeats are that old")
+    if p.replica_groups > 1 and t.global_batch_size is not None:
+        problem = split_problem(t.global_batch_size // t.batch_size, p.replica_groups)
+        if problem:
+            fail("replica_groups", p.replica_groups, f"training.global_batch_size={t.global_batch_size} in "
+                 f"micro-batches of {t.batch_size}: {problem}")

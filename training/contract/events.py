@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 EVENTS = frozenset({
     "job_start", "run_start", "attempt_start", "resume", "step", "ckpt_start", "ckpt_blocked", "ckpt_committed",
     "ckpt_failed", "ckpt_no_space", "ckpt_fallback", "ckpt_writer_replaced", "state_derived", "fault_injected", "fault_detected", "restart", "node_replaced", "drained",
-    "peer_state", "peer_copy_rejected", "events_dropped",
+    "peer_state", "peer_copy_rejected", "events_dropped", "quorum", "step_discarded",
     "run_end",
 })
 

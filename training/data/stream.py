@@ -8,6 +8,8 @@ world size: an optimizer step of G = W·A·B samples (W ranks, A micro-batches o
 [consumed, consumed + G), of which rank `r` reads the contiguous A·B from consumed + r·A·B, micro-batch
 by micro-batch. So a run resumed at another world size continues at the same sample, neither skipping
 nor repeating one, and with the same G (training.global_batch_size) its steps hold the same samples.
+With replica groups (`share`), the live groups split each step's samples by rows, and the position moves
+only once a step committed (`advance`): a step run again holds the same samples.
 
 A token file (token_file.py) is read through its sidecar: the loader takes the width from it, and
 refuses a model whose vocabulary is smaller than the tokenizer's.
@@ -69,12 +71,23 @@ class TokenStream:
         return self.world_size * self.accumulation_steps * self.batch_size
 
     def next_step(self) -> list[Batch]:
-        """This rank's micro-batches of the next optimizer step."""
-        first = self.consumed_samples + self.rank * self.accumulation_steps * self.batch_size
-        batches = [self._batch(range(start, start + self.batch_size))
-                   for start in range(first, first + self.accumulation_steps * self.batch_size, self.batch_size)]
-        self.consumed_samples += self.global_batch_size
+        """This rank's micro-batches of the next optimizer step, the position moved past the step."""
+        batches = self.share(0, self.accumulation_steps)
+        self.advance()
         return batches
+
+    def share(self, first_row: int, rows: int) -> list[Batch]:
+        """This rank's micro-batches of the next step when its replica group trains `rows` of the step's rows
+        from `first_row` on (a row: one micro-batch per rank; training/contract/replica_groups.py). The
+        group's samples are contiguous, and each rank's within them; the position does not move, so a step
+        that does not commit is run again from the same samples."""
+        first = self.consumed_samples + (first_row * self.world_size + self.rank * rows) * self.batch_size
+        return [self._batch(range(start, start + self.batch_size))
+                for start in range(first, first + rows * self.batch_size, self.batch_size)]
+
+    def advance(self) -> None:
+        """Past the step: every row of it was trained, by whichever groups were live."""
+        self.consumed_samples += self.global_batch_size
 
     def _batch(self, indices: range) -> Batch:
         rows = torch.from_numpy(np.stack([self.sample(i) for i in indices]))

@@ -67,7 +67,8 @@ class InPlaceState(Protocol):
 Where = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view), any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -136,7 +137,7 @@ class CopyPlan:
         """The plan for the (source, buffer) pairs of a copy of obj.state_dict() made just now (after
         it: that call may create state, as torch's helper does for an optimizer); None when some source
         is not among obj's live tensors."""
-        where = [_where(_local(t)) for t in obj.live_tensors()]
+        where = [_where(local_shard(t)) for t in obj.live_tensors()]
         position = {w: i for i, w in enumerate(where)}
         try:
             sources = [position[_where(source)] for source, _ in copied]
@@ -150,7 +151,7 @@ class CopyPlan:
         owner = self.owner()
         if owner is not obj or owner is None:
             return None
-        live = [_local(t) for t in owner.live_tensors()]
+        live = [local_shard(t) for t in owner.live_tensors()]
         if [_where(t) for t in live] != self.where:
             return None
         owner.refresh(saved)

@@ -36,6 +36,7 @@ from training.contract.faults import FaultSpecError, check_chaos_switch, parse_f
 from training.contract.flops import flops_per_token
 from training.contract.job_failure import JobMustFail, request_job_failure
 from training.contract.model_source import ModelSourceError, check_model_source
+from training.contract.replica_groups import REPLICA_GROUP_ENV, Share, check_torchft
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
@@ -56,6 +57,7 @@ from training.train.recovery import DiskTier, InProcessTier, PeerTier, RecoveryT
 
 if TYPE_CHECKING:
     from training.train.inprocess import Iteration
+    from training.train.replica_groups import ReplicaGroups
 
 log = logging.getLogger("training.train")
 
@@ -179,10 +181,16 @@ def build(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> tuple[torch.nn.M
     return model, optimizer
 
 
+class StepDiscarded(RuntimeError):
+    """Replica groups: the step did not commit in this group (torchft's should_commit said no, the same on
+    every rank of the group): parameters, optimizer and data position are as before it; run it again."""
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], lr: float,
                grad_clip: float, info: DistInfo, drain_flag: float = 0.0,
                reduce_every_micro_batch: bool = False,
-               before_update: Callable[[], None] = lambda: None) -> tuple[float, bool]:
+               before_update: Callable[[], None] = lambda: None,
+               replicas: ReplicaGroups | None = None) -> tuple[float, bool]:
     """One optimizer step over this rank's micro-batches (gradient accumulation); returns the loss averaged
     over the global batch and whether any rank was told to drain (`drain_flag` > 0 on it): both from the
     step's one all-reduce.
@@ -194,7 +202,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     accumulation without communication, https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html):
     until then each rank accumulates its unsharded gradients in the reduce dtype (fp32), 4 bytes per
     parameter of the whole model on every rank (training.gradient_reduce). `before_update` runs before the
-    optimizer changes the parameters and its state in place (an async save's staging copy may still read them)."""
+    optimizer changes the parameters and its state in place (an async save's staging copy may still read them).
+
+    With `replicas` (parallel.replica_groups >= 2) `micro_batches` are this rank's part of its group's share,
+    the gradients and loss are summed over the groups, weighted by their shares, before clipping, and a step
+    that does not commit raises StepDiscarded with nothing changed (training/train/replica_groups.py)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = torch.zeros((), device=info.device)
@@ -204,9 +216,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         micro_loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten()) / len(micro_batches)
         micro_loss.backward()
         loss += micro_loss.detach()
+    if replicas is not None:
+        loss = replicas.reduce(model, loss)
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     before_update()
+    if replicas is not None and not replicas.commit():
+        optimizer.zero_grad(set_to_none=True)
+        raise StepDiscarded("the step did not commit in this replica group")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     reduced = torch.cat([loss.reshape(1), loss.new_tensor([drain_flag])])
@@ -290,8 +307,9 @@ class Trainer:
         self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
         self.lead = self.info.rank == 0
         self.peer = None  # before anything can fail: closing the setup stops its thread
+        self.replicas: ReplicaGroups | None = None  # parallel.replica_groups >= 2, made last
         try:  # the setup is open: a failure from here on closes it, so that another iteration can start
-            accumulation_steps = t.accumulation_steps(self.info.world_size)  # before anything trains
+            self.rows = cfg.rows_per_step(self.info.world_size)  # before anything trains
             if self.lead:
                 self._announce_attempt()
             torch.manual_seed(t.seed)
@@ -300,7 +318,7 @@ class Trainer:
             self.gradient_reduce = gradient_reduce(t.gradient_reduce, self.spec.shape.parameters,
                                                    device_memory_bytes(self.info.device))
             self.stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=self.info.rank,
-                                      world_size=self.info.world_size, accumulation_steps=accumulation_steps,
+                                      world_size=self.info.world_size, accumulation_steps=self.rows,
                                       vocab_size=self.spec.shape.vocab_size, seed=t.seed,
                                       path=cfg.data.path, dtype=cfg.data.dtype)
             self.train_state = TrainState(self.stream, self.monitor)
@@ -318,9 +336,20 @@ class Trainer:
             self.resume()
             self.ckpt.wait_for_writer()  # in NVRx's setup section, not in the first saves'
             self._open_reporting()
+            if cfg.parallel.replica_groups > 1:
+                self.replicas = self._join_replica_groups()
         except BaseException:
             self._close_setup()
             raise
+
+    def _join_replica_groups(self) -> ReplicaGroups:
+        """This rank's manager of its replica group, once everything else is built: from its creation group
+        rank 0 heartbeats to the Lighthouse, and a group that heartbeats without asking for a quorum holds the
+        others' back (training/train/replica_groups.py)."""
+        from training.train.replica_groups import ReplicaGroups  # torchft, only with replica groups
+
+        return ReplicaGroups(self.cfg.parallel, int(os.environ[REPLICA_GROUP_ENV]), self.info, self.state, self.rows,
+                             self.train_state.step, self.events if self.lead else None)
 
     def _announce_attempt(self) -> None:
         """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
@@ -379,9 +408,12 @@ class Trainer:
         reduce = "" if self.stream.accumulation_steps == 1 else (
             ", gradients reduce-scattered after every micro-batch" if self.gradient_reduce == "micro_batch" else
             ", gradients reduce-scattered once per step")
-        log.info("world size %d, %s, model %s, global batch %d (%d micro-batch(es) of %d per rank%s); %s",
-                 info.world_size, info.backend, self.spec.shape.name, self.stream.global_batch_size,
-                 self.stream.accumulation_steps, self.stream.batch_size, reduce,
+        groups = self.cfg.parallel.replica_groups
+        split = (f"{self.stream.accumulation_steps} micro-batch(es) of {self.stream.batch_size} per rank" if groups == 1
+                 else f"{self.rows} rows of {info.world_size} micro-batches of {self.stream.batch_size}, shared by "
+                      f"the live ones of {groups} replica groups")
+        log.info("world size %d, %s, model %s, global batch %d (%s%s); %s",
+                 info.world_size, info.backend, self.spec.shape.name, self.stream.global_batch_size, split, reduce,
                  f"resumed from {restored.origin} at step {step}" if restored else
                  f"starting at step 0 from {'its pretrained weights' if self.pretrained else 'seeded weights'}")
         if restored is None or restored.saved_world_size in (None, info.world_size):
@@ -407,17 +439,28 @@ class Trainer:
         monitor.end_setup()
         try:
             while self.train_state.step < t.steps:
+                # with replica groups: the step's quorum first (a heal moves train_state to the live groups'
+                # step), so that a fault injected at this step lands in a group the others count on
+                share = self.replicas.begin_step() if self.replicas is not None else Share(0, self.rows, self.rows)
+                if self.train_state.step >= t.steps:
+                    break
                 step = self.train_state.step + 1
                 self.injector.maybe_fire(step)
                 with monitor.section("step"):
                     t0 = time.perf_counter()
-                    micro_batches = self.stream.next_step()
+                    micro_batches = self.stream.share(share.first_row, share.rows)
                     staging_waits: list[float] = []  # counted in the save's ckpt_blocked, not as training
-                    mean_loss, drain = train_step(self.model, self.optimizer, micro_batches, lr_at(step, self.cfg),
-                                                  t.grad_clip, self.info, self.drain_signal.flag,
-                                                  self.gradient_reduce == "micro_batch",
-                                                  lambda: staging_waits.append(ckpt.wait_staged()))
+                    try:
+                        mean_loss, drain = train_step(self.model, self.optimizer, micro_batches,
+                                                      lr_at(step, self.cfg), t.grad_clip, self.info,
+                                                      self.drain_signal.flag, self.gradient_reduce == "micro_batch",
+                                                      lambda: staging_waits.append(ckpt.wait_staged()),
+                                                      self.replicas)
+                    except StepDiscarded:
+                        self._discarded(step, time.perf_counter() - t0)
+                        continue
                     step_time = time.perf_counter() - t0 - sum(staging_waits)
+                self.stream.advance()
                 self.train_state.step = step
                 self.after_step(step, micro_batches, mean_loss, step_time)
                 if drain:
@@ -465,6 +508,13 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.update(step, mean_loss, step_time, self.tokens_per_step, self.events.unwritten)
         self.progress.update(step, mean_loss, step_time, self.tokens_per_step)
+
+    def _discarded(self, step: int, seconds: float) -> None:
+        """A step that did not commit (a replica group failed in it): said once by rank 0, then run again."""
+        if self.lead:
+            self.events.emit("step_discarded", step=step, seconds=round(seconds, 3))
+            log.warning("step %d did not commit across the replica groups (%.2f s lost): running it again with "
+                        "the groups of the next quorum", step, seconds)
 
     def drain(self, step: int, step_time: float) -> None:
         """Every rank, at the same step: keep the step reached the cheaper way that fits the time the
@@ -551,6 +601,8 @@ class Trainer:
             self._close_setup()
 
     def _close_setup(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         if self.peer is not None:  # after a failure its thread is still running; the next iteration starts its own
             self.peer.abort()
         if self.restart is None:
@@ -590,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = with_env_faults(load_train_config(args.config, args.overrides))
         check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1))), cfg.allow_destructive_faults)
         check_token_file(cfg.data.path, cfg.data.dtype, check_model_source(cfg.model).vocab_size)
+        if cfg.parallel.replica_groups > 1 and (missing := check_torchft()):
+            raise TrainConfigError(missing)
         if cfg.model.source == "huggingface":
             from training.models.huggingface import HuggingFaceSpec
 

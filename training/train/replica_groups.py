@@ -1,0 +1,143 @@
+"""HSDP across replica groups on torchft 0.2.0: FSDP2 shards the model within a group (its own process group,
+rendezvous and store), torchft's Manager joins the groups every step through a Lighthouse. A group that fails
+leaves the quorum; the others discard at most the step in flight and train on with its rows of the batch; a
+group that comes back heals from a live group's state over torchft's checkpoint transport (HTTP).
+
+One step, as the Trainer drives it (`begin_step`, then train_step's `reduce` and `commit`):
+  quorum  Manager.start_quorum, synchronous (use_async_quorum=False): the live groups are known before any
+          sample is read, and a group behind the others (restarted: step 0) receives a live group's state
+          there, the same group rank's shards (torchft manager.py `_async_quorum`: recv_checkpoint from
+          recover_src_replica_rank; `start_quorum` applies it at once when the quorum is not async)
+  share   this group's rows of the step's global batch (training/contract/replica_groups.py)
+  reduce  after the group's own backward and reduce-scatter, one flat buffer of this rank's gradient shards
+          (and its loss), scaled by the group's share of the samples, summed over the groups
+          (Manager.allreduce, SUM): the mean gradient of the whole global batch, as one group would have it
+  commit  Manager.should_commit: a step whose all-reduce failed (a group died in it) commits nowhere and is
+          run again from the same samples; so no group's parameters move on a partial sum.
+
+Why not FSDP2's `set_all_reduce_hook` (torchft's fsdp_test.py): it runs inside each reduce-scatter, so a group
+runs as many cross-group collectives as it has reduce-scatters, which depends on its rows (gradient_reduce=
+micro_batch) and is none for a group with no rows; every quorum member must join the same collectives.
+What it costs: the cross-group sum waits for the end of backward instead of overlapping it, and one copy of
+the gradient shards per step (4 bytes per parameter / group world size).
+
+A group whose manager still heartbeats but never asks for a quorum (a hung rank 0) stalls the quorum of the
+others when R = 2: the Lighthouse forms none with half or fewer of the heartbeating groups (torchft
+src/lighthouse.rs `quorum_compute`: "need at least half of ... healthy workers"). The Manager is created just
+before the first quorum for that reason.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.checkpoint.stateful import Stateful
+from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+from torchft.coordination import LighthouseServer
+
+from training.contract.config import ParallelConfig
+from training.contract.events import EventLog
+from training.contract.replica_groups import LIGHTHOUSE_ENV, Share, share_of
+from training.train.distributed import DistInfo
+from training.train.rollback import copy_into, load_into, local_shard
+
+log = logging.getLogger(__name__)
+
+
+def start_lighthouse(cfg: ParallelConfig, bind: str = "[::]:0") -> LighthouseServer:
+    """The Lighthouse, in this process (tests) or as its own (the cluster's Deployment, later): a quorum of
+    one group is enough (the others may all be down), a dead group is dropped after cfg.heartbeat_timeout_s.
+    So at a fresh start the group that asks first trains alone and the others heal into the quorum from it."""
+    return LighthouseServer(bind=bind, min_replicas=1, join_timeout_ms=int(cfg.join_timeout_s * 1000),
+                            heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000))
+
+
+class ReplicaGroups:
+    """This rank's side of the replica groups: its group's Manager (a ManagerServer on group rank 0), the
+    cross-group process group of the ranks with its group rank, and the step's share of the batch.
+
+    Args:
+        cfg: the parallel section (timeouts; the group count is the quorum's business, not this object's)
+        group: this rank's replica group (training/contract/replica_groups.py REPLICA_GROUP_ENV)
+        info: the group's own process group (its rank and world size are the group rank and size)
+        state: the Stateful dict that checkpoints hold; a heal sends and loads all of it
+        rows: rows of micro-batches in every step's global batch
+        step: the step the group resumed at (0: a fresh start); a lower one than the others' heals
+        events: rank 0's `quorum` events (None on the other ranks)
+    """
+
+    def __init__(self, cfg: ParallelConfig, group: int, info: DistInfo, state: dict[str, Stateful], rows: int,
+                 step: int, events: EventLog | None) -> None:
+        self.group, self.rows, self.events = group, rows, events
+        self.share: Share | None = None
+        self._live = 0  # live groups of the last quorum: a `quorum` event when they change
+        timeout = timedelta(seconds=cfg.step_timeout_s)
+        # torchft's reconfigurable process groups: each quorum re-forms it over the live groups' ranks with
+        # this group rank (manager.py `_async_quorum`: pg.configure on "<store>/torchft/<quorum_id>/<rank>")
+        pg = ProcessGroupNCCL(timeout=timeout) if info.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, min_replica_size=1,
+            # a heal: the sender's host copy of every Stateful (DTensors as their local shards, rollback.py),
+            # loaded by the receiver into its own, identically sharded state
+            state_dict=lambda: _host_copy(state), load_state_dict=lambda saved: load_into(state, saved),
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timeout, rank=info.rank, world_size=info.world_size,
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV), replica_id=f"group{group}",
+            # every group starts from the same seeded (or pretrained) weights: no transfer at step 0
+            init_sync=False)
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def begin_step(self) -> Share:
+        """The quorum of the next step (a heal, if this group is behind, loads the live state into `state`
+        before it returns) and this group's share of the step's rows; no rows when it takes no part."""
+        behind = self.manager.current_step()
+        self.manager.start_quorum()
+        live, index = self.manager.num_participants(), self.manager.participating_rank()
+        self.share = Share(0, 0, self.rows) if index is None else share_of(self.rows, live, index)
+        healed = self.manager.current_step() != behind
+        if self.events is not None and (healed or live != self._live):
+            self.events.emit("quorum", step=self.manager.current_step(), group=self.group, live_groups=live,
+                             rows=self.share.rows, healed_from_step=behind if healed else None)
+            log.info("replica group %d: %d live group(s), this one takes %d of %d rows%s", self.group, live,
+                     self.share.rows, self.rows, f"; healed from step {behind} to {self.manager.current_step()}"
+                     if healed else "")
+        self._live = live
+        return self.share
+
+    def reduce(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """Sum every group's gradient shards and loss, each weighted by its share of the step's samples, into
+        this rank's: one flat all-reduce over the groups. A group with no rows (or no backward) adds zeros."""
+        assert self.share is not None, "begin_step first"
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_shard(p.grad) for p in params]
+        flat = torch.cat([*(g.reshape(-1) for g in grads), loss.reshape(1)]).mul_(self.share.weight)
+        # SUM, not torchft's default AVG (a division by the live groups): the weights already make the mean
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat[:-1].split([g.numel() for g in grads]),
+                                                                           grads)])
+        return flat[-1]
+
+    def commit(self) -> bool:
+        """Whether this step commits in this group (the same answer on all of its ranks); False after any
+        error of the step's collectives or quorum (torchft manager.py `should_commit`)."""
+        return self.manager.should_commit()
+
+    def close(self) -> None:
+        """Stop the manager (its server and heartbeats on group rank 0) and the checkpoint server."""
+        self.manager.shutdown(wait=False)
+
+
+def _host_copy(state: dict[str, Stateful]) -> dict[str, Any]:
+    copied = {key: copy_into(obj.state_dict(), None) for key, obj in state.items()}
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()  # copy_into's device-to-host copies are asynchronous
+    return copied
+
