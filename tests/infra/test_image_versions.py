@@ -69,25 +69,21 @@ def test_an_installer_that_bundles_the_hanging_plugin_is_refused(dockerfile, loc
     assert problem.startswith("aws-ofi-nccl 1.18.0 is below 1.20.0, the first that does not hang on NCCL broadcast")
 
 
-def test_a_base_whose_python_nvrx_has_no_wheel_for_is_refused(dockerfile, lock, monkeypatch):
+@pytest.mark.parametrize("tag, python, message", [
     # A hypothetical base on Python 3.13: NVRx 0.7.0 has cp312 and cp314 wheels only.
-    monkeypatch.setitem(image_versions.BASE_IMAGES, "99.01", BaseImageFacts(
-        tag="99.01", cuda_major=13, python="3.13", glibc=(2, 39), pip_constraint_file="/etc/pip/constraint.txt",
-        source="test"))
-    [problem] = check_pins(read_pins(_with_base_tag(dockerfile, "99.01"), lock))
-    assert problem.startswith("nvidia-resiliency-ext 0.7.0 has wheels for Python 3.12, 3.14 only, NGC PyTorch 99.01 "
-                              "runs Python 3.13")
-    assert "PyPI files of nvidia-resiliency-ext 0.7.0" in problem
-
-
-def test_a_base_whose_python_torchft_has_no_wheel_for_is_refused(dockerfile, lock, monkeypatch):
+    ("99.01", "3.13", "nvidia-resiliency-ext 0.7.0 has wheels for Python 3.12, 3.14 only, NGC PyTorch 99.01 runs "
+                      "Python 3.13"),
     # A hypothetical base on Python 3.14: NVRx 0.7.0 has a cp314 wheel, torchft 0.2.0 stops at cp313.
-    monkeypatch.setitem(image_versions.BASE_IMAGES, "99.04", BaseImageFacts(
-        tag="99.04", cuda_major=13, python="3.14", glibc=(2, 39), pip_constraint_file="/etc/pip/constraint.txt",
+    ("99.04", "3.14", "torchft 0.2.0 has wheels for Python 3.9, 3.10, 3.11, 3.12, 3.13 only, NGC PyTorch 99.04 runs "
+                      "Python 3.14"),
+])
+def test_a_base_on_a_python_a_locked_wheel_lacks_is_refused(dockerfile, lock, monkeypatch, tag, python, message):
+    monkeypatch.setitem(image_versions.BASE_IMAGES, tag, BaseImageFacts(
+        tag=tag, cuda_major=13, python=python, glibc=(2, 39), pip_constraint_file="/etc/pip/constraint.txt",
         source="test"))
-    [problem] = check_pins(read_pins(_with_base_tag(dockerfile, "99.04"), lock))
-    assert problem.startswith("torchft 0.2.0 has wheels for Python 3.9, 3.10, 3.11, 3.12, 3.13 only, NGC PyTorch "
-                              "99.04 runs Python 3.14")
+    [problem] = check_pins(read_pins(_with_base_tag(dockerfile, tag), lock))
+    assert problem.startswith(message)
+    assert f"PyPI files of {message.split()[0]} {message.split()[1]}" in problem
 
 
 def test_a_base_older_than_nvrx_glibc_floor_is_refused(dockerfile, lock, monkeypatch):
