@@ -32,13 +32,13 @@ def test_faults_detection_recovery_and_steps_lost(faulty_run: FakeRun) -> None:
         # detected by the launcher; restart 0.5 s later, 6 s to start, 2 s to load, 1 s step
         # time lost: step 48 done 11 s + 7 recomputed steps after the fault, less the 1 s it takes anyway
         Fault("exception", 1, 48, approx(52.0), approx(1.5), "fault_detected", "injob", approx(11.0), 40, 7,
-              approx(17.0)),
+              approx(17.0), checkpoint_steps_lost=7),
         # no fault_detected: detection ends at the controller's restart
         Fault("node_failure", 12, 76, approx(98.5), approx(30.0), "restart", "injob", approx(43.0), 70, 5,
-              approx(47.0)),
+              approx(47.0), checkpoint_steps_lost=5),  # the save at step 60 failed
         # in-process restart, rolled back in memory to the step in flight: the first step back is step 91
         Fault("gpu_error", 2, 91, approx(163.5), approx(0.4), "fault_detected", "inprocess", approx(1.7), 90, 0,
-              approx(0.7)),
+              approx(0.7), checkpoint_steps_lost=0),
     )
 
 
@@ -130,6 +130,8 @@ def test_fault_in_a_failed_run_is_not_recovered(fake_run: FakeRun) -> None:
     assert report.status == "failed"
     [row] = [line for line in format_report(report).splitlines() if "not recovered" in line]
     assert row.count("not recovered") == 2 and "recoverednot" not in row  # recovery and time lost, apart
+    assert format_report(report).splitlines()[-1] == \
+        "Lost: 0 completed step(s) to 0 recovered fault(s); 1 never recovered"
 
 
 def test_the_fault_table_keeps_its_columns_for_a_drains_way(fake_run: FakeRun) -> None:
@@ -151,6 +153,35 @@ def test_format_report_lists_the_figures(faulty_run: FakeRun) -> None:
     assert "Training goodput  61.3%" in text and "Infra goodput     67.5%" in text
     assert "12 started, 11 committed, 1 failed" in text
     assert "node_failure" in text and "7 (back to 40)" in text
+    # the last lines: no recovery did better than its newest checkpoint, so there is nothing to set beside it
+    assert text.splitlines()[-2:] == [
+        "Lost: 12 completed step(s) to 3 fault(s)",
+        "Recovered in 11.0 s (exception), 43.0 s (node_failure), 1.7 s (gpu_error), each from the fault to the next "
+        "completed step"]
+
+
+def test_the_last_lines_set_what_the_newest_checkpoint_would_have_lost_beside_what_was(fake_run: FakeRun) -> None:
+    """Resumed from peer state at the step reached, 5 steps past the newest checkpoint; then back to a
+    checkpoint that is gone after a resume below it (step 30, unreadable): the one before it is the baseline."""
+    fake_run.attempt(0, "fresh", resume=0, source_kind="none")
+    fake_run.steps(1, 25)
+    fake_run.fault("exception", rank=1, step=26)
+    fake_run.wait(2.0)
+    fake_run.attempt(1, "injob", resume=25, source_kind="peer")
+    fake_run.steps(26, 33)
+    fake_run.fault("sigkill", rank=3, step=34)
+    fake_run.wait(2.0)
+    fake_run.attempt(2, "injob", resume=20, source_kind="disk")  # step 30's checkpoint was unreadable
+    fake_run.steps(21, 25)
+    fake_run.fault("exception", rank=1, step=26)
+    fake_run.wait(2.0)
+    fake_run.attempt(3, "injob", resume=25, source_kind="peer")
+    fake_run.steps(26, 27)
+    fake_run.end(27)
+    report = build_report(read_events(fake_run.run_dir))
+    assert [(f.steps_lost, f.checkpoint_steps_lost) for f in report.faults] == [(0, 5), (13, 3), (0, 5)]
+    assert format_report(report).splitlines()[-2] == (
+        "Lost: 13 completed step(s) to 3 fault(s); a resume from the newest checkpoint would have lost 5 + 3 + 5")
 
 
 @pytest.mark.parametrize("events, expected", [

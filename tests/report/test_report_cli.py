@@ -20,6 +20,7 @@ def test_cli_prints_writes_json_and_plots(faulty_run: FakeRun, capsys: pytest.Ca
     assert main([str(run_dir), "--plot"]) == 0
     out = capsys.readouterr().out
     assert "Training goodput" in out and f"wrote {run_dir / 'timeline.png'}" in out
+    assert out.splitlines()[-1].startswith("Recovered in ")  # the report last, after what it wrote
     data = json.loads((run_dir / "report.json").read_text())
     assert data["useful_steps"] == 120 and len(data["faults"]) == 3
     assert data["checkpoints"]["blocking_max_s"] == pytest.approx(1.5)

@@ -74,9 +74,10 @@ from training.contract.faults import (FaultSpecError, controller_requests_dir, l
                                       partitioned_marker, with_env_faults)
 from training.contract.job_failure import FailureRequests
 from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
-from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, SAVE_DELAY_ENV, drain_grace_period_s,
-                                        free_port, launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
-                                        resume_step_file, store_command, worker_entrypoint)
+from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, REJOIN_POLLS_S, SAVE_DELAY_ENV,
+                                        drain_grace_period_s, free_port, launch_command, launcher_ft_args,
+                                        launcher_wrapper, rendezvous_args, resume_step_file, store_command,
+                                        worker_entrypoint)
 from training.contract.model_source import ModelSourceError, check_model_source
 from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
@@ -90,13 +91,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # SIGKILL a node's workers still alive this long after its launcher's SIGTERM (ft_launcher's default: 15 s); the
 # restart round's last call for the survivors follows it (training.contract.launcher.rendezvous_last_call_s)
 WORKERS_STOP_TIMEOUT_S = 5
-DEMO_FAULTS = ("exception@60:rank=1", "sigkill@140:rank=3")
+# The demo shows recovery at its best: a crashed rank, a lost node (the hot spare takes its place) and a
+# killed rank, each resumed at the step it reached from peer state, while the newest checkpoint is 19 steps back.
+DEMO_STEPS = 160
+DEMO_FAULTS = ("exception@40:rank=1", "node-loss@80:node=1", "sigkill@120:rank=3")
+DEMO_SPARES = 1
+# Later than a survivor is back in the restart round, so the round's last call stays NVRx's 1 s, as on EKS where
+# a replacement takes minutes (training.contract.launcher.rendezvous_last_call_s)
+DEMO_REPLACEMENT_DELAY_S = float(WORKERS_STOP_TIMEOUT_S + REJOIN_POLLS_S + 2)
 # The demo: tiny model, async checkpoints every 20 steps, short gloo timeouts (a CPU collective
 # cannot be aborted; a short timeout bounds how long survivors of a fault can hang).
-# Hang timeouts are calculated as max observed x 10: room for a busy laptop.
+# Hang timeouts are calculated as max observed x 10: room for a busy laptop. Peer state copies every
+# step: the measured interval may let a busy laptop lose a step or more to a fault.
 DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.interval=20",
                   "training.collective_timeout_s=30", "logging.log_interval=20",
-                  "fault_tolerance.timeout_safety_factor=10")
+                  "fault_tolerance.timeout_safety_factor=10", "peer_state.enabled=true", "peer_state.interval=1")
 STOP_GRACE_S = 10.0
 # NVRx 0.7.0 log lines that report a detected fault: (pattern, kind, detecting party). Its logger tags
 # lines with the rank a rank monitor watches, [workload:<rank>(<local rank>) infra:…], and the
@@ -678,21 +687,22 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ConfigArgumentParser(prog="python -m training.local", description=__doc__.split("\n\n")[0])
-    p.add_argument("--demo", action="store_true", help="2 nodes x 2 ranks, tiny model, async checkpoints, "
-                   f"two injected faults ({', '.join(DEMO_FAULTS)})")
+    p.add_argument("--demo", action="store_true", help=f"2 nodes x 2 ranks and {DEMO_SPARES} hot spare, tiny model, "
+                   f"async checkpoints, peer state, {DEMO_STEPS} steps, injected faults ({', '.join(DEMO_FAULTS)})")
     p.add_argument("--nodes", type=int, default=2, help="training nodes (the world size is nodes x nproc-per-node)")
-    p.add_argument("--spares", type=int, default=0, help="hot spare nodes: they wait as standby and take a "
-                   "failed node's place in the next rendezvous round")
-    p.add_argument("--replacement-delay", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--spares", type=int, default=None, help="hot spare nodes: they wait as standby and take a "
+                   f"failed node's place in the next rendezvous round (default 0; demo: {DEMO_SPARES})")
+    p.add_argument("--replacement-delay", type=float, default=None, metavar="SECONDS",
                    help="from a node's loss to its replacement's start: Kubernetes' part of a node replacement "
-                   "(default 0; bench/projection.py has EKS's)")
+                   f"(default 0; demo: {DEMO_REPLACEMENT_DELAY_S:g}; bench/projection.py has EKS's)")
     p.add_argument("--save-delay", type=float, default=0.0, metavar="SECONDS",
                    help="each rank's checkpoint write is held back this long: a checkpoint file system as slow as "
                         "FSx is at the size we ship (a save of 8b state takes minutes there)")
     p.add_argument("--netns", action="store_true", help="each node on its own emulated machine: a network "
                    "namespace with its own address and hostname (needs root and iproute2); partition faults need it")
     p.add_argument("--nproc-per-node", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None, help="training.steps (default: the config's; demo: 200)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training.steps (default: the config's; demo: {DEMO_STEPS})")
     p.add_argument("--run-dir", default=None, help="default: runs/local-<time>")
     p.add_argument("--config", default=None, help="training config file (YAML/JSON)")
     p.add_argument("--faults", action="append", default=None, metavar="SPEC[,SPEC…]",
@@ -704,14 +714,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "Job's backoffLimitPerIndex); a lost node (its launcher killed) and a drain do not count")
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
+    if args.demo:
+        args.steps = args.steps or DEMO_STEPS
+        if args.faults is None:
+            args.faults = list(DEMO_FAULTS)
+    if args.spares is None:
+        args.spares = DEMO_SPARES if args.demo else 0
+    if args.replacement_delay is None:
+        args.replacement_delay = DEMO_REPLACEMENT_DELAY_S if args.demo else 0.0
     if args.nodes < 1 or args.nproc_per_node < 1:
         p.error("--nodes and --nproc-per-node must be at least 1")
     if args.spares < 0 or args.replacement_delay < 0 or args.save_delay < 0:
         p.error("--spares, --replacement-delay and --save-delay must be 0 or more")
-    if args.demo:
-        args.steps = args.steps or 200
-        if args.faults is None:
-            args.faults = list(DEMO_FAULTS)
     args.run_dir = args.run_dir or f"runs/{'demo' if args.demo else 'local'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return args
 

@@ -33,9 +33,10 @@ def write_report(run_dir: Path, plot: bool, png: Path | None = None) -> str:
     timeline, report = report_run(run_dir)
     json_path = run_dir / "report.json"
     replace_file(json_path, (report.to_json() + "\n").encode())
-    lines = [format_report(report), f"wrote {json_path}"]
+    lines = [f"wrote {json_path}"]
     if plot:
         from training.report.plot import plot_timeline  # matplotlib only when a picture is asked for
 
         lines.append(f"wrote {plot_timeline(timeline, report, png or run_dir / 'timeline.png')}")
-    return "\n".join(lines)
+    # the report last: its last lines say what the faults cost
+    return "\n".join([*lines, format_report(report)])

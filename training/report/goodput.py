@@ -30,6 +30,9 @@ fault nobody injected); it is open until the first step completed after its rest
                     the step every rank left at, `drained`, whose path says how it was kept) minus the step
                     training resumed from: resume.step, i.e. the last step held in the restored state
                     (without a resume event, the first step completed afterwards minus one).
+  steps lost from   the step reached at the fault minus the newest checkpoint committed by then: what a
+  the checkpoint    resume from disk alone would have lost (the baseline that peer state and in-process
+                    restarts improve on).
   time lost         fault -> the next step after the one reached at the fault is completed, less one
                     typical (median) step time: how much later training got there than without the
                     fault, recovery and recomputed steps together. None when it never got there.
@@ -94,6 +97,7 @@ class Fault:
     steps_lost: int | None
     time_lost_s: float | None
     drain_path: str | None = None  # a drain: how the step reached was kept (the `drained` event's path)
+    checkpoint_steps_lost: int | None = None  # what a resume from the newest checkpoint at the fault would lose
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,7 @@ class _OpenFault:
     """A fault being followed through the log; the first event of each kind after it is kept."""
     onset: Event  # fault_injected, or fault_detected of a fault nobody injected
     position: int  # step reached when it fired
+    checkpoint: int  # the newest checkpoint committed when it fired (0: none)
     detected: Event | None = None
     restarted: Event | None = None  # first restart, attempt_start or resume
     resumed: Event | None = None
@@ -269,22 +274,27 @@ class _OpenFault:
             time_lost_s=(max(self.regained["t"] - self.onset["t"] - typical_step_s, 0.0)
                          if self.regained else None),
             drain_path=self.drain_path,
+            checkpoint_steps_lost=max(self.position - self.checkpoint, 0),
         )
 
 
 def _faults(events: list[Event], t0: float, typical_step_s: float) -> tuple[Fault, ...]:
     closed: list[_OpenFault] = []
     fault: _OpenFault | None = None
-    position = 0
+    position = committed = 0
     for r in events:
         name = r["event"]
+        if name == "ckpt_committed":
+            committed = max(committed, int(_number(r, "step")))
+        elif name == "resume":  # back below a checkpoint (one found unreadable): it is gone
+            committed = min(committed, int(_number(r, "step")))
         if name == "fault_injected" or (name == "fault_detected" and fault is None):
             if fault is not None:
                 closed.append(fault)
             # An injected fault fires before its step: the faulty rank had finished step - 1, even
             # when rank 0's event for that step reaches the log after the fault's.
             reached = max(position, int(r["step"]) - 1) if isinstance(r.get("step"), int) else position
-            fault = _OpenFault(r, reached, detected=r if name == "fault_detected" else None)
+            fault = _OpenFault(r, reached, committed, detected=r if name == "fault_detected" else None)
         elif fault is not None:
             if name == "fault_detected" or name in RESTARTS:
                 fault.detected = fault.detected or r
@@ -371,7 +381,26 @@ def format_report(report: GoodputReport) -> str:
         lost = f"{f.steps_lost} (back to {f.resumed_from})" if f.steps_lost is not None else "-"
         lines.append(f"  {i:>2}  {kind:<{width}}{_or_dash(f.rank):>5}{f.at_s:>9.1f}  {detected:<26}"
                      f"{_or_dash(f.restart_kind):<11}{_s(f.recovery_s):>14}{_s(f.time_lost_s):>14}  {lost}")
+    if report.faults:
+        lines.extend(_fault_summary(report.faults))
     return "\n".join(lines)
+
+
+def _fault_summary(faults: Sequence[Fault]) -> list[str]:
+    """The report's last lines: what the faults cost in all, beside what the newest checkpoint alone would
+    have cost where a recovery did better, and how fast each one recovered."""
+    lost = [f.steps_lost for f in faults if f.steps_lost is not None]
+    never = len(faults) - len(lost)
+    line = (f"Lost: {sum(lost)} completed step(s) to {len(lost)} recovered fault(s); {never} never recovered" if never
+            else f"Lost: {sum(lost)} completed step(s) to {len(faults)} fault(s)")
+    if any(f.steps_lost is not None and f.checkpoint_steps_lost is not None and f.steps_lost < f.checkpoint_steps_lost
+           for f in faults):
+        baseline = " + ".join(_or_dash(f.checkpoint_steps_lost) for f in faults)
+        line += f"; a resume from the newest checkpoint would have lost {baseline}"
+    recovered = [f"{f.recovery_s:.1f} s ({f.kind})" for f in faults if f.recovery_s is not None]
+    if not recovered:
+        return [line]
+    return [line, f"Recovered in {', '.join(recovered)}, each from the fault to the next completed step"]
 
 
 def _s(seconds: float | None) -> str:  # at most 13 characters: the columns are 14 wide
