@@ -494,9 +494,8 @@ def _validate(c: TrainConfig) -> None:
         raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
     if c.fault_tolerance.restart == "inprocess":
-        fail("fault_tolerance.restart", "inprocess", "that mode was removed: its launcher restarted nothing, so every "
-             "fault the Wrapper cannot handle failed the pod and spent one of the Job's retries. Use both (the "
-             "Wrapper first, then ft_launcher) or injob")
+        fail("fault_tolerance.restart", "inprocess", "one of ['injob', 'both'] (both: the Wrapper restarts the "
+             "ranks in their processes first, then ft_launcher restarts the worker group)")
     for key in _keys(c):
         allowed = _choices(key.hint)
         if allowed and key.value not in allowed:
