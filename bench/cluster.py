@@ -15,11 +15,11 @@ class ClusterSpec:
     nproc_per_node: int
     steps: int
     overrides: tuple[str, ...]  # section.key=value; fault_tolerance.max_restarts sets ft_launcher's budget
-    faults: tuple[str, ...] = ()  # training/train/faults.py specs
+    faults: tuple[str, ...] = ()  # training.train.faults specs
     node_retries: int = 0  # replacements per node after its launcher was killed
     spares: int = 0  # hot spare nodes
     replacement_delay_s: float = 0.0  # a lost node's replacement starts this much later
-    netns: bool = False  # each node on its own emulated machine (training/local/netns.py)
+    netns: bool = False  # each node on its own emulated machine (training.local.netns)
 
 
 def run_cluster(spec: ClusterSpec) -> int:

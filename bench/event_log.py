@@ -10,7 +10,7 @@ Then, in this process:
   catch-up        the first refresh of the first metrics endpoint (RunCollector.collect): no tally saved yet
   refresh         a refresh after REFRESH_EVENTS more events (a refresh's worth at a step a second)
   resumed         the first refresh of the next rank 0 process (a new attempt's endpoint), which finds the
-                  tally the first one saved (training/report/saved_tally.py) REFRESH_EVENTS events ago
+                  tally the first one saved (training.report.saved_tally) REFRESH_EVENTS events ago
   attempt start   rank 0's events for a new attempt (Trainer._announce_attempt)
 each as wall seconds and bytes read (/proc/self/io rchar). Only those two entry points are used, so the
 same script measures an older checkout of the code (there `resumed` is a whole catch-up).

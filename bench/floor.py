@@ -29,7 +29,7 @@ class FloorResult:
 
 
 def rank_env() -> dict[str, str]:
-    """The environment the local cluster gives its ranks (training/local/cluster.py)."""
+    """The environment the local cluster gives its ranks (training.local.cluster)."""
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
             "PYTHONWARNINGS": "ignore::FutureWarning"}  # torch's pynvml deprecation notice, once per process

@@ -5,12 +5,12 @@ goodput report (training.report) gives each fault's detection time, recovery tim
 completed step) and steps lost, and the run's training and infra goodput.
 
   inprocess         an exception in one rank; NVRx in-process restart (fault_tolerance.restart=
-                    both), rollback in memory. Needs training/train/inprocess.py.
+                    both), rollback in memory. Needs training.train.inprocess.
   injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
                     from the last checkpoint on disk. Workers are forked from each node's template
-                    process (training/pod/prefork.py, the default).
+                    process (training.pod.prefork, the default).
   injob_hf          injob's faults on a Hugging Face model: a tiny transformers Llama written from its config
-                    (training/models/tiny.py), trained from its safetensors; every resume loads the run's
+                    (training.models.tiny), trained from its safetensors; every resume loads the run's
                     own checkpoint. The preset's row beside it says what the model changes.
   injob_fresh       the same with fault_tolerance.prefork_workers=false: every restarted worker is a
                     fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
@@ -22,13 +22,13 @@ completed step) and steps lost, and the run's training and infra goodput.
                     standby in the rendezvous, takes the lost node's place in the next round; the
                     replacement, held back REPLACEMENT_DELAY_S as Kubernetes would hold it back for
                     minutes, becomes the new spare.
-  peer_state        the hot spare's node-loss with peer state (training/train/peer_state.py): the lost node's
+  peer_state        the hot spare's node-loss with peer state (training.train.peer_state): the lost node's
                     ranks resume from copies in their partner node's memory, not from FSx.
   drain             drain of the last node: the controller (the kubelet here) writes the drain marker
                     and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
                     the controller starts a replacement, training resumes from that step.
   partition         the node that runs the last rank is cut off from the network for good (each node on
-                    its own emulated machine, training/local/netns.py; needs root), with one hot spare: NVRx's
+                    its own emulated machine, training.local.netns; needs root), with one hot spare: NVRx's
                     timeouts stop every rank, the spare takes its place in the next round. As with
                     hot_spare, the cut-off node's pod is replaced on another machine REPLACEMENT_DELAY_S
                     later and becomes the new spare; its old processes run on, cut off. (A partition
@@ -36,7 +36,7 @@ completed step) and steps lost, and the run's training and infra goodput.
   node_hang         node-hang of the last node, no spare: every process of its pod stops (SIGSTOP), none
                     dies; NVRx's timeouts stop the survivors' ranks, the controller (the kubelet that
                     stops reporting) replaces the pod at once here, where on EKS the node is NotReady
-                    and then marked out of service (bench/projection.py adds those delays).
+                    and then marked out of service (bench.projection adds those delays).
   k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
                     every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
                     restart does; resume from the last checkpoint on disk.
@@ -46,7 +46,7 @@ completed step) and steps lost, and the run's training and infra goodput.
                     node_zero's, partition's and hang's faults with fault_tolerance.restart=both: the
                     Wrapper must hand a lost or cut-off node to the launcher's in-job restart within its
                     heartbeat timeout, and detect a hang no later than the rank monitor does under injob.
-The faults are training/train/faults.py's (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
+The faults are those of training.train.faults (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
 `drain@STEP:node=N`), on the last rank / node unless the mechanism needs node 0.
 """
 from __future__ import annotations
@@ -70,12 +70,12 @@ from training.report.goodput import GoodputReport, ReportError, report_run
 
 @dataclass(frozen=True)
 class Mechanism:
-    name: str  # the key in the results' "recovery" object (training/plan/planner.py reads it)
+    name: str  # the key in the results' "recovery" object (training.plan.planner reads it)
     label: str
     restart: str  # fault_tolerance.restart
-    fault: str  # a training/train/faults.py kind; one that takes node=N (node-loss, drain) hits a node, others a rank
+    fault: str  # a training.train.faults kind; one that takes node=N (node-loss, drain) hits a node, others a rank
     in_job_restarts: bool  # ft_launcher may restart workers
-    expected_restart_kind: str  # the restart_kind (training/contract/events.py) that must have handled every fault
+    expected_restart_kind: str  # the restart_kind (training.contract.events) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one
     spares: int = 0  # hot spare nodes; their node faults name the last rank (whichever node runs it)
     needs_module: str | None = None
@@ -117,7 +117,7 @@ MECHANISMS = (
               "injob", spares=1, netns=True, alternative_restart_kind="node"),
     Mechanism("hang_both", "rank hangs, restart=both", "both", "hang", True, "inprocess"),
 )
-# The restart=both rows and the injob rows they are compared with (bench/checks.py)
+# The restart=both rows and the injob rows they are compared with (bench.checks)
 BOTH_BESIDE_INJOB = {"node_zero_both": "node_zero", "partition_both": "partition", "hang_both": "hang"}
 
 # With a spare: a lost node's replacement starts this much later, after the spare took over. Later than a

@@ -1,4 +1,4 @@
-"""Peer state (training/train/peer_state.py): what keeping every rank's state in node memory, on its own node
+"""Peer state (training.train.peer_state): what keeping every rank's state in node memory, on its own node
 and the next, costs, from the peer-state mechanism's fault run.
 
   cost per step   rank 0's `peer_s` (PeerState.save on the training thread: the copy into node memory;

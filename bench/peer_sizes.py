@@ -1,4 +1,4 @@
-"""Peer state at more than one size (training/train/peer_state.py): what one rank's copy costs as its state grows,
+"""Peer state at more than one size (training.train.peer_state): what one rank's copy costs as its state grows,
 measured, not scaled from the tiny model.
 
 Two processes, one per emulated node (one rank each, gloo over loopback, node memory in /dev/shm as a pod's),
@@ -12,7 +12,7 @@ node 1 is lost and a spare with empty memory restores in its place.
             its acknowledgement (medians over the same saves)
   restore   PeerState.restore on the spare: its shard fetched from node 0's memory, checked and loaded
   CRC-32    the checksum of one rank's copy alone (peer_state.checksum, zlib; the send and the restore each take
-            one): its rate is the capacity model's CRC32_GBS (training/contract/capacity.py)
+            one): its rate is the capacity model's CRC32_GBS (training.contract.capacity)
 """
 from __future__ import annotations
 

@@ -16,11 +16,11 @@ class Profile:
     state_bytes: int  # over all ranks (synthetic state only)
     stall_preset: str | None
     stall_world: int
-    stall_interval: int | None  # steps between saves; None: calibrated (bench/stall.py)
+    stall_interval: int | None  # steps between saves; None: calibrated (bench.stall)
     stall_saves: int  # saves per checkpoint mode (CPU: rounds of the interleaved modes)
     matmuls_per_step: int  # the synthetic step: this many 512x512 matmuls, then an all-reduce
     # Synthetic state only: where stall_world ranks keep every CPU busy, the stall again with one CPU
-    # left to the background writer, as a GPU host's idle cores are (bench/stall.py spare_cpu_world).
+    # left to the background writer, as a GPU host's idle cores are (bench.stall.spare_cpu_world).
     stall_spare_cpu: bool
     # Recovery: one local-cluster run per mechanism with `faults` deterministic faults.
     mechanisms: tuple[str, ...]
@@ -31,16 +31,16 @@ class Profile:
     first_fault: int  # step of the first fault
     fault_spacing: int  # steps between faults
     # Steps between faults where a hot spare takes over: the lost node's replacement, started
-    # bench/mechanisms.py REPLACEMENT_DELAY_S after the loss, must be on standby before the next fault.
+    # bench.mechanisms.REPLACEMENT_DELAY_S after the loss, must be on standby before the next fault.
     spare_fault_spacing: int
     tail_steps: int  # steps after the last fault: room for a drain, which lands steps after it is asked for
     checkpoint_interval: int
     floor_repeats: int
-    # In-memory rollback: a synthetic shard of this size saved by training/train/rollback.py, for the host copy
+    # In-memory rollback: a synthetic shard of this size saved by training.train.rollback, for the host copy
     # bandwidth (its cost per step comes from the in-process fault run). CPU: a rank's share of the stall's
     # state; GPU: enough for a steady device-to-host figure.
     rollback_copy_bytes: int
-    # Peer state's copy, send and restore at each of these presets' state (bench/peer_sizes.py): growth measured.
+    # Peer state's copy, send and restore at each of these presets' state (bench.peer_sizes): growth measured.
     peer_presets: tuple[str, ...]
 
     @property
@@ -63,7 +63,7 @@ ALL = ("inprocess", "injob", "injob_hf", "injob_fresh", "node_replacement", "nod
 # 15 steps after the last fault: a drain landed 1-7 steps after it was asked for here (the controller
 # polls every 0.2 s; a step takes 20-70 ms), and it must land before the run's last step.
 # With a hot spare, 100 steps between faults (10-20 s at 0.1-0.2 s a step with its saves): the replacement,
-# started 10 s after the loss (bench/mechanisms.py REPLACEMENT_DELAY_S) and up in 1-4 s, is on standby again.
+# started 10 s after the loss (bench.mechanisms.REPLACEMENT_DELAY_S) and up in 1-4 s, is on standby again.
 FULL = Profile("full", "cpu", state_bytes=1024 * MiB, stall_preset=None, stall_world=2, stall_interval=None,
                stall_saves=6, matmuls_per_step=10, stall_spare_cpu=True,
                mechanisms=ALL, preset="tiny", nodes=2, nproc_per_node=2,

@@ -1,5 +1,5 @@
 """A lost p5 node on EKS, projected: each scenario's recovery as a sum of named parts, some measured
-here on the local cluster, the rest Kubernetes' and EKS's delays (training/contract/k8s_delays.py). A
+here on the local cluster, the rest Kubernetes' and EKS's delays (training.contract.k8s_delays). A
 projection, not a measurement: the parameters are stated beside the result.
 
 What the local cluster measures and EKS adds to it: every scenario ends with the in-job restart of

@@ -1,6 +1,6 @@
 """The bench result: one JSON document per run, bench/results/<date>.json.
 
-training/plan/planner.py --from-bench reads `checkpoint.async_blocking_s`, `checkpoint.sync_blocking_s` and
+`python -m training.plan --from-bench` reads `checkpoint.async_blocking_s`, `checkpoint.sync_blocking_s` and
 `recovery.<mechanism>.median_recovery_s`: only measured mechanisms appear under "recovery"; those
 that could not be measured are under "unavailable" with the reason.
 """
@@ -26,9 +26,9 @@ from training.contract.k8s_delays import EKS, KubernetesDelays
 
 SCHEMA = "bench-result/1"
 SPARE_CPU = "checkpoint_spare_cpu"  # the stall's second CPU pass, with one CPU left to the writer
-ROLLBACK = "rollback"  # the in-memory rollback's cost (bench/rollback.py)
-PEER = "peer"  # peer state's cost and memory (bench/peer.py)
-PEER_SIZES = "peer_sizes"  # peer state's copy, send and restore at more than one size (bench/peer_sizes.py)
+ROLLBACK = "rollback"  # the in-memory rollback's cost (bench.rollback)
+PEER = "peer"  # peer state's cost and memory (bench.peer)
+PEER_SIZES = "peer_sizes"  # peer state's copy, send and restore at more than one size (bench.peer_sizes)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class BenchResult:
     peer: PeerResult | None  # PEER; None where not measured
     unavailable: dict[str, str]  # mechanism or part -> why it was not measured
     checks: tuple[Check, ...]
-    # A lost p5 node on EKS, projected from `recovery` and `delays` (bench/projection.py): not measured.
+    # A lost p5 node on EKS, projected from `recovery` and `delays` (bench.projection): not measured.
     projections: tuple[Projection, ...] = ()
     delays: KubernetesDelays = EKS
     peer_sizes: tuple[PeerSize, ...] = ()  # PEER_SIZES, smallest state first; () where not measured

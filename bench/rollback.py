@@ -1,4 +1,4 @@
-"""In-memory rollback (training/train/rollback.py): what keeping every completed step in host memory costs.
+"""In-memory rollback (training.train.rollback): what keeping every completed step in host memory costs.
 
   cost per step   from the in-process mechanism's fault run: rank 0's `rollback_s` (MemoryRollback.save
                   after each step) against its `step_time_s`, medians over the steps (the first save into

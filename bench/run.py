@@ -7,9 +7,9 @@ the checkpoint stall (sync vs async; in the full CPU profile, where its ranks ke
 again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do),
 one fault run per recovery mechanism, and the in-memory rollback's cost per step (from the
 in-process run) and host copy bandwidth, peer state's copy, send and restore at the tiny and the small
-preset's state (bench/peer_sizes.py); then projects a lost p5 node on EKS from those runs and
-Kubernetes' delays (bench/projection.py, labelled a projection). Writes
-<results-dir>/<date>.json (training/plan/planner.py --from-bench reads it), <date>.md (the printed tables)
+preset's state (bench.peer_sizes); then projects a lost p5 node on EKS from those runs and
+Kubernetes' delays (bench.projection, labelled a projection). Writes
+<results-dir>/<date>.json (`python -m training.plan --from-bench` reads it), <date>.md (the printed tables)
 and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
 still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (about 3 minutes on 2 cores).
 --gpu: the one-GPU profile that bench/gpu.sh runs (needs CUDA).

@@ -32,7 +32,7 @@ Figures (blocking from the event logs through training.report):
                       async, staging, and the background thread's planning and coordination), less what
                       it spent in the same round with checkpoints off;
                       the writer: the async writer process's CPU time in the round (the shard write:
-                      serialisation, the write around the page cache, fsync; training/train/checkpoint/writer_process.py).
+                      serialisation, the write around the page cache, fsync; training.train.checkpoint.writer_process).
                       A sync save has no writer: the rank writes. A background write hides its wait, not its
                       CPU time: where the ranks keep every CPU busy, the writer's time comes out of training.
 """

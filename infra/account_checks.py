@@ -1,5 +1,5 @@
 """The AWS preflight's checks: each asks the account one read-only question about the platform config and
-answers with a CheckResult (name, ok, detail, fix). `python -m infra.preflight` runs them (infra/preflight.py).
+answers with a CheckResult (name, ok, detail, fix). `python -m infra.preflight` runs them (infra.preflight).
 
 Only Describe/Get/List calls: STS GetCallerIdentity, EC2 DescribeInstanceTypeOfferings, DescribeInstanceTypes,
 DescribeCapacityReservations, Service Quotas GetServiceQuota (GetAWSDefaultServiceQuota where no value was
@@ -149,7 +149,7 @@ def gpu_offering(config: PlatformConfig, aws: AwsClients) -> Verdict:
 
 @check("GPU instance type facts")
 def gpu_instance_facts(config: PlatformConfig, aws: AwsClients) -> Verdict:
-    """infra/instances.py against DescribeInstanceTypes: vCPUs (the quota check counts them), network cards and
+    """infra.instances against DescribeInstanceTypes: vCPUs (the quota check counts them), network cards and
     EFA interfaces (the launch template attaches one EFA interface per card)."""
     facts = config.instance
     [info] = aws.ec2.describe_instance_types(InstanceTypes=[facts.name])["InstanceTypes"]
@@ -233,7 +233,7 @@ def capacity_reservation(config: PlatformConfig, aws: AwsClients) -> Verdict:
 
 
 def addon_version(addon: str) -> Check:
-    """The pinned version of `addon` (infra/addon_pins.py) is offered for the config's Kubernetes version."""
+    """The pinned version of `addon` (infra.addon_pins) is offered for the config's Kubernetes version."""
     @check(f"add-on {addon}")
     def offered(config: PlatformConfig, aws: AwsClients) -> Verdict:
         pin = ADDON_PINS[addon][config.kubernetes_version]
@@ -249,7 +249,7 @@ def addon_version(addon: str) -> Check:
 
 
 def chart_version(spec: ChartSpec) -> Check:
-    """The pinned version of `spec` (infra/chart_pins.py) is listed in its repository's index.yaml, where Helm
+    """The pinned version of `spec` (infra.chart_pins) is listed in its repository's index.yaml, where Helm
     looks a version up (Helm docs, "The Chart Repository Guide": the index lists every version of every
     chart); a version it lacks fails the Helm release and rolls the Cluster stack back."""
     @check(f"chart {spec.release}")
@@ -269,7 +269,7 @@ def chart_version(spec: ChartSpec) -> Check:
 
 
 def charts_for(config: PlatformConfig) -> list[ChartSpec]:
-    """The charts the stacks install for this config (infra/platform.py)."""
+    """The charts the stacks install for this config (infra.platform)."""
     charts = [NVIDIA_DEVICE_PLUGIN]
     if config.instance.efa_interfaces:
         charts.append(EFA_DEVICE_PLUGIN)
@@ -313,7 +313,7 @@ def training_image(config: PlatformConfig, aws: AwsClients) -> Verdict:
 @check("FSx for Lustre")
 def fsx_lustre(config: PlatformConfig, aws: AwsClients) -> Verdict:
     """What a read-only call can tell: FSx answers in the region to these credentials. The throughput is one
-    PERSISTENT_2 allows (infra/config.py refuses others: FSx API reference, PerUnitStorageThroughput "For
+    PERSISTENT_2 allows (infra.config refuses others: FSx API reference, PerUnitStorageThroughput "For
     PERSISTENT_2 SSD-based deployment types, valid values are 125, 250, 500, and 1000 MB/s/TiB"). No FSx API
     says whether PERSISTENT_2 can be created in a given zone: that stays unverified until `cdk deploy`."""
     aws.fsx.describe_file_systems(MaxResults=1)

@@ -1,6 +1,6 @@
 """The EKS add-on versions the cluster pins, per Kubernetes version, each with where it was seen listed.
 
-CDK-free, so the AWS preflight (`python -m infra.preflight`) reads the same pins as infra/cluster.py without
+CDK-free, so the AWS preflight (`python -m infra.preflight`) reads the same pins as infra.cluster without
 loading aws-cdk-lib, and asks the account's region (DescribeAddonVersions) whether each is offered. An add-on
 upgrade is a reviewed change here, not whatever EKS defaults to on the day of a redeploy.
 """

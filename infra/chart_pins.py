@@ -1,6 +1,6 @@
 """The Helm charts the platform installs, each pinned to one version.
 
-CDK-free, like the add-on pins (infra/addon_pins.py), so the AWS preflight (`python -m infra.preflight`)
+CDK-free, like the add-on pins (infra.addon_pins), so the AWS preflight (`python -m infra.preflight`)
 reads the same pins as the stacks without loading aws-cdk-lib and asks each chart's repository (its
 index.yaml) whether the version exists: a version the repository lacks fails the Helm release, and with
 it the Cluster stack, at deploy time.

@@ -42,7 +42,7 @@ ADDON_NAMESPACE = "kube-system"
 class AddonSpec:
     name: str
     # Pinned per Kubernetes minor version, as the device-plugin charts are, each pin with its source
-    # (infra/addon_pins.py): an add-on upgrade is a reviewed change.
+    # (infra.addon_pins): an add-on upgrade is a reviewed change.
     versions: Mapping[str, AddonPin]
     configuration: Mapping[str, Any] | None = None  # the add-on's configuration values (its Helm values)
     # The add-on's service account (in ADDON_NAMESPACE) and the AWS managed policies of its Pod Identity role;
@@ -54,7 +54,7 @@ class AddonSpec:
     before_nodes: bool = False
 
 
-# Versions and their sources: infra/addon_pins.py; `python -m infra.preflight` checks each against the
+# Versions and their sources: infra.addon_pins; `python -m infra.preflight` checks each against the
 # account's region (DescribeAddonVersions) before deploy.
 ADDONS = (
     # 1.18.5 or later: EFA-only interfaces. enableNetworkPolicy starts the network policy agent, without
@@ -89,7 +89,7 @@ class EksClusterProps:
     admin_role_arn: str | None
     system_instance_type: str
     system_nodes: int
-    # The FSx for Lustre clients' group (infra/network.py): the rendezvous store and the report Job run here
+    # The FSx for Lustre clients' group (infra.network): the rendezvous store and the report Job run here
     # and mount the checkpoint volume, whose Lustre client is the node's kernel.
     lustre_client_security_group: ec2.ISecurityGroup
     logs: LogArchive  # the stack's: the control plane's log group and the kubectl provider's

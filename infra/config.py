@@ -17,8 +17,8 @@ from infra.instances import INSTANCE_TYPES, InstanceFacts, instance_facts
 
 # Facts shared by the stacks and the charts: one place each.
 NAMESPACE = "training"
-# The hung-node marker's service account in NAMESPACE (k8s/charts/hung_nodes.py), whose Pod Identity role may
-# stop GPU instances (infra/node_fencing.py).
+# The hung-node marker's service account in NAMESPACE (k8s.charts.hung_nodes), whose Pod Identity role may
+# stop GPU instances (infra.node_fencing).
 HUNG_NODE_MARKER_SERVICE_ACCOUNT = "hung-node-marker"
 SERVICE_ACCOUNT = "trainer"
 PVC_NAME = "fsx-checkpoints"
@@ -32,14 +32,14 @@ SYSTEM_NODE_LABEL = "platform.training/system-node"
 # and own the Job's directory on FSx. Above 10000: no clash with a node's own users.
 TRAINING_UID = 10001
 VPC_CIDR = "10.0.0.0/16"
-MONITORING_NAMESPACE = "monitoring"  # the optional Prometheus server's (infra/metrics_collection.py)
+MONITORING_NAMESPACE = "monitoring"  # the optional Prometheus server's (infra.metrics_collection)
 
 # Closed sets: a field of one of these types is checked against its values (_check_choices), and a refusal
 # lists them, followed by the field's `choices_note` metadata where it has one.
 # The default is the newest in EKS standard support. EKS release calendar (EKS user guide, "Understand the
 # Kubernetes version lifecycle on EKS"): standard support ended for 1.33 on 2026-07-29 and for 1.34 on
 # 2026-12-02, after which a cluster pays extended support by the hour; 1.35 (EKS release 2026-01-27) has it
-# until 2027-03-27. EKS lists add-on builds for 1.36 (the sources in infra/addon_pins.py). The older
+# until 2027-03-27. EKS lists add-on builds for 1.36 (the sources in infra.addon_pins). The older
 # versions stay selectable, for a cluster that must match another.
 KubernetesVersion = Literal["1.33", "1.34", "1.35", "1.36"]
 GpuInstanceType = Literal[tuple(sorted(INSTANCE_TYPES))]  # type: ignore[valid-type]  # the instance table's
@@ -112,7 +112,7 @@ class PlatformConfig:
     # ones (auto-import); their content is loaded on first read. None: no import.
     fsx_import_s3_path: str | None = None
     fsx_import_fsx_path: str = "/datasets"
-    # A Prometheus server in the cluster that scrapes the training pods' metrics (infra/metrics_collection.py).
+    # A Prometheus server in the cluster that scrapes the training pods' metrics (infra.metrics_collection).
     prometheus_server: bool = False
     # How long VPC flow logs, EKS control-plane logs (audit included) and the Lambda handlers' logs are kept.
     log_retention_days: LogRetentionDays = field(default=90,

@@ -90,7 +90,7 @@ class GpuNodegroup(Construct):
                 user_data=Fn.base64(_user_data(props.instance).render()),
                 # Tags the instances launched from this template (CloudFormation AWS::EC2::LaunchTemplate,
                 # TagSpecification; the node group's own tags stay on the node group): the hung-node marker may
-                # stop only these (infra/node_fencing.py).
+                # stop only these (infra.node_fencing).
                 tag_specifications=[ec2.CfnLaunchTemplate.TagSpecificationProperty(
                     resource_type="instance", tags=[CfnTag(key=FENCE_TAG, value=props.cluster.cluster_name)])],
                 placement=(

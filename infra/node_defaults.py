@@ -8,7 +8,7 @@ from constructs import Construct
 from infra.nag import acknowledge_managed_policies
 
 # kubelet's calls and image pulls. AmazonEKS_CNI_Policy, which EKS's default node role also carries, is
-# on the aws-node service account's Pod Identity role instead (infra/cluster.py): on the node role any
+# on the aws-node service account's Pod Identity role instead (infra.cluster): on the node role any
 # process on the node, a hostNetwork pod included, could attach network interfaces and move IP addresses.
 NODE_ROLE_POLICIES = ("AmazonEKSWorkerNodePolicy", "AmazonEC2ContainerRegistryReadOnly")
 

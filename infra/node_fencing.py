@@ -1,4 +1,4 @@
-"""The right to fence a hung GPU node: stop its EC2 instance, for the hung-node marker (k8s/mark_hung_nodes.py).
+"""The right to fence a hung GPU node: stop its EC2 instance, for the hung-node marker (k8s.mark_hung_nodes).
 
 Kubernetes says to taint a node node.kubernetes.io/out-of-service only once it is shut down (Kubernetes docs,
 "Node Shutdowns", "Non-graceful node shutdown handling"). A node whose kubelet is silent may still be running

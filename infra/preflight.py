@@ -1,5 +1,5 @@
 """`python -m infra.preflight [-c key=value …]`: check the AWS account against the platform config before
-`cdk deploy`, with read-only calls (infra/account_checks.py) and the caller's credentials.
+`cdk deploy`, with read-only calls (infra.account_checks) and the caller's credentials.
 
 Reads the config as the CDK app does: cdk.json's context, overridden by the same `-c key=value` options given
 to `cdk` (PlatformConfig.from_cdk_context). Prints one PASS/FAIL line per check, each failure with its fix, and

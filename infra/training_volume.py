@@ -12,8 +12,8 @@ from infra.config import NAMESPACE, PV_NAME, PVC_NAME
 FSX_CSI_DRIVER = "fsx.csi.aws.com"
 # Pod Security Admission: enforce baseline (no privileged pod, no host namespaces, ports or paths, only
 # baseline's capabilities); warn and audit restricted. Not enforced restricted because two things need root:
-# the NCCL preflight's mpirun and sshd (k8s/charts/preflight.py) and the training pod's fsx-owner init
-# container (k8s/charts/training.py); the trainer, store, report and chaos containers meet restricted.
+# the NCCL preflight's mpirun and sshd (k8s.charts.preflight) and the training pod's fsx-owner init
+# container (k8s.charts.training); the trainer, store, report and chaos containers meet restricted.
 POD_SECURITY = {
     "pod-security.kubernetes.io/enforce": "baseline",
     "pod-security.kubernetes.io/warn": "restricted",

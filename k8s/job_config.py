@@ -62,10 +62,10 @@ class JobConfig:
     # replaced (Kubernetes' default: 300 s). The node controller taints a node only after 50 s
     # without status, so 30 s more replaces a lost node's pod after ~80 s; much less would evict
     # healthy pods whenever a kubelet misses a few updates (restart, API server hiccup). The EKS
-    # projection (training/contract/k8s_delays.py) uses the same figure.
+    # projection (training.contract.k8s_delays) uses the same figure.
     node_failure_toleration_s: int = int(EKS.toleration_s)
     # A GPU node whose kubelet has been silent this long is marked out of service, so that PodGC deletes its
-    # pod and the Job replaces it (k8s/charts/hung_nodes.py); None: no marker, a hung node's pod waits for
+    # pod and the Job replaces it (k8s.charts.hung_nodes); None: no marker, a hung node's pod waits for
     # EKS auto repair (30 min). With the node controller's 50 s, the default replaces it within 2 min.
     hung_node_out_of_service_s: int | None = int(EKS.hung_node_out_of_service_s)
     fault_injection: FaultInjectionConfig | None = None
@@ -142,7 +142,7 @@ class JobConfig:
     @property
     def term_timeout_s(self) -> int:
         # SIGTERM (drain, eviction) -> ft_launcher forwards it and waits this long (its --term-timeout)
-        # for its ranks to commit the in-flight save and the step reached (training/train/drain.py).
+        # for its ranks to commit the in-flight save and the step reached (training.train.drain).
         return _ceil(self.train.fault_tolerance.drain_timeout_s)
 
     @property
@@ -164,7 +164,7 @@ class JobConfig:
     @property
     def capacity(self) -> Capacity:
         """The config at its size: the model, these nodes, the FSx that cdk.json (or -c) provisions
-        (training/contract/capacity.py)."""
+        (training.contract.capacity)."""
         node = NodeSpec(self.instance.name, self.instance.gpus, self.instance.gpu_peak_bf16_tflops,
                         self.instance.efa_line_rate_gbs, self.shm_gib * GIB)
         return capacity_of(ModelFootprint.from_shape(self.model_shape, self.train.training.seq_len), node, self.nodes,

@@ -35,7 +35,7 @@ def nvrx_ft_config(ft: FaultToleranceConfig) -> dict[str, Any]:
 
 
 def launcher_args(job: JobConfig) -> list[str]:
-    """ft_launcher's arguments, the same on every pod: each joins the store (k8s/charts/training.py)
+    """ft_launcher's arguments, the same on every pod: each joins the store (k8s.charts.training)
     as a client, `job.nodes` of them train and the other `job.spares` stand by."""
     # The fault-tolerance flags, restart budget included, are the local runner's too
     # (training.contract.launcher).

@@ -3,7 +3,7 @@
 Inputs: the platform config (cdk.json "context" plus `-c key=value`, read by the same
 PlatformConfig.from_context as the CDK app), the training config (k8s/train.yaml plus
 `--set section.key=value`), and cdk-outputs.json from `cdk deploy --outputs-file` when present.
-`--report` renders instead the Job that reports the configured run from FSx (k8s/charts/report.py).
+`--report` renders instead the Job that reports the configured run from FSx (k8s.charts.report).
 """
 from __future__ import annotations
 

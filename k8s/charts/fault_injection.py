@@ -2,7 +2,7 @@
 
 An evicted pod is a fault the Job must absorb: the worker group restarts, with a hot spare in the
 lost node's place where there is one, the Job starts a replacement pod for that index, and
-training resumes from the last checkpoint. The eviction (k8s/evict.py) is allowed in this namespace only, to pods only.
+training resumes from the last checkpoint. The eviction (k8s.evict) is allowed in this namespace only, to pods only.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """The hung-node marker: a small Deployment on the system nodes that fences a GPU node (stops its instance) and
 marks it out of service once its kubelet has been silent for JobConfig.hung_node_out_of_service_s
-(k8s/mark_hung_nodes.py says why), so that a hung node's pod is replaced in minutes, not after EKS auto
+(k8s.mark_hung_nodes says why), so that a hung node's pod is replaced in minutes, not after EKS auto
 repair's 30.
 
 Its rights are the narrowest that do it: list and patch Node objects (a ClusterRole: nodes are not
 namespaced; RBAC cannot narrow a patch to one field or to labelled nodes, the script patches only the
 out-of-service taint of silent GPU nodes, with a resourceVersion test); through its service account's Pod
-Identity role, stop this cluster's GPU instances and read instance states (infra/node_fencing.py). No pod
+Identity role, stop this cluster's GPU instances and read instance states (infra.node_fencing). No pod
 access: PodGC, not this marker, deletes the pods.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class HungNodeChart(Chart):
                                             "app.kubernetes.io/part-of": job.infra.cluster_name})
         assert job.hung_node_out_of_service_s is not None
         ns = job.namespace
-        # The name infra/node_fencing.py's Pod Identity association names (infra.config).
+        # The name infra.node_fencing.NodeFencing's Pod Identity association names (infra.config).
         account = HUNG_NODE_MARKER_SERVICE_ACCOUNT
         api_object(self, "service-account", api_version="v1", kind="ServiceAccount", name=account, namespace=ns)
         api_object(self, "cluster-role", api_version="rbac.authorization.k8s.io/v1", kind="ClusterRole", name=name,

@@ -1,11 +1,11 @@
 """NetworkPolicies of the training namespace: every pod is denied all traffic in and out, and each
-workload's own policy opens only what it needs (tests/k8s/test_k8s_network_policies.py evaluates them
+workload's own policy opens only what it needs (tests.k8s.test_k8s_security evaluates them
 against the rendered pods).
 
-Enforced by the VPC CNI add-on's network policy agent (enableNetworkPolicy, infra/cluster.py), which also
+Enforced by the VPC CNI add-on's network policy agent (enableNetworkPolicy, infra.cluster), which also
 lets the kubelet's probes in from the node. What no pod policy sees: EFA traffic (NCCL over libfabric
 bypasses the kernel's network stack), and FSx for Lustre, whose client is the node's kernel (the CSI driver
-mounts on the host): the FSx security group fences that one (infra/storage.py).
+mounts on the host): the FSx security group fences that one (infra.storage).
 """
 from __future__ import annotations
 

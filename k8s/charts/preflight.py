@@ -1,6 +1,6 @@
 """The NCCL/EFA preflight (`python k8s/main.py --preflight`): nccl-tests all_reduce_perf, all_gather_perf,
 reduce_scatter_perf and broadcast_perf, one after the other, across every GPU node the Job runs on (its
-training nodes and spares), each checked by k8s/nccl_check.py against its own floor.
+training nodes and spares), each checked by k8s.nccl_check against its own floor.
 
 An MPIJob (Kubeflow MPI Operator v2, kubeflow.org/v2beta1), as awsome-distributed-training and the EKS
 user guide's EFA page run nccl-tests: multi-node nccl-tests are MPI programs, one rank per GPU, and the

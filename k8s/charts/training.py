@@ -37,10 +37,10 @@ SCRATCH_MOUNT_PATH = "/scratch"
 # lets the hook succeed under the read-only root on any AMI, with or without the fix.
 NVIDIA_CONFIG_DIR = "/etc/nvidia"
 FSX_OWNER_CONTAINER = "fsx-owner"
-# The Prometheus server's pods (infra/metrics_collection.py, the prometheus chart's labels): the only scrapers.
+# The Prometheus server's pods (infra.metrics_collection, the prometheus chart's labels): the only scrapers.
 PROMETHEUS_SERVER = {"app.kubernetes.io/name": "prometheus"}
 # Written by the preStop hook, which the kubelet runs before it sends SIGTERM: the ranks then take
-# that SIGTERM for a drain and commit before they leave (training/train/drain.py). In the pod's own
+# that SIGTERM for a drain and commit before they leave (training.train.drain). In the pod's own
 # memory-backed /dev/shm, so a replacement pod starts without it.
 DRAIN_MARKER_PATH = "/dev/shm/training-drain"
 
@@ -131,7 +131,7 @@ def efa_env(job: JobConfig) -> dict[str, str]:
 def _training_env(job: JobConfig) -> list[dict[str, str]]:
     env: dict[str, str] = {
         "NCCL_DEBUG": "WARN",
-        # A pod's first worker attempt logs NCCL's transport at INFO (training/train/distributed.py): once per
+        # A pod's first worker attempt logs NCCL's transport at INFO (training.train.distributed): once per
         # node, NET/OFI on EFA, NET/Socket when NCCL fell back to TCP.
         FIRST_ATTEMPT_NCCL_DEBUG_ENV: "INFO",
         "NCCL_DEBUG_SUBSYS": "INIT,NET",
@@ -382,7 +382,7 @@ def _rendezvous_store(chart: Chart, job: JobConfig) -> None:
 def _training_network_policy(chart: Chart, job: JobConfig) -> None:
     """The training pods talk among themselves on any port (the ranks' c10d store, gloo and NCCL
     bootstrap sockets, peer state), reach the store on the rendezvous port (the launchers' rendezvous, and
-    with restart=both the in-process Wrapper's coordination: training/train/coordination.py) and DNS, and
+    with restart=both the in-process Wrapper's coordination: training.train.coordination) and DNS, and
     let the Prometheus server in on the metrics port; nothing else in or out."""
     labels = _pod_labels(job)
     rules = among_themselves(labels, egress=({"to": [pods(_store_labels(job))],

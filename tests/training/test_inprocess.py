@@ -96,9 +96,8 @@ def test_make_wrapper_hides_local_rank_on_cpu(monkeypatch, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["fault_tolerance.restart=sometimes"], "fault_tolerance.restart='sometimes' is not allowed: one of "
                                             "['injob', 'both']"),
-    # the mode whose launcher restarted nothing: a fault the Wrapper could not handle spent a Job retry
-    (["fault_tolerance.restart=inprocess"], "fault_tolerance.restart='inprocess' is not allowed: that mode was "
-                                            "removed: its launcher restarted nothing"),
+    (["fault_tolerance.restart=inprocess"], "fault_tolerance.restart='inprocess' is not allowed: one of "
+                                            "['injob', 'both'] (both: the Wrapper restarts the ranks"),
     (["fault_tolerance.inprocess_soft_timeout=90"], "inprocess_soft_timeout (90.0) must be greater than 0 and less "
                                                     "than inprocess_hard_timeout (90.0)"),
     (["fault_tolerance.inprocess_hard_timeout=200"], "inprocess_hard_timeout (200.0) must be less than "

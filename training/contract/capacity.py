@@ -6,7 +6,7 @@ and the schedule (interval, keep, drain grace, peer state), it computes the save
 finishes within the interval, the drain's commit against its grace, the peer copy and send and the interval
 they allow, restores from FSx and from peers, the footprint of `keep` checkpoints, the steps each mechanism
 loses, and, beside them, HSDP with replica groups (`HsdpCase`). The chart refuses a config that fails it
-(k8s/job_config.py), `python -m training.plan --config` prints it, and the tables of docs/capacity.md are its output.
+(k8s.job_config), `python -m training.plan --config` prints it, and the tables of docs/capacity.md are its output.
 
 Every figure is a projection: p5 has not been measured here. Each constant names its source; those without
 one say they are assumptions, to be replaced by measurements (`make bench` on a p5 node).
@@ -34,7 +34,7 @@ MB = 1e6  # FSx states throughput in MBps (MB/s): read as 10^6 bytes per second
 # tiers burst to 500 MBps/TiB of disk throughput on credits: not counted, a 100 GB save outlasts a burst.
 FSX_NETWORK_MBPS_PER_TIB = {125: 320, 250: 640, 500: 1300, 1000: 2600}
 # FSx CreateFileSystem StorageCapacity: PERSISTENT_2 SSD takes 1200 GiB, 2400 GiB and increments of 2400 GiB
-# (infra/config.py enforces it).
+# (infra.config enforces it).
 FSX_STORAGE_STEP_GIB = 2400
 # us-east-1 list price of PERSISTENT_2 SSD storage, USD per GB-month, by throughput tier: Amazon FSx for Lustre
 # pricing page (aws.amazon.com/fsx/lustre/pricing), billed on the provisioned capacity (1200 GiB is billed as
@@ -46,20 +46,19 @@ FSX_USD_PER_GB_MONTH = {125: 0.145, 250: 0.210, 500: 0.340, 1000: 0.600}
 IN_FLIGHT_CHECKPOINTS = 1
 
 # EC2 User Guide, "Amazon EC2 instance network bandwidth": single-flow (5-tuple) TCP traffic reaches up to
-# 10 Gbps between instances of one cluster placement group (the GPU node group's: infra/gpu_nodegroup.py).
-# gloo's peer-state send (training/train/peer_state.py) is one TCP connection per rank pair.
+# 10 Gbps between instances of one cluster placement group (the GPU node group's: infra.gpu_nodegroup).
+# gloo's peer-state send (training.train.peer_state) is one TCP connection per rank pair.
 TCP_FLOW_GBPS = 10.0
 # Assumption: the share of a flow's line rate gloo's send reaches (one socket per pair, a copy through the
 # Python thread); the issue's estimate of 3-5 GB/s per p5 node. Replace with the bench's measured send rate.
 GLOO_TCP_EFFICIENCY = 0.5
 # Assumption: NCCL over EFA reaches this share of the EFA line rate: the NCCL preflight's all_reduce floor
-# (infra/instances.py BUSBW_FLOOR_FRACTIONS), which a healthy p5 fabric passes.
+# (infra.instances.BUSBW_FLOOR_FRACTIONS), which a healthy p5 fabric passes.
 NCCL_EFA_EFFICIENCY = 0.75
 # Measured, not on p5: CRC-32 (zlib, one core) of one rank's peer-state copy, GB/s. The replication thread checksums
-# each copy before it sends it, and a restore checks it before it loads it (training/train/peer_state.py), each
-# rank on its own core. bench/peer_sizes.py's CRC-32 column, small preset (332 MiB per rank), 2026-12-02 on the
-# 2-vCPU bench VM at load 11: 0.45 s, 0.78 GB/s (a cache-resident 0.8 MiB copy: 2.8 GB/s). Assumption: a p5
-# host core checksums no slower.
+# each copy before it sends it, and a restore checks it before it loads it (training.train.peer_state), each
+# rank on its own core. Source: bench.peer_sizes's CRC-32 column at the small preset's state (332 MiB per
+# rank, larger than any cache) on the 2-vCPU bench VM. Assumption: a p5 host core checksums no slower.
 CRC32_GBS = 0.78
 # Assumption: one GPU's copy of its shard to pinned host memory (async staging, peer state's copy), GB/s: p5's
 # hosts are 3rd-generation AMD EPYC (PCIe Gen4, 32 GB/s each way per x16 link) and eight GPUs copy at once
@@ -69,7 +68,7 @@ HOST_COPY_GBS = 25.0
 # projected step time assumes the low end of that, rounded.
 ASSUMED_MFU = 0.40
 # A drain keeps the step reached only if the time left covers this many times its estimated cost: what is left of
-# the in-flight save plus a save of the step reached, each as long as the last one measured (training/train/drain.py
+# the in-flight save plus a save of the step reached, each as long as the last one measured (training.train.drain
 # plans with it; the estimates are the last save's duration, and a save can take longer).
 DRAIN_SAVE_MARGIN = 2.0
 # Assumption: an async save may take up to this many times its projected duration (the projection assumes the
@@ -77,12 +76,12 @@ DRAIN_SAVE_MARGIN = 2.0
 # or be skipped (checkpoint.when_busy), so the chart refuses, and the planner never recommends, an interval
 # shorter than the save's duration times this.
 ASYNC_SAVE_HEADROOM = 1.5
-# Peer state's schedule (training/train/peer_state.py, `peer_schedule` below): with peer_state.interval null a copy
+# Peer state's schedule (training.train.peer_state, `peer_schedule` below): with peer_state.interval null a copy
 # may cost at most this share of a step, and a send must end within its deadline with this headroom.
 PEER_COPY_BUDGET = 0.05
 PEER_SEND_HEADROOM = 1.5
 # HSDP keeps per parameter fp32 weights (4 B), fp32 gradients (4 B: FSDP2's reduce_dtype in
-# training/train/parallelize.py) and two fp32 AdamW moments (8 B) on the GPU.
+# training.train.parallelize) and two fp32 AdamW moments (8 B) on the GPU.
 TRAINING_BYTES_PER_PARAMETER = 16
 # Gradient accumulation with training.gradient_reduce=step holds the whole model's unsharded fp32 gradients on
 # every GPU until the last micro-batch (FSDP2 set_requires_gradient_sync(False): pytorch/pytorch PR 126166 names
@@ -140,7 +139,7 @@ class ModelFootprint:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """A GPU node as the capacity model sees it; k8s/job_config.py builds it from infra/instances.py."""
+    """A GPU node as the capacity model sees it; k8s.job_config builds it from infra.instances."""
 
     name: str
     gpus: int
@@ -160,7 +159,7 @@ class NodeSpec:
         return min(self.gpus * TCP_FLOW_GBPS / 8, self.ena_gbs) * GLOO_TCP_EFFICIENCY
 
 
-# The node the Job renders by default (infra/instances.py's p5.48xlarge, with k8s/job_config.py's /dev/shm of a
+# The node the Job renders by default (p5.48xlarge in infra.instances, with JobConfig.shm_fraction's /dev/shm of a
 # quarter of the pod's 1800 GiB); a test checks the chart builds the same.
 P5_48XLARGE = NodeSpec("p5.48xlarge", gpus=8, gpu_peak_tflops=989.0, efa_gbs=400.0, shm_bytes=450 * GIB)
 
@@ -308,7 +307,8 @@ class Capacity:
     @property
     def drain_grace_for_step_s(self) -> float:
         """The grace that also saves the step reached in the worst case: the in-flight save had just started, and
-        drain.py asks DRAIN_SAVE_MARGIN times the estimated cost (the rest of it, then a save of the step reached)."""
+        training.train.drain asks DRAIN_SAVE_MARGIN times the estimated cost (the rest of it, then a save of the
+        step reached)."""
         return DRAIN_SAVE_MARGIN * (self.drain_commit_s + self.save_s)
 
     # peer state
@@ -421,7 +421,7 @@ class Capacity:
 
 @dataclass(frozen=True)
 class PeerSchedule:
-    """Peer state's copies (training/train/peer_state.py, which the capacity model projects with the same rule):
+    """Peer state's copies (training.train.peer_state, which the capacity model projects with the same rule):
     a copy every `every` steps, each acknowledged by the partners within `deadline` steps (training waits for it
     there), so a lost node costs at most `interval` steps."""
     every: int

@@ -67,8 +67,8 @@ class ModelConfig:
     source: ModelSource = _doc("preset", "preset: a built-in Llama-style model (model.preset); huggingface: a causal "
                                          "LM from the local directory model.path, built with transformers from its "
                                          "config.json (never downloaded), trained from its *.safetensors if any")
-    preset: ModelPreset = _doc("tiny", "the model's shape (training/contract/shapes.py): tiny runs on a CPU core; 1b "
-                                       "and 8b are the Llama-3.2-1B and Llama-3.1-8B shapes")
+    preset: ModelPreset = _doc("tiny", "the model's shape (training.contract.shapes.PRESETS): tiny runs on a CPU "
+                                       "core; 1b and 8b are the Llama-3.2-1B and Llama-3.1-8B shapes")
     path: str | None = _doc(None, "source=huggingface: the model's directory, e.g. /fsx/models/<name>: config.json, "
                                   "optional *.safetensors (pretrained weights, loaded at step 0) and tokenizer files")
 
@@ -90,7 +90,7 @@ class TrainingConfig:
                 "micro-batch, as torchtitan always does); step: after the last one only (one reduce-scatter per "
                 "step, but every rank holds the whole model's unsharded fp32 gradients until then, 4 bytes per "
                 "parameter: 32 GB at 8b). auto: step while those gradients take at most a tenth of the device's "
-                "memory (the capacity model's rule, training/contract/capacity.py gradient_reduce), else micro_batch. "
+                "memory (the capacity model's rule, training.contract.capacity.gradient_reduce), else micro_batch. "
                 "Both give the same step to float tolerance.")
     seq_len: int = _doc(64, "tokens per sequence")
     lr: float = _doc(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth at the schedule's "
@@ -161,7 +161,7 @@ class CheckpointConfig:
 # Shared by the docs of a group of keys.
 _RANK_MONITOR = ("An NVRx rank monitor timeout in seconds, generous until observed timings exist: after "
                  "calculate_timeouts_after steps they are recomputed and saved in checkpoints.")
-_INPROCESS = ("In-process restart (restart=both; training/train/inprocess.py); both timeouts must cover the "
+_INPROCESS = ("In-process restart (restart=both; training.train.inprocess); both timeouts must cover the "
               "longest blocking operation (a sync checkpoint save) and stay below the launcher's rank monitor "
               "timeouts, which remain the backstop")
 
@@ -180,7 +180,7 @@ class FaultToleranceConfig:
                                          "backstop (ten times the Llama 3 failure rate gives about 140 faults in two "
                                          "weeks on 256 p5 nodes).")
     prefork_workers: bool = _doc(True, "ft_launcher's workers are forked from a per-node process that imported torch, "
-                                       "DCP and NVRx once (training/pod/prefork.py), so an in-job restart skips "
+                                       "DCP and NVRx once (training.pod.prefork), so an in-job restart skips "
                                        "Python start-up and imports.")
     initial_rank_heartbeat_timeout: float = _doc(600.0, f"The first heartbeat, after setup. {_RANK_MONITOR}")
     rank_heartbeat_timeout: float = _doc(300.0, f"Between heartbeats. {_RANK_MONITOR}")
@@ -195,12 +195,12 @@ class FaultToleranceConfig:
     drain_timeout_s: float = _doc(120.0, "SIGTERM (a drain, an eviction, a capacity block's end): the ranks have this "
                                          "long to keep the step reached, by a checkpoint or in the partners' memory "
                                          "(peer state), whichever is cheaper and fits, before ft_launcher (--term-timeout) and then Kubernetes (the pod's grace "
-                                         "period, this plus a margin) kill them (training/train/drain.py).")
+                                         "period, this plus a margin) kill them (training.train.drain).")
     rendezvous_join_timeout_s: float = _doc(1800.0, "How long a rendezvous round may gather its nodes (NVRx's join "
                                                     "timeout, launchers and store alike). Without a hot spare the "
                                                     "survivors of a lost node wait here for its replacement, which on "
                                                     "EKS is a new p5 that boots, joins and pulls the image "
-                                                    "(bench/projection.py: about 11 min); a first start pulls the "
+                                                    "(bench.projection: about 11 min); a first start pulls the "
                                                     "image on every node. Past it a launcher gives up and its pod is "
                                                     "retried.")
     rendezvous_last_call_s: int | None = _doc(
@@ -212,7 +212,7 @@ class FaultToleranceConfig:
               "cannot tell a lost node from a late survivor, so each node loss with a spare waits this long. null: "
               "where the round could fill without a survivor (two spares or more, or a lost node's replacement "
               "sooner than a survivor is back), the launchers' worker-stop timeout plus NVRx's rejoin polls (18 s "
-              "on the cluster, 8 s on the local one); else NVRx's 1 s (training/contract/launcher.py "
+              "on the cluster, 8 s on the local one); else NVRx's 1 s (training.contract.launcher."
               "rendezvous_last_call_s).")
     inprocess_max_restarts: int = _doc(3, "per process: the Wrapper's restarts in a row without progress")
     inprocess_soft_timeout: float = _doc(60.0, f"{_INPROCESS}. A rank making no progress for this long makes "
@@ -230,7 +230,7 @@ class FaultToleranceConfig:
 
 @dataclass(frozen=True)
 class PeerStateConfig:
-    """Each rank's state in its node's memory and on the next `replicas` nodes (training/train/peer_state.py):
+    """Each rank's state in its node's memory and on the next `replicas` nodes (training.train.peer_state):
     after a lost node, its ranks' shards come from their partners, not from the FSx checkpoint."""
     enabled: bool = _doc(False, "keep copies of each rank's state in node memory")
     interval: int | None = _doc(None, "The most steps a lost node costs: a copy every interval // 2 + 1 steps, each "
@@ -244,7 +244,7 @@ class PeerStateConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Replica groups (HSDP on torchft, training/train/replica_groups.py): FSDP2 shards the model within a
+    """Replica groups (HSDP on torchft, training.train.replica_groups): FSDP2 shards the model within a
     group, torchft's Manager sums the groups' gradients every step through a Lighthouse, and a group that
     fails leaves the quorum while the others train on."""
     replica_groups: int = _doc(1, "R: groups of whole nodes, each a full copy of the model sharded over its own "
@@ -252,7 +252,7 @@ class ParallelConfig:
                                   "this section. R >= 2 needs torchft 0.2.0; training.global_batch_size is then "
                                   "the whole step's over every group (null: R x group world size x batch_size), "
                                   "split over the live groups by rows of micro-batches "
-                                  "(training/contract/replica_groups.py).")
+                                  "(training.contract.replica_groups).")
     step_timeout_s: float = _doc(10.0, "R >= 2: torchft's Manager timeout (its `timeout`), which bounds the "
                                        "cross-group all-reduce, the commit vote and a heal's state transfer: a "
                                        "group that hangs inside the all-reduce costs the others this long "
@@ -277,13 +277,13 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Rank 0's Prometheus endpoint (training/train/metrics.py) and MFU (training/contract/flops.py)."""
+    """Rank 0's Prometheus endpoint (training.train.metrics) and MFU (training.contract.flops)."""
     port: int = _doc(0, "http://<rank 0>:port/metrics; 0: off. The EKS Job's pods carry the scrape annotations for it.")
     gpu_peak_tflops: float | None = _doc(None, "Dense bf16 peak TFLOPs of one GPU, the denominator of MFU; null: no "
                                                "MFU (a CPU run, or a GPU whose peak is not known). The k8s chart fills "
-                                               "it from infra/instances.py for the node group's GPUs.")
+                                               "it from infra.instances for the node group's GPUs.")
     event_log_refresh_s: float = _doc(30.0, "The goodput, restart and checkpoint figures re-read the event log "
-                                            "(training/report/goodput.py) at most this often: a weeks-long log takes "
+                                            "(training.report.goodput) at most this often: a weeks-long log takes "
                                             "a while to read, and a scrape every 30-60 s needs no fresher figures.")
 
 
@@ -299,9 +299,9 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    faults: tuple[str, ...] = _doc((), "fault specs to inject; format in training/train/faults.py")
+    faults: tuple[str, ...] = _doc((), "fault specs to inject; format in training.contract.faults")
     allow_destructive_faults: bool = _doc(False, "The chaos switch: in a Kubernetes pod the destructive fault kinds "
-                                                 "(training/train/faults.py DESTRUCTIVE_KINDS) fire only when this is "
+                                                 "(training.contract.faults.DESTRUCTIVE_KINDS) fire only when this is "
                                                  "true. The k8s Job sets it from `k8s/main.py "
                                                  "--allow-destructive-faults`.")
 
@@ -309,8 +309,8 @@ class TrainConfig:
         _validate(self)
 
     def rows_per_step(self, group_world_size: int) -> int:
-        """Rows of micro-batches in every step (a row: one micro-batch per rank of a group; training/contract/
-        replica_groups.py) with groups of `group_world_size` ranks: at R = 1 a rank's micro-batches per step
+        """Rows of micro-batches in every step (a row: one micro-batch per rank of a group; training.contract.
+        replica_groups) with groups of `group_world_size` ranks: at R = 1 a rank's micro-batches per step
         (accumulation_steps). A shape the groups cannot share is a TrainConfigError naming the shapes that can."""
         t, groups = self.training, self.parallel.replica_groups
         if groups == 1:
@@ -494,9 +494,8 @@ def _validate(c: TrainConfig) -> None:
         raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
     if c.fault_tolerance.restart == "inprocess":
-        fail("fault_tolerance.restart", "inprocess", "that mode was removed: its launcher restarted nothing, so every "
-             "fault the Wrapper cannot handle failed the pod and spent one of the Job's retries. Use both (the "
-             "Wrapper first, then ft_launcher) or injob")
+        fail("fault_tolerance.restart", "inprocess", "one of ['injob', 'both'] (both: the Wrapper restarts the "
+             "ranks in their processes first, then ft_launcher restarts the worker group)")
     for key in _keys(c):
         allowed = _choices(key.hint)
         if allowed and key.value not in allowed:

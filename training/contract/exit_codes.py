@@ -9,7 +9,7 @@ CONFIG_ERROR = 3  # the training config is invalid, or its checkpoints cannot be
 # 0.7.0's --ft-no-restart-exit-code; its default too)
 NO_PROGRESS = 93
 # SIGTERM: what a process killed by it reports to a shell, and what a rank exits with after a drain
-# (training/train/drain.py), so that ft_launcher and the Job retry it
+# (training.train.drain), so that ft_launcher and the Job retry it
 TERMINATED = 143
 # The node's launcher ended cleanly but the run has not completed (no run_end event of a completed run):
 # ft_launcher 0.7.0 exits 0 when a standby leaves, or when every rank left cleanly after SIGTERM, which

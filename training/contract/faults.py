@@ -2,7 +2,7 @@
 
 A spec is `KIND@STEP[:key=value…][:persistent]`, KIND one of KINDS. What each kind does and which keys it
 takes is in docs/faults.md ("Fault grammar"), which a test checks against KINDS; firing them is
-training/train/faults.py's.
+training.train.faults'.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class FaultKind:
 _RANK = frozenset({"rank"})
 _NODE = frozenset({"node", "rank"})  # a node fault names the node, or a rank: the node that runs it
 _PERSISTENT = frozenset({"persistent"})
-# What each kind does is training/train/faults.py's (ACTIONS); this table is what a spec may say.
+# What each kind does is training.train.faults' (AT_STEP, IN_WRITE); this table is what a spec may say.
 KINDS: dict[str, FaultKind] = {
     "exception": FaultKind("the rank raises FaultInjected and exits non-zero", _RANK, _PERSISTENT),
     "sigkill": FaultKind("the rank kills itself with SIGKILL", _RANK, _PERSISTENT),

@@ -19,7 +19,7 @@ from training.contract.shapes import ModelShape
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Of any model, preset or Hugging Face: its shape carries the counts (training/models/ spec.shape)."""
+    """Of any model, preset or Hugging Face: its shape carries the counts (training.models spec.shape)."""
     # a tied table is counted once, and its use as the output projection is a matmul (as torchtitan counts it)
     non_embedding = shape.active_parameters - (0 if shape.tied_embeddings else shape.embedding_parameters)
     return 6 * non_embedding + 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len

@@ -4,7 +4,7 @@ match the model, a fresh start refused while checkpoints exist).
 A rank cannot say so by its exit code: ft_launcher restarts the worker group whatever a rank exits with
 (in-job, up to fault_tolerance.max_restarts cycles without progress, then NO_PROGRESS), and the in-process
 Wrapper retries an exception. So the rank writes a request into the run directory, which every node's
-pod shares (FSx), and every pod's PID 1 (training/pod/launch.py) watches it: it stops its launcher and
+pod shares (FSx), and every pod's PID 1 (training.pod.launch) watches it: it stops its launcher and
 exits CONFIG_ERROR, on which the Job's podFailurePolicy fails the Job, naming the cause as the container's
 termination message. A request is written whole or not at all (files.replace_file).
 

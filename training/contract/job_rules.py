@@ -28,7 +28,7 @@ class Action(Enum):
 class DisruptionRule:
     """A pod with the DisruptionTarget condition, which Kubernetes 1.34 sets before it removes a pod for a
     reason outside it (https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions):
-    evicted through the Eviction API (a drain, k8s/evict.py), deleted by the taint manager from a node that
+    evicted through the Eviction API (a drain, k8s.evict), deleted by the taint manager from a node that
     became unreachable or not ready (a lost node, after the pod's toleration), deleted by PodGC because its node
     is gone, terminated by the kubelet (node pressure, graceful node shutdown), preempted. A plain delete
     (`kubectl delete pod`) and an OOM kill set no such condition."""

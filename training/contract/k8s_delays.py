@@ -3,7 +3,7 @@
 The local cluster cannot show them: its "nodes" are processes that are replaced in milliseconds.
 training.local applies one figure, --replacement-delay (a lost node's loss to its replacement's
 start); `make bench` projects a node loss on EKS from the local measurements plus these parameters
-(bench/projection.py), and labels every such figure a projection.
+(bench.projection), and labels every such figure a projection.
 
 Each default says where it comes from; the ones marked "assumption" are typical figures that an
 account's own measurements should replace (`kubectl get events`, the node group's activity history).
@@ -19,8 +19,8 @@ class KubernetesDelays:
     # kube-controller-manager's --node-monitor-grace-period: 50 s since Kubernetes 1.32 (40 s before);
     # EKS does not change it.
     node_not_ready_s: float = 50.0
-    # Then the pod stays for its tolerationSeconds of that taint (the default of k8s/job_config.py's
-    # node_failure_toleration_s, which reads it here; Kubernetes' default is 300 s).
+    # Then the pod stays for its tolerationSeconds of that taint (the default of
+    # k8s.job_config.JobConfig.node_failure_toleration_s, which reads it here; Kubernetes' default is 300 s).
     toleration_s: float = 30.0
     # The evicted pod is deleted, the Job controller creates its replacement, the scheduler binds it
     # (assumption: seconds on an idle control plane).

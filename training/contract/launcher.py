@@ -1,7 +1,7 @@
 """How a node's processes are launched, torch-free: ft_launcher's and the store's arguments derived from the
 training config, the environment names the launcher, the pod and the ranks pass to each other, and the
 files they share. The Kubernetes Job (k8s/), the local cluster and the pod's processes build their
-command lines from here; the rank side of NVRx lives in training/train/monitor.py.
+command lines from here; the rank side of NVRx lives in training.train.monitor.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ SECTIONS = ("setup", "step", "checkpoint")
 # (--ft-checkpoint-iteration-file). Counting from 1 makes a fresh run's first cycle count as progress,
 # so a fault before the first checkpoint still spends the budget (NVRx skips its check while it is 0).
 RESUME_STEP_FILE = "resume_step"
-# The path of a node's drain marker (training/train/drain.py): present when SIGTERM means a drain.
+# The path of a node's drain marker (training.train.drain): present when SIGTERM means a drain.
 DRAIN_MARKER_ENV = "TRAINING_DRAIN_MARKER"
 # Seconds each rank's checkpoint write is held back (training.local --save-delay): a checkpoint file system
 # as slow as FSx is at the size we ship, on a machine whose disk is fast and whose model is small.
@@ -86,7 +86,7 @@ def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[st
         f"--ft-checkpoint-iteration-file={resume_step_file}",
         f"--ft-no-restart-exit-code={NO_PROGRESS}",
         "--ft-restart-policy=any-failed",
-        f"--term-timeout={ft.drain_timeout_s}",  # after SIGTERM, the ranks' time to commit (training/train/drain.py)
+        f"--term-timeout={ft.drain_timeout_s}",  # after SIGTERM, the ranks' time to commit (training.train.drain)
         f"--ft-initial-rank-heartbeat-timeout={ft.initial_rank_heartbeat_timeout}",
         f"--ft-rank-heartbeat-timeout={ft.rank_heartbeat_timeout}",
         f"--ft-rank-section-timeouts={sections}",
@@ -114,7 +114,7 @@ def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes:
 
 # The rendezvous store's HOST:PORT, which training.pod.launch reads off ft_launcher's command line and hands
 # the ranks: with restart=both the in-process Wrapper coordinates there, off the GPU nodes
-# (training/train/coordination.py).
+# (training.train.coordination).
 STORE_ENDPOINT_ENV = "TRAINING_STORE_ENDPOINT"
 _ENDPOINT_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint")  # ft_launcher takes both spellings, as torchrun does
 
@@ -141,7 +141,7 @@ def store_command(ft: FaultToleranceConfig, port: int, run_id: str, nodes: int, 
 
 
 def launch_command(config_path: str, python: str = sys.executable) -> list[str]:
-    """What comes before the launcher's own command line: the pod's PID 1 (training/pod/launch.py)."""
+    """What comes before the launcher's own command line: the pod's PID 1 (training.pod.launch)."""
     return [python, "-m", "training.pod.launch", "--config", config_path, "--"]
 
 

@@ -3,7 +3,7 @@ directory (config.json, optional *.safetensors and tokenizer files), e.g. /fsx/m
 the FSx import from S3. What can be judged from the directory's JSON files is judged here, before any rank
 starts (training.local, training.train's start, the chart): a directory without config.json, an
 architecture that is not a causal LM, a tokenizer whose vocabulary exceeds the model's. The weights'
-names and shapes need the model itself (training/models/huggingface.py).
+names and shapes need the model itself (training.models.huggingface).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def hf_shape(config: dict[str, Any], name: str) -> ModelShape:
     """A decoder's shape from its config: dense (Llama, Mistral, Qwen2 and their kin) or Mixtral's mixture
     of experts. Per layer the q/k/v/o projections (with the biases the family carries), the feed-forward
     (moe_feed_forward) and two norms; then the final norm and the output projection, unless tied to the
-    embedding. The trainer counts the built model instead (training/models/huggingface.py); a test checks
+    embedding. The trainer counts the built model instead (training.models.huggingface); a test checks
     that both agree for each family the tests build."""
     dim, layers, heads = config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads

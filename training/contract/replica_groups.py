@@ -7,7 +7,7 @@ rows in the global sample order, as evenly as whole rows allow; a group's gradie
 share of the step's samples. So whichever groups are live, every step trains the same samples with the same
 weight each, and a group that is out costs the others its rows, not the step. What it costs: with a number
 of live groups that does not divide `rows`, some groups take one row more, and the step lasts as long as
-theirs. Read by training/train/replica_groups.py (the ranks) and, before any rank starts, by training.train's
+theirs. Read by training.train.replica_groups (the ranks) and, before any rank starts, by training.train's
 entry point (`check_torchft`) and the config's validation (`split_problem`).
 """
 from __future__ import annotations

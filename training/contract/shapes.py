@@ -1,6 +1,6 @@
 """Model shapes and the sizes that follow from them, torch-free: the chart, the planner and the data checks
-read them without building a model. training/models/ builds the modules these shapes describe; a Hugging Face
-model's shape comes from its config.json (model_source.py).
+read them without building a model. training.models builds the modules these shapes describe; a Hugging Face
+model's shape comes from its config.json (`model_source`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ PRESETS: dict[str, ModelArgs] = {
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=8192),
     "8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336),
 }
-# Shapes the capacity model (capacity.py) projects but no config trains: 70b is the Llama-3.1-70B shape
+# Shapes the capacity model (`capacity`) projects but no config trains: 70b is the Llama-3.1-70B shape
 # (Hugging Face meta-llama/Llama-3.1-70B config.json: hidden_size 8192, 80 layers, 64 heads, 8 KV heads,
 # intermediate_size 28672, vocab 128256).
 PROJECTED: dict[str, ModelArgs] = {
@@ -49,7 +49,7 @@ OPTIMIZER_BYTES = 8
 @dataclass(frozen=True)
 class ModelShape:
     """What every room needs to know of a model, preset or Hugging Face, without building it: FLOPs
-    (flops.py), the data checks (vocabulary), the chart's and the capacity model's sizes."""
+    (`flops`), the data checks (vocabulary), the chart's and the capacity model's sizes."""
     name: str  # the preset's name, or the model directory
     vocab_size: int
     dim: int
@@ -91,7 +91,7 @@ def parameter_count(preset: str) -> int:
     return a.vocab_size * a.dim + a.n_layers * block + a.dim + a.dim * a.vocab_size
 
 
-# Peer state (training/train/peer_state.py): a rank's copy holds per parameter of its shard fp32 weights and
+# Peer state (training.train.peer_state): a rank's copy holds per parameter of its shard fp32 weights and
 # AdamW's two fp32 moments; each node keeps SLOTS copies (the newest complete step and the one in flight).
 PEER_STATE_SLOTS = 2
 STATE_BYTES_PER_PARAMETER = PARAMETER_BYTES + OPTIMIZER_BYTES

@@ -1,4 +1,4 @@
-"""`python -m training.data prepare …`: text and JSONL to a token file (prepare.py)."""
+"""`python -m training.data prepare …`: text and JSONL to a token file (`prepare`)."""
 import sys
 
 from training.data.prepare import main

@@ -1,5 +1,5 @@
 """`python -m training.data prepare INPUT… --tokenizer tokenizer.json|MODEL_DIR --out FILE`: text and JSONL
-files to the token file that data.path reads (token_file.py). MODEL_DIR: a Hugging Face model directory (the
+files to the token file that data.path reads (`token_file`). MODEL_DIR: a Hugging Face model directory (the
 model.path a run trains), whose tokenizer.json is used.
 
 Each input is a document source: a .jsonl file gives one document per line (the string in --field,

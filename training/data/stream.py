@@ -11,7 +11,7 @@ nor repeating one, and with the same G (training.global_batch_size) its steps ho
 With replica groups (`share`), the live groups split each step's samples by rows, and the position moves
 only once a step committed (`advance`): a step run again holds the same samples.
 
-A token file (token_file.py) is read through its sidecar: the loader takes the width from it, and
+A token file (`token_file`) is read through its sidecar: the loader takes the width from it, and
 refuses a model whose vocabulary is smaller than the tokenizer's.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ class TokenStream:
 
     def share(self, first_row: int, rows: int) -> list[Batch]:
         """This rank's micro-batches of the next step when its replica group trains `rows` of the step's rows
-        from `first_row` on (a row: one micro-batch per rank; training/contract/replica_groups.py). The
+        from `first_row` on (a row: one micro-batch per rank; training.contract.replica_groups). The
         group's samples are contiguous, and each rank's within them; the position does not move, so a step
         that does not commit is run again from the same samples."""
         first = self.consumed_samples + (first_row * self.world_size + self.rank * rows) * self.batch_size

@@ -1,7 +1,7 @@
 """The token file, torch-free: a flat array of token ids (uint16 or uint32) written by `python -m
-training.data prepare` (prepare.py), and its JSON sidecar, FILE.json, that names its token width and
+training.data prepare` (`prepare`), and its JSON sidecar, FILE.json, that names its token width and
 vocabulary. The checks here run before any rank starts (training.local, the pod) and again in the loader
-(stream.py): the width comes from the sidecar, and a model whose vocabulary is smaller than the
+(`stream`): the width comes from the sidecar, and a model whose vocabulary is smaller than the
 tokenizer's is refused.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def token_dtype(token_file: str | Path, configured: str | None, vocab_size: int)
 
 def check_token_file(path: str | None, dtype: str | None, vocab_size: int) -> None:
     """What `token_dtype` refuses, before any rank starts (training.train, training.local), for a model
-    of `vocab_size` ids (its shape: training/contract/model_source.py)."""
+    of `vocab_size` ids (its shape: training.contract.model_source)."""
     if path is not None:
         if not Path(path).is_file():
             raise DataError(f"data.path={path!r}: no such file (a .bin from `python -m training.data prepare`)")

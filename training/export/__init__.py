@@ -1,1 +1,1 @@
-"""`python -m training.export`: a run's model as safetensors in its Hugging Face layout (export.py)."""
+"""`python -m training.export`: a run's model as safetensors in its Hugging Face layout (`export`)."""

@@ -1,2 +1,2 @@
 """The local cluster: `python -m training.local` plays the Indexed Job, its nodes and their network on one
-machine (cluster.py; netns.py for nodes with their own addresses)."""
+machine (`cluster`; `netns` for nodes with their own addresses)."""

@@ -1,4 +1,4 @@
-"""`python -m training.local [--demo] …`: the emulated cluster (cluster.py)."""
+"""`python -m training.local [--demo] …`: the emulated cluster (`cluster`)."""
 import sys
 
 from training.local.cluster import main

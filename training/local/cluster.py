@@ -18,11 +18,11 @@ sessions; their output goes to <run_dir>/logs/node<i>.log (the store's to store.
 lines are echoed here.
 
 What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
-as the Job and its podFailurePolicy would (training/contract/job_rules.py decides, from the table the
+as the Job and its podFailurePolicy would (training.contract.job_rules decides, from the table the
 chart renders):
 - killed by a `node-loss` fault (a lost node: its strike marks it lost first): its orphaned ranks are killed
   and the node is started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict,
-  schedule and start the new pod; bench/projection.py names its parts on EKS), not counted against
+  schedule and start the new pod; bench.projection names its parts on EKS), not counted against
   --node-retries: on EKS the pod of a lost node is removed with DisruptionTarget, which the Job's
   podFailurePolicy ignores (node_replaced, restart with restart_kind=node).
 - exited with an error (a failed pod, e.g. INCOMPLETE), or killed by a signal N otherwise (a container whose
@@ -39,7 +39,7 @@ chart renders):
   not counted, its stopped processes left where they are until the run ends.
 It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
 "worker failed") and records them as fault_detected, so the report measures detection time.
-With --netns every node runs on its own emulated machine (training/local/netns.py: a network namespace
+With --netns every node runs on its own emulated machine (training.local.netns: a network namespace
 with its own address and hostname, on a bridge; the store listens on the host's end), so their traffic
 crosses a network that a `partition` fault can cut. The controller then also plays the network and
 Kubernetes' node lifecycle: it takes the node's link down (and up again after the fault's duration); a
@@ -411,7 +411,7 @@ class Cluster:
         stops reporting, which serve_partitions' node lifecycle then handles as it does an unreachable
         node. On EKS the node goes NotReady after the node-monitor grace period, the taint manager evicts
         the pod, which stays Terminating while nobody confirms it stopped; the Job (podReplacementPolicy:
-        Failed) replaces it once PodGC deletes it as Failed, when the hung-node marker (k8s/mark_hung_nodes.py)
+        Failed) replaces it once PodGC deletes it as Failed, when the hung-node marker (k8s.mark_hung_nodes)
         has marked the node out of service (k8s_delays.KubernetesDelays.hung_node_out_of_service_s)."""
         for node in self.nodes:
             if node.proc is None or node.start_at is not None or self.cut_off(node) or not _stopped(node.proc):
@@ -579,7 +579,7 @@ def _pod_top_process() -> None:
     """A node's top process plays its pod's PID 1. A killed controller leaves no cluster behind: it gets
     SIGTERM and stops its own workers. And it is a child subreaper: what daemonizes below it (the Wrapper's
     monitor processes fork twice and leave their parent) stays in its tree, as in the pod, where an orphan
-    goes to the PID namespace's init (pid_namespaces(7)); so a node fault (training/train/node_strike.py)
+    goes to the PID namespace's init (pid_namespaces(7)); so a node fault (training.train.node_strike)
     and the node's kill reach it, and training.pod.launch reaps it. The attribute survives execve (prctl(2)),
     through `ip netns exec` and `unshare`."""
     die_with_parent(signal.SIGTERM)

@@ -1,2 +1,2 @@
-"""The models a run trains, each behind one ModelSpec (spec.py): the built-in presets (preset.py, the
-Llama-style modules of llama.py) and Hugging Face causal LMs from a local directory (huggingface.py)."""
+"""The models a run trains, each behind one ModelSpec (`spec`): the built-in presets (`preset`, the
+Llama-style modules of `llama`) and Hugging Face causal LMs from a local directory (`huggingface`)."""

@@ -1,10 +1,10 @@
 """`python -m training.models check DIR`: the refusals of a Hugging Face model directory, the torch-free
-ones (training/contract/model_source.py) and those that need the model built on the meta device (its
+ones (training.contract.model_source) and those that need the model built on the meta device (its
 *.safetensors' names and shapes), for a caller that imports no torch: training.local, before any rank starts.
 Exit 0 with the model's shape, or CONFIG_ERROR with the reason on stderr.
 
 `python -m training.models tiny DIR [--family llama|qwen2|mistral|mixtral] [--no-weights]`: a tiny Hugging Face
-model directory written from its config (tiny.py), for trying the Hugging Face path without a download."""
+model directory written from its config (`tiny`), for trying the Hugging Face path without a download."""
 from __future__ import annotations
 
 import sys

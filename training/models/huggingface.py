@@ -4,7 +4,7 @@ model declares in `_no_split_modules`), initialised with its own `_init_weights`
 from the directory's *.safetensors at step 0 through torch DCP's HuggingFaceStorageReader: each rank reads
 the slices of its own shards, so no rank ever holds the whole model. Its state dict is the Hugging Face
 layout, but for Mixtral's experts, which the hub holds one by one and transformers builds fused
-(hub_layout.py): a rank reads its shard of them from each expert's slices, and an export splits them again.
+(`hub_layout`): a rank reads its shard of them from each expert's slices, and an export splits them again.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class HuggingFaceSpec:
     def check_weights(self) -> None:
         """The directory's *.safetensors against the model the config builds: every tensor the model needs
         (a weight tied to another may be left out; Mixtral's experts one by one as on the hub, or fused as
-        transformers builds them: hub_layout.py), with the model's shape. Reads the files' headers only."""
+        transformers builds them: `hub_layout`), with the model's shape. Reads the files' headers only."""
         found = self._tensors_in_files()
         if not found:
             return

@@ -1,5 +1,5 @@
-"""The built-in presets (training/contract/shapes.py PRESETS) as a ModelSpec: our Llama-style modules
-(llama.py), initialised from the seed; no pretrained weights. Exported as a transformers LlamaForCausalLM."""
+"""The built-in presets (training.contract.shapes.PRESETS) as a ModelSpec: our Llama-style modules
+(`llama`), initialised from the seed; no pretrained weights. Exported as a transformers LlamaForCausalLM."""
 from __future__ import annotations
 
 from functools import cached_property

@@ -3,7 +3,7 @@ builds, shards, initialises and loads through it; FLOPs/MFU, the data's vocabula
 fingerprint and the capacity sizes read its `shape`; the exporter maps its state dict to the Hugging Face
 layout. The fault-tolerance mechanisms never see it: they see state dicts.
 
-`model_spec(cfg.model)` picks the implementation: preset.py or huggingface.py (imported only when asked
+`model_spec(cfg.model)` picks the implementation: `preset` or `huggingface` (imported only when asked
 for, so a preset run never imports transformers).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class ModelSpec(Protocol):
     @property
     def shape(self) -> ModelShape:
-        """Vocabulary, parameter count and bytes, and what FLOPs per token need (training/contract/flops.py)."""
+        """Vocabulary, parameter count and bytes, and what FLOPs per token need (training.contract.flops)."""
 
     @property
     def fingerprint(self) -> str:

@@ -11,7 +11,7 @@ TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   num_key_value_heads=2, max_position_embeddings=1024)
 FAMILIES = ("llama", "qwen2", "mistral", "mixtral")  # what trains here, from its own safetensors too
 # mixtral: a mixture of experts, each layer's feed-forward 4 experts of which a token goes through 2; its
-# safetensors hold them one by one, as the hub's do (save_pretrained's default layout, hub_layout.py).
+# safetensors hold them one by one, as the hub's do (save_pretrained's default layout, `hub_layout`).
 FAMILY_SHAPES = {**{family: {} for family in FAMILIES}, "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 
 

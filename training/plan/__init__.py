@@ -1,1 +1,1 @@
-"""`python -m training.plan`: the checkpoint-interval planner (planner.py)."""
+"""`python -m training.plan`: the checkpoint-interval planner (`planner`)."""

@@ -2,7 +2,7 @@
 with 8b and the 70b-class shape on 2, 32 and 256 p5.48xlarge nodes, and HSDP with replica groups beside today's
 mechanisms. Each row's FSx is the smallest PERSISTENT_2 file system at 1000 MBps/TiB that holds `keep`
 checkpoints and one in flight, and its interval is the planner's recommendation at the Llama 3 failure rate.
-Every figure is projected (training/contract/capacity.py); none was measured on p5."""
+Every figure is projected (training.contract.capacity); none was measured on p5."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""`python -m training.plan`: the planner's command line (planner.py), with or without the capacity model."""
+"""`python -m training.plan`: the planner's command line (`planner`), with or without the capacity model."""
 from __future__ import annotations
 
 import argparse

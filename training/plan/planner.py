@@ -40,7 +40,7 @@ survive a lost node), failed saves, slowdown from an asynchronous save finishing
 (only its blocking time counts), recovery time growing with the interval.
 
 --config FILE (a training config, e.g. k8s/train.yaml) takes S, the step time and R from the capacity model
-(training/contract/capacity.py) for that config on --nodes p5.48xlarge nodes against the FSx of
+(training.contract.capacity) for that config on --nodes p5.48xlarge nodes against the FSx of
 --fsx-storage-gib and --fsx-throughput-per-tib (default: cdk.json's): S is the time a save blocks the step, R the
 recovery of a lost node from FSx (injob) and from peer state, and D an async save's modelled duration. It prints
 the capacity table first.

@@ -10,7 +10,7 @@
    termination signals the kubelet (or the local controller) sends, and reaps every process that
    ends up orphaned under it, as a container's PID 1 must. One loop does both (Child, PassedOn): a
    signal reaches the command, however close to its exit it lands, and never makes the loop miss that exit.
-3. Watches the run's job failure requests (training/contract/job_failure.py): when a rank asks, it stops
+3. Watches the run's job failure requests (training.contract.job_failure): when a rank asks, it stops
    the command (SIGTERM, SIGKILL after STOP_GRACE_S) and exits CONFIG_ERROR at once, the cause on its last
    line and in the container's termination message, whatever the restart mode would have done next.
 4. Stops the command COMPLETED_GRACE_S after the run completed, if it has not ended by then: a node still
@@ -77,12 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def launcher_env(environ: dict[str, str], started_s: float, command: list[str]) -> dict[str, str]:
     """ft_launcher's environment, which its ranks inherit: `command`'s rendezvous endpoint in STORE_ENDPOINT_ENV,
-    where the in-process Wrapper coordinates off the GPU nodes (training/train/coordination.py). NVRx's
+    where the in-process Wrapper coordinates off the GPU nodes (training.train.coordination). NVRx's
     rendezvous makes the nodes present when it closes a round active in the order of their infrastructure
     rank (outside SLURM read from GROUP_RANK), the rest standby. That rank is the pod's start time (ms) and then its index (JOB_COMPLETION_INDEX), unique
     in the Job: the older pods train, a new pod (a replacement, a late spare) stands by. Ranked by index
     alone, a lost node's replacement would take the place of a spare that already trains and holds
-    the peer state copies of its partners (training/train/peer_state.py)."""
+    the peer state copies of its partners (training.train.peer_state)."""
     env = dict(environ)
     if (endpoint := rendezvous_endpoint(command)) is not None:
         env[STORE_ENDPOINT_ENV] = endpoint

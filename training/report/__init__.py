@@ -1,2 +1,2 @@
-"""`python -m training.report RUN_DIR`: goodput figures (goodput.py, a pure function of the event log) and the
-timeline picture (plot.py)."""
+"""`python -m training.report RUN_DIR`: goodput figures (`goodput`, a pure function of the event log) and the
+timeline picture (`plot`)."""

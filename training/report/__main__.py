@@ -1,4 +1,4 @@
-"""`python -m training.report [--plot] RUN_DIR` (cli.py)."""
+"""`python -m training.report [--plot] RUN_DIR` (`cli`)."""
 import sys
 
 from training.report.cli import main

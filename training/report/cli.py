@@ -1,5 +1,5 @@
-"""`python -m training.report [--plot [PNG]] RUN_DIR`: the goodput report of a run (goodput.py) printed and
-written to RUN_DIR/report.json, and its timeline picture (plot.py) when asked."""
+"""`python -m training.report [--plot [PNG]] RUN_DIR`: the goodput report of a run (`goodput`) printed and
+written to RUN_DIR/report.json, and its timeline picture (`plot`) when asked."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""Goodput report of a run, from its event log (the contract in training/contract/events.py).
+"""Goodput report of a run, from its event log (the contract in training.contract.events).
 
     python -m training.report RUN_DIR [--plot [PNG]]
 

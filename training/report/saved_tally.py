@@ -1,6 +1,6 @@
 """The metrics endpoint's tally, saved beside the event log, so that rank 0's next process (each attempt
 starts one) catches up from where it was saved and reads only the log's tail: without it, a catch-up read
-the whole log (19.5 s at 3M events, bench/event_log.py).
+the whole log, seconds at millions of events (bench.event_log measures it).
 
 <run_dir>/metrics-tally.bin holds one JSON line (the format's version and byte order, each event file's
 offset at a line's end and a fingerprint of its bytes before that offset, the tally's figures) and then the

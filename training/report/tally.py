@@ -1,7 +1,7 @@
 """The run-so-far figures, folded event by event: what rank 0's metrics endpoint shows between reads of
 the event log, at the cost of the events appended since the last read, not of the whole log.
 
-The definitions are the report's (training/report/goodput.py); `UsefulSteps` is its rule for which step
+The definitions are the report's (training.report.goodput); `UsefulSteps` is its rule for which step
 executions count, which the report's timeline uses too. Events are folded in the order they are read,
 each read's batch in time order: a late event of another source (read after a newer one was folded)
 changes sums and extremes as if it had come in order; the steps and resumes that decide which

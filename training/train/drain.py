@@ -20,7 +20,7 @@ the same step, from whichever node got the signal. Then all ranks together keep 
   checkpoint  let the in-flight async save commit, then save the step reached to the checkpoint
               directory (FSx), unless the in-flight save was of that step;
   peers       copy the step reached into node memory and send it to the partner nodes (peer state,
-              training/train/peer_state.py); the drained node's replacement restores it from them. Only
+              training.train.peer_state); the drained node's replacement restores it from them. Only
               where every drained node has a partner that is not drained. The in-flight save is
               abandoned (never committed; the next worker group removes it).
 A way never measured yet (no save so far) is tried only when no measured way fits. Every rank
@@ -157,7 +157,7 @@ class DrainPlan:
 
 def replicas_survive(drained_nodes: set[int], nodes: int, replicas: int) -> bool:
     """Whether every drained node's shards have a copy on a node that is not drained: peer state copies a
-    node's shards to the next `replicas` nodes of the ring (training/train/peer_state.py)."""
+    node's shards to the next `replicas` nodes of the ring (training.train.peer_state)."""
     return all(any((n + j) % nodes not in drained_nodes for j in range(1, replicas + 1)) for n in drained_nodes)
 
 

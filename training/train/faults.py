@@ -1,4 +1,4 @@
-"""Fault injection, the rank side: what each kind of fault (training/contract/faults.py: the spec format,
+"""Fault injection, the rank side: what each kind of fault (training.contract.faults: the spec format,
 the kinds and their options) does when it fires, and the injector that fires a rank's faults once per run.
 
 Once-per-run: before firing, the faulty rank records the fault durably (an fsynced file under
@@ -69,7 +69,7 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker:
     mid-step, not at a step's edge), send `sig` to this node's top process first (the pod's PID 1,
     training.pod.launch, or else ft_launcher; so that nothing can restart or report anything), then to every
     process under it, this one last: what a lost or hung machine does to a pod. This rank's striker process
-    strikes (training/train/node_strike.py), after the other node faults of this step fired too."""
+    strikes (training.train.node_strike), after the other node faults of this step fired too."""
     me = psutil.Process()
     node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
                                             for part in p.cmdline())]
@@ -196,7 +196,7 @@ AT_STEP: dict[str, Callable[[FaultSpec, FireContext], None]] = {
     "drain": _request_drain, "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
     "fs-eio": _fail_file_system,
 }
-NODE_STRIKES = frozenset({"node-loss", "node-hang"})  # kinds that strike the whole node (node_strike.py)
+NODE_STRIKES = frozenset({"node-loss", "node-hang"})  # kinds that strike the whole node (`node_strike`)
 IN_WRITE: dict[str, Callable[[FaultSpec, Callable[[], T]], T]] = {"ckpt-crash": _crash_mid_save,
                                                                  "disk-full": _disk_full}
 assert {k for k, v in KINDS.items() if v.when == "step"} == set(AT_STEP), "every step fault kind needs an action"

@@ -2,12 +2,12 @@
 timeouts, applied in-process.
 
 Under injob the launcher's rank monitor stops a rank whose step (or checkpoint) section stays open past the
-timeout calculated from observed steps (training/train/monitor.py), seconds on a small model. Under
+timeout calculated from observed steps (training.train.monitor), seconds on a small model. Under
 restart=both those timeouts are raised above the Wrapper's hard timeout (section_timeout_floor), so that the
 Wrapper, not the launcher, handles a hang; but the Wrapper's soft timeout is one fixed figure from the config
 (fault_tolerance.inprocess_soft_timeout, a minute by default), and the peers blocked in a collective with
 the hung rank learn of it only from gloo's timeout. This watch compares the open section with its calculated
-timeout and, past it, reports once per iteration; the report (training/train/inprocess.py) records a
+timeout and, past it, reports once per iteration; the report (training.train.inprocess) records a
 soft-timeout interruption in the Wrapper's store, as the Wrapper's monitor process does at its own soft
 timeout, and every rank restarts in-process.
 

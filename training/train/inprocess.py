@@ -2,14 +2,14 @@
 nvidia_resiliency_ext.inprocess.Wrapper, inside ft_launcher.
 
 A fault in one rank (an exception, a hang past the rank monitor's calculated section timeout,
-training/train/hang_watch.py, or past inprocess_soft_timeout) makes every rank abort its process groups
-(training/train/gloo_abort.py), call `run` again with a fresh store prefix and resume from the in-memory
-copy of the last completed step (training/train/rollback.py), without a new process. What the Wrapper
+training.train.hang_watch, or past inprocess_soft_timeout) makes every rank abort its process groups
+(training.train.gloo_abort), call `run` again with a fresh store prefix and resume from the in-memory
+copy of the last completed step (training.train.rollback), without a new process. What the Wrapper
 cannot handle ends it and falls back to ft_launcher: a lost process or node (the world would shrink, and
 FSDP shards no longer fit; a node whose heartbeats stop is given up after HEARTBEAT_TIMEOUT), or a spent
 restart budget (restarts in a row without progress, a failure in setup as in a step: a persistent fault).
 
-A drain (training/train/drain.py) is no fault: every rank leaves the Wrapper at the same step as from a
+A drain (training.train.drain) is no fault: every rank leaves the Wrapper at the same step as from a
 completed run, and raises Drained only once out of it (a rank leaving with an exception would make the
 Wrapper interrupt the others, mid-commit). Its hang timeouts are off while the drain waits for saves
 (`Iteration.unwatched`), and the SIGTERM watcher is the process's, started before the Wrapper, so a
@@ -17,7 +17,7 @@ signal that lands between two iterations reaches the next.
 
 Stores: the Wrapper's and the application's (process groups under `iteration<N>/`, the fault log) are
 clients of the rendezvous store, off the GPU nodes, so that losing rank 0's node is handled as any other
-lost node (training/train/coordination.py).
+lost node (training.train.coordination).
 
 On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: with it, NVRx 0.7.0 adds NVML
 GPU/NIC health checks to every restart, which fail without a GPU.
@@ -64,8 +64,8 @@ log = logging.getLogger(__name__)
 # its loop skips the timeout checks while timestamps keep arriving (NVRx 0.7.0).
 MONITOR_PROCESS_INTERVAL = 0.5
 PROGRESS_WATCHDOG_INTERVAL = 1.0
-# Both below add directly to every in-process recovery (0.5 s each made it 1.7 s instead of 0.9 s
-# in `make bench`). Polling every 0.1 s is 10 small requests per rank per second to the rendezvous store.
+# Both below add directly to every in-process recovery, so they are short; polling every 0.1 s is 10
+# small requests per rank per second to the rendezvous store.
 MONITOR_THREAD_INTERVAL = 0.1  # how often a rank polls the store for a peer's fault
 LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before attributing it
 # A rank whose collective broke because a peer's abort shut its sockets waits this long for its own

@@ -1,5 +1,5 @@
 """NVRx fault tolerance, the rank side: RankMonitorClient sections and heartbeats. The launcher side (the
-ft_launcher flags derived from the training config) is training/contract/launcher.py.
+ft_launcher flags derived from the training config) is training.contract.launcher.
 
 Sections: `setup` (process start to the first step), `step` (one training step; an async save's wait
 for its staging copy, before the optimizer's step, falls in it), `checkpoint` (the rest of a save's
@@ -41,7 +41,7 @@ class RankMonitor:
     def __init__(self, cfg: FaultToleranceConfig, checkpoint_mode: CheckpointMode,
                  watch: HangWatch | None = None) -> None:
         self._cfg = cfg
-        self._watch = watch  # restart=both: the calculated timeouts applied in-process (training/train/hang_watch.py)
+        self._watch = watch  # restart=both: the calculated timeouts applied in-process (training.train.hang_watch)
         self._floor = section_timeout_floor(cfg)
         # the sections whose timeouts are learned from observed timings (the module's docstring: why not async's)
         self._mode = checkpoint_mode

@@ -30,7 +30,7 @@ Interval (peer_state.interval null): after the first saves, the copy's share of 
 length in steps, medians over CALIBRATION_STEPS saves, the largest over all ranks (one all-reduce): the
 send's length with headroom (at least a step) is its deadline; a copy every max(deadline, the steps
 that keep the copy within a budget of a step) steps; the interval (the promise) is that plus the deadline
-minus one (1 when both fit in a step): training/contract/capacity.py PeerSchedule, which the capacity model
+minus one (1 when both fit in a step): training.contract.capacity.PeerSchedule, which the capacity model
 projects with. Measured again every RECHECK_SAVES saves, so a cost that grows (a
 bigger state, a slower network) moves the interval with it.
 
@@ -177,7 +177,7 @@ class _Save(NamedTuple):
 class _Slot:
     """A slot of this rank's own copy, as the last save laid it out: its mapped bytes, the state's
     structure with views into them in place of tensors, and how to refill each InPlaceState's part
-    without its costly state_dict() (training/train/rollback.py's CopyPlan)."""
+    without its costly state_dict() (training.train.rollback.CopyPlan)."""
     data: torch.Tensor
     specs: list[Spec]
     structure: dict[str, Any]
@@ -187,7 +187,7 @@ class _Slot:
 class NodeMemory:
     """A node's shard copies (module doc): the files of each (shard, slot). Not of the kind: a restart that
     gives this node other ranks makes its own copies a partner's and the replicas its own, and they count
-    as such (the measured partition that lost 14 steps: the survivor pruned every copy it held)."""
+    as such (else a partition's survivor prunes every copy it holds, and the steps they kept are lost)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -300,7 +300,7 @@ class PeerState:
         # (RECHECK_SAVES) reads, not one per save for the life of the process
         self.send_times: deque[float] = deque(maxlen=RECHECK_SAVES)
         self.chosen_at: int | None = None  # the step at which the interval was settled, or last changed
-        # What a drain weighs (training/train/drain.py): the newest step copied and its copy's seconds on the
+        # What a drain weighs (training.train.drain): the newest step copied and its copy's seconds on the
         # training thread; `send_s`, the last send's.
         self.newest_step: int | None = None
         self.copy_s = 0.0
@@ -675,7 +675,7 @@ class PeerState:
         """The attempt died, and this process may run the next (an in-process restart): stop the replication
         thread, without waiting on partners that may be gone. An idle thread takes the stop at once; one in
         a transfer fails within about a second once the Wrapper's abort has shut gloo's sockets
-        (training/train/gloo_abort.py), and stops. Nothing more is sent."""
+        (training.train.gloo_abort), and stops. Nothing more is sent."""
         if not self._thread.is_alive():
             return
         with contextlib.suppress(queue.Empty):

@@ -5,10 +5,10 @@ or leaves the dict untouched and returns None. `restore_first` asks the tiers in
 first, and the first that restores wins:
 
   memory  the host copy of the last step every rank completed, after an in-process restart
-          (training/train/rollback.py, through the Wrapper's Iteration)
-  peer    the copies in node memory of this and the partner nodes (training/train/peer_state.py),
+          (training.train.rollback, through the Wrapper's Iteration)
+  peer    the copies in node memory of this and the partner nodes (training.train.peer_state),
           if they hold every shard of a step no older than the newest checkpoint
-  disk    the newest loadable checkpoint, resharded to this world size (training/train/checkpoint/)
+  disk    the newest loadable checkpoint, resharded to this world size (training.train.checkpoint)
 
 Every tier is collective and its answer the same on every rank, so every rank walks the list alike.
 A tier that had nothing to give hears which state was loaded instead (`superseded`) only once that
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from training.train.inprocess import Iteration
     from training.train.peer_state import PeerState
 
-SourceKind = Literal["memory", "peer", "disk"]  # the `resume` event's source_kind (training/contract/events.py)
+SourceKind = Literal["memory", "peer", "disk"]  # the `resume` event's source_kind (training.contract.events)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class RecoveryTier(Protocol):
 
 @dataclass(frozen=True)
 class InProcessTier:
-    """After an in-process restart, the step kept in host memory (training/train/inprocess.py). Never
+    """After an in-process restart, the step kept in host memory (training.train.inprocess). Never
     older than a checkpoint: every step is kept."""
     iteration: Iteration
     name: ClassVar[SourceKind] = "memory"
@@ -80,7 +80,7 @@ class InProcessTier:
 
 @dataclass(frozen=True)
 class PeerTier:
-    """The partner nodes' copies of every shard (training/train/peer_state.py)."""
+    """The partner nodes' copies of every shard (training.train.peer_state)."""
     peer: PeerState
     name: ClassVar[SourceKind] = "peer"
 

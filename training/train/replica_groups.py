@@ -8,7 +8,7 @@ One step, as the Trainer drives it (`begin_step`, then train_step's `reduce` and
           sample is read, and a group behind the others (restarted: step 0) receives a live group's state
           there, the same group rank's shards (torchft manager.py `_async_quorum`: recv_checkpoint from
           recover_src_replica_rank; `start_quorum` applies it at once when the quorum is not async)
-  share   this group's rows of the step's global batch (training/contract/replica_groups.py)
+  share   this group's rows of the step's global batch (training.contract.replica_groups)
   reduce  after the group's own backward and reduce-scatter, one flat buffer of this rank's gradient shards
           (and its loss), scaled by the group's share of the samples, summed over the groups
           (Manager.allreduce, SUM): the mean gradient of the whole global batch, as one group would have it
@@ -62,7 +62,7 @@ class ReplicaGroups:
 
     Args:
         cfg: the parallel section (timeouts; the group count is the quorum's business, not this object's)
-        group: this rank's replica group (training/contract/replica_groups.py REPLICA_GROUP_ENV)
+        group: this rank's replica group (training.contract.replica_groups.REPLICA_GROUP_ENV)
         info: the group's own process group (its rank and world size are the group rank and size)
         state: the Stateful dict that checkpoints hold; a heal sends and loads all of it
         rows: rows of micro-batches in every step's global batch
@@ -81,7 +81,7 @@ class ReplicaGroups:
         pg = ProcessGroupNCCL(timeout=timeout) if info.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg, min_replica_size=1,
-            # a heal: the sender's host copy of every Stateful (DTensors as their local shards, rollback.py),
+            # a heal: the sender's host copy of every Stateful (DTensors as their local shards, `rollback`),
             # loaded by the receiver into its own, identically sharded state
             state_dict=lambda: _host_copy(state), load_state_dict=lambda saved: load_into(state, saved),
             use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),

@@ -2,7 +2,7 @@
 started by ft_launcher in the pods and by training.local here.
 
 `run(cfg)` builds a `Trainer` (its components, resumed from the first recovery tier that holds the
-state: training/train/recovery.py), trains and closes it; it is re-entrant (everything it builds it
+state: training.train.recovery), trains and closes it; it is re-entrant (everything it builds it
 also tears down), so it can be wrapped by nvidia_resiliency_ext.inprocess.Wrapper for in-process
 restarts. `train_step` is one optimizer step, apart from all of that.
 """
@@ -206,7 +206,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
     With `replicas` (parallel.replica_groups >= 2) `micro_batches` are this rank's part of its group's share,
     the gradients and loss are summed over the groups, weighted by their shares, before clipping, and a step
-    that does not commit raises StepDiscarded with nothing changed (training/train/replica_groups.py)."""
+    that does not commit raises StepDiscarded with nothing changed (training.train.replica_groups)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = torch.zeros((), device=info.device)
@@ -246,7 +246,7 @@ def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo, events: Event
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
     """One training run; under the in-process Wrapper, one iteration of it (`restart`). Checkpoints that
     no restart can load, and a world size that cannot reach training.global_batch_size, ask for the Job to
-    fail (training/contract/job_failure.py) and raise JobMustFail."""
+    fail (training.contract.job_failure) and raise JobMustFail."""
     try:
         trainer = Trainer(cfg, restart)
     except (FreshStartRefused, CheckpointMismatch, TrainConfigError) as err:
@@ -345,7 +345,7 @@ class Trainer:
     def _join_replica_groups(self) -> ReplicaGroups:
         """This rank's manager of its replica group, once everything else is built: from its creation group
         rank 0 heartbeats to the Lighthouse, and a group that heartbeats without asking for a quorum holds the
-        others' back (training/train/replica_groups.py)."""
+        others' back (training.train.replica_groups)."""
         from training.train.replica_groups import ReplicaGroups  # torchft, only with replica groups
 
         return ReplicaGroups(self.cfg.parallel, int(os.environ[REPLICA_GROUP_ENV]), self.info, self.state, self.rows,
@@ -377,7 +377,7 @@ class Trainer:
 
     # ---- resume --------------------------------------------------------------------------------
     def resume(self) -> None:
-        """Load the state from the first recovery tier that holds it (training/train/recovery.py);
+        """Load the state from the first recovery tier that holds it (training.train.recovery);
         per-rank state the checkpoint lacks (it was written by fewer ranks) is derived, and said so."""
         tiers: list[RecoveryTier] = [InProcessTier(self.restart)] if self.restart is not None else []
         if self.peer is not None:
@@ -518,7 +518,7 @@ class Trainer:
 
     def drain(self, step: int, step_time: float) -> None:
         """Every rank, at the same step: keep the step reached the cheaper way that fits the time the
-        launcher gives, then leave (training/train/drain.py). Under the in-process Wrapper its hang
+        launcher gives, then leave (training.train.drain). Under the in-process Wrapper its hang
         timeouts are off meanwhile: a drain waits through whole saves, bounded by the launcher's grace."""
         started = time.monotonic()
         with self.restart.unwatched() if self.restart is not None else contextlib.nullcontext():

@@ -1,15 +1,15 @@
 """Shard files written around the page cache (O_DIRECT), for the writer process.
 
 Through the page cache, writing a shard costs the kernel its copy into new cache pages, their dirty
-accounting and the flusher's writeback, about 1-2 CPU-s per 512 MiB on this VM; with O_DIRECT the same
-write costs ~0.02 CPU-s of kernel time (shared/FACTS.md; bench/stall.py measures the writer's CPU time).
-Where no CPU is spare, that CPU time comes out of training whichever process spends it.
+accounting and the flusher's writeback; with O_DIRECT the kernel does none of these, and the write costs
+it next to nothing (bench.stall measures the writer's CPU time). Where no CPU is spare, that CPU time
+comes out of training whichever process spends it.
 
 O_DIRECT wants the memory, the file offset and the length of every write aligned to the device's logical
 block size (open(2), "O_DIRECT"). DirectFile gathers DCP's writes in an aligned buffer, writes whole
 buffers, and writes the unaligned tail of the file through the page cache after clearing O_DIRECT
 (fcntl(2) F_SETFL). Durability is unchanged: DCP fsyncs each file before the save returns, and the
-commit (layout.py) runs only after that. A file system that refuses O_DIRECT (EINVAL, e.g. tmpfs) gets
+commit (`layout`) runs only after that. A file system that refuses O_DIRECT (EINVAL, e.g. tmpfs) gets
 a plain buffered file.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Whether an intact checkpoint can be loaded into this run's state at all, decided before any shard is
 read: a changed model preset or optimizer cannot load it on any attempt, while an I/O error or a timeout
-during the load may pass on the next one (manager.py retries only those)."""
+during the load may pass on the next one (`manager` retries only those)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,10 +1,10 @@
 """CheckpointManager: saves, commits, prunes and loads checkpoints, on every rank at the same points of
-the program (layout.py has the directory and the commit protocol, writers.py the DCP writers).
+the program (`layout` has the directory and the commit protocol, `writers` the DCP writers).
 
 Async mode: at most one save is in flight; `poll()` (called every step on every rank) commits a finished
 save. The next save waits for it (the wait is emitted as ckpt_blocked) or, with when_busy=skip, is
 skipped with a log line. A save's staging copy may still be running when `save` returns (on CPU,
-staging.py): `wait_staged()` waits for it before the state changes, and the save's ckpt_blocked, emitted
+`staging`): `wait_staged()` waits for it before the state changes, and the save's ckpt_blocked, emitted
 once the copy is made, counts both waits. Ranks can see a save finish at different polls (the torch
 writer's check is local), so a save stays in flight until the next `save` or `wait`, where all ranks decide
 together.
@@ -17,9 +17,9 @@ write GENERATION as it starts (NoGeneration) trains without checkpoints: each sa
 line and ckpt_failed, and tries GENERATION again, so checkpoints resume once the file system takes writes.
 
 Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
-evidence of damage (inspection.py) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
+evidence of damage (`inspection`) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
 to the previous one. An intact checkpoint that cannot match the state (a changed preset or optimizer,
-fit.py) raises CheckpointMismatch, which no restart can cure; any other load error (I/O, a timeout) fails
+`fit`) raises CheckpointMismatch, which no restart can cure; any other load error (I/O, a timeout) fails
 the attempt for a retry; both leave it in place. When checkpoints exist but none loads, training refuses
 to start at step 0 unless told to.
 """
@@ -70,7 +70,7 @@ def _describe(err: BaseException) -> str:
 
 
 class NoGeneration(RuntimeError):
-    """This worker group has no generation (layout.py, Fencing), so it saves nothing: GENERATION could not be
+    """This worker group has no generation (`layout`, Fencing), so it saves nothing: GENERATION could not be
     written (a full file system, an I/O error; tried again at every save) or, `fenced`, a newer group started."""
 
     def __init__(self, message: str, fenced: bool = False) -> None:
@@ -132,7 +132,7 @@ class CheckpointManager:
         # `save` (sync), so it never counts a save that was fenced or failed to commit.
         self.saved_step: int | None = None
         self.last_save_s: float | None = None  # how long the last save that was written took, start to durable
-        # See layout.py, Fencing; every rank learns rank 0's number below. 0: none (NoGeneration, rank 0's
+        # See `layout`, Fencing; every rank learns rank 0's number below. 0: none (NoGeneration, rank 0's
         # `_no_generation`): the group trains without checkpoints, and rank 0 tries again at every save.
         self.generation = 0
         self._found_generation: int | None = None  # rank 0: what GENERATION held as this group started
@@ -196,13 +196,13 @@ class CheckpointManager:
 
     @property
     def writer_pid(self) -> int | None:
-        """The process that writes this rank's shards of an async save, where there is one (bench/stall.py
+        """The process that writes this rank's shards of an async save, where there is one (bench.stall
         charges its CPU time to the writer, not to the rank)."""
         return self._writer.writer_pid if self._writer is not None else None
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Async mode: start allocating the buffers a save of `state` stages into, in the background (on CPU,
-        staging.py; once: later calls do nothing). Call it once `state` holds every tensor a save will hold
+        `staging`; once: later calls do nothing). Call it once `state` holds every tensor a save will hold
         (AdamW's moments exist after the first optimizer step): the first save then only copies."""
         if self._writer is not None and not self._prepared:
             self._prepared = True
@@ -211,7 +211,7 @@ class CheckpointManager:
     def wait_for_writer(self) -> None:
         """Async mode: block until the background writer can take a save (on CPU, at once where the rank's
         zygote forked it; seconds where a new interpreter had to import torch) and, where `prepare` came
-        first (bench/stall.py's setup), its buffers are allocated. Called at the end of the rank's setup,
+        first (as bench.stall._interleaved does), its buffers are allocated. Called at the end of the rank's setup,
         so that the first saves do not wait for the writer."""
         if self._writer is not None:
             self._writer.wait_ready()

@@ -3,10 +3,10 @@ once, ahead of the first save and off the training thread, and reused by every s
 thread of its own while the training thread goes on to the next step, until it changes the state.
 
 A save copies the state (its staging copy); the writer process then reads the copy where it lies
-(writer_process.py). torch's DefaultStager(use_shared_memory) already keeps one buffer per source storage and
+(`writer_process`). torch's DefaultStager(use_shared_memory) already keeps one buffer per source storage and
 reuses it (torch.distributed.checkpoint._state_dict_stager.StateDictStager, torch 2.13), but it costs the
-training thread three ways: the first save allocates and page-faults every buffer (1.3-2.7 s for 512 MiB on
-this VM: the kernel zero-fills each new shared-memory page); every save copies on the training thread; and
+training thread three ways: the first save allocates and page-faults every buffer (the kernel zero-fills
+each new shared-memory page); every save copies on the training thread; and
 its copies (UntypedStorage.copy_) hold the GIL, so neither can move into a thread without stopping the
 training loop's Python as long.
 

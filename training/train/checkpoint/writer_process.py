@@ -4,9 +4,9 @@ An async save on CPU runs DCP's `async_save` in a background thread of the train
 the planning, the collectives and rank 0's `.metadata` (small), and hands each rank's shard write, the
 CPU-heavy part (serialising every tensor, the write, fsync), to this process. In a
 thread of the training process that write would hold the GIL against the training loop and count as the
-rank's CPU time (bench/stall.py measures the two processes apart).
+rank's CPU time (bench.stall measures the two processes apart).
 
-The staged tensors are not copied again on the way: they live in shared memory (staging.py's buffers,
+The staged tensors are not copied again on the way: they live in shared memory (`staging`'s buffers,
 reused from save to save), and a request pickles each of them as a reference to its
 memory's file descriptor, which travels beside the pickle over this process's own socket (SCM_RIGHTS,
 unix(7)). multiprocessing's way, a listener thread in the training process that the writer connects to
@@ -124,7 +124,7 @@ def _serve(channel: ShmChannel) -> None:
             continue
         try:
             # DCP's own writer, with the same defaults as the training process's (one file per rank, fsync),
-            # its shard file written around the page cache (direct_io.py). No copy ahead: the staged data is on
+            # its shard file written around the page cache (`direct_io`). No copy ahead: the staged data is on
             # the CPU already, and with it FileSystemWriter loads through a CUDA stream wherever CUDA is
             # available (_OverlappingCpuLoader, torch 2.13), a CUDA context on GPU 0 per rank's writer. torch's
             # own FileSystemWriter.stage turns it off for async saves the same way.
@@ -395,7 +395,7 @@ def _writer_main(fd: int) -> None:
     torch.set_num_threads(1)
     # The zip checksum torch.save computes over every byte is two thirds of this process's CPU time per
     # save, and torch.load never checks it (a flipped data byte loads silently, tried with torch 2.13);
-    # inspection.py's evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
+    # `inspection`'s evidence of damage (missing, short files) does not use it. set_crc32_options (torch docs,
     # "Serialization semantics") turns it off for this process only.
     torch.serialization.set_crc32_options(False)
     raise_fd_limit()  # it receives two descriptors per staging buffer at once (shm_budget)

@@ -3,11 +3,11 @@
 Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode: the state is staged (copied), then
 written in the background while training goes on. On CPU that is torch's `dcp.async_save` (own gloo group,
 so its collectives never interleave with the training group's): the copy is made in a staging thread while
-the training thread runs on until it changes the state (staging.py), its background thread plans and
-coordinates, and each rank's shard write runs in a writer process (writer_process.py); on CUDA with NVRx
+the training thread runs on until it changes the state (`staging`), its background thread plans and
+coordinates, and each rank's shard write runs in a writer process (`writer_process`); on CUDA with NVRx
 installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue, which stage synchronously.
 
-Fault injection (training/train/faults.py) reaches a save through `write_hook(step, write)`: it wraps each
+Fault injection (training.train.faults) reaches a save through `write_hook(step, write)`: it wraps each
 rank's write of its shards inside DCP, in the training process (in async mode, in the background thread,
 `write` waiting for the writer process), so an injected error fails the save on every rank as a real one
 would, and an injected crash kills the rank. NVRx's CUDA async writer writes in its own worker process
@@ -48,7 +48,7 @@ WriteHook = Callable[[int, Callable[[], T]], T]
 
 @dataclass(frozen=True)
 class WriterDeadlines:
-    """How long an async save may wait on its background writer (writer_process.py)."""
+    """How long an async save may wait on its background writer (`writer_process`)."""
     write_s: float  # one rank's writer answering one request (fault_tolerance.checkpoint_section_timeout)
     collective_s: float  # one collective once every rank has reached it (training.collective_timeout_s)
 
@@ -163,7 +163,7 @@ class _TorchAsyncWriter:
 
     The stager is kept for the writer's life: it reuses its staging buffers from one save to the
     next (a stager per save, dcp's default, allocates and page-faults the whole state every time),
-    and `prepare` allocates them ahead, off the training thread (staging.py). Reuse is safe because
+    and `prepare` allocates them ahead, off the training thread (`staging`). Reuse is safe because
     at most one save is in flight. The buffers are shared memory, so the writer process reads them
     where they are; pinned memory is for CUDA copies, not used here."""
 
