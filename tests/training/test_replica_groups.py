@@ -6,6 +6,7 @@ live state, both end bitwise equal, the losses are an uninterrupted run's and ev
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.metadata
 import json
 import os
@@ -26,6 +27,7 @@ from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, 
 from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training.train.replica_groups import start_lighthouse
+from training_helpers import as_a_forked_rank
 
 STEPS, BATCH, GLOBAL_BATCH, RANKS = 24, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group
 SHAPE = (f"training.steps={STEPS}", f"training.batch_size={BATCH}", f"training.global_batch_size={GLOBAL_BATCH}",
@@ -49,11 +51,13 @@ class Group:
 
 def _fork_rank(group: Group, rank: int, port: int, lighthouse: str | None) -> int:
     """A rank of `group`, forked from this process: training.train's entry point with the group's env."""
+    gc.collect()  # the test process's garbage dies here, not in the rank
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
+        as_a_forked_rank()
         log = os.open(group.run_dir / f"rank{rank}.{group.restarts}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -93,7 +97,8 @@ def _supervise(running: dict[int, Group], lighthouse: str | None, restart_when: 
                deadline: float) -> None:
     down: list[Group] = []
     while running or down:
-        assert time.monotonic() < deadline, f"ranks still running: {running}, groups down: {down}"
+        assert time.monotonic() < deadline, (f"ranks still running: {running}, groups down: {down}; their logs: "
+                                             f"{'; '.join(_logs(g) for g in {id(g): g for g in running.values()}.values())}")
         for group in [g for g in down if restart_when()]:
             down.remove(group)
             group.restarts += 1
