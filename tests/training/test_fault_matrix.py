@@ -104,6 +104,17 @@ def test_persistent_fault_fires_on_every_attempt(tmp_path):
         ["exception@3:rank=1:persistent", "exception@4:rank=1", "exception@3:rank=1:persistent"]
 
 
+def test_a_fault_whose_step_the_rank_never_trains_fires_at_the_next_step_it_does(tmp_path):
+    # a replica group that healed from step 0 to 9 past exception@6, or an operator's fault for a step gone by
+    injector = _injector(tmp_path, "exception@6:rank=1", "exception@6:rank=1:persistent", rank=1)
+    injector.maybe_fire(5)
+    with pytest.raises(FaultInjected):
+        injector.maybe_fire(10)
+    injector.maybe_fire(11)  # once per run; the persistent one only at its step
+    assert [(e["spec"], e["step"]) for e in read_events(tmp_path) if e["event"] == "fault_injected"] == \
+        [("exception@6:rank=1", 10)]
+
+
 # ---- the matrix in the local cluster -------------------------------------------------------------
 
 REPLACEMENT_DELAY_S = 20  # with a hot spare: 2x its takeover at load 10 (3.5 s idle); the run's end waits it out

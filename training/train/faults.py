@@ -227,9 +227,10 @@ class FaultInjector:
         step_s, self._last_call = (now - self._last_call if self._last_call is not None else 0.0), now
         for spec in self._mine:
             at_step = AT_STEP.get(spec.kind)
-            if at_step is not None and spec.step == step and self._due(spec):
+            if at_step is not None and self._reached(spec, step) and self._due(spec):
                 self._fire(spec, step)
-                together = (tuple(self._dir / s.key for s in self._node_faults if s.step == step and s.key != spec.key)
+                together = (tuple(self._dir / s.key for s in self._node_faults
+                                  if s.step == spec.step and s.key != spec.key)
                             if spec.kind in NODE_STRIKES else ())
                 at_step(spec, FireContext(self._run_dir, self._checkpoint_dir, step_s, together))
 
@@ -248,6 +249,12 @@ class FaultInjector:
                 self._failures_left[spec.key] -= 1
                 return in_write(spec, write)
         return write()
+
+    @staticmethod
+    def _reached(spec: FaultSpec, step: int) -> bool:
+        """A once-per-run fault fires at its step or, if this rank never trains that step (a replica group
+        that healed past it), at the first step after it; a persistent one only at its step, on every attempt."""
+        return spec.step == step if spec.persistent else spec.step <= step
 
     def _due(self, spec: FaultSpec) -> bool:
         return spec.persistent or not (self._dir / spec.key).exists()
