@@ -5,9 +5,9 @@ import errno
 import logging
 import os
 import shutil
-import subprocess
-import sys
+import signal
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,28 +19,25 @@ from training.train.checkpoint import layout
 from training.train.checkpoint.layout import committed_checkpoints, out_of_space
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.metrics import RunCollector
-from training_helpers import REPO_ROOT, events_named
+from training_helpers import REPO_ROOT, events_named, fork_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-# Saves steps 1 and 2, then saves step 2 again (a resume from step 1 trained it again) and dies
-# (SIGKILL) as the commit renames the new save in, after the old checkpoint made way for it.
-_REPLACE_AND_DIE = r"""
-import os, signal, sys
-import torch
-from training.train.checkpoint.manager import CheckpointManager
+def _replaces_and_dies(directory: Path) -> None:
+    """Saves steps 1 and 2, then saves step 2 again (a resume from step 1 trained it again) and dies
+    (SIGKILL) as the commit renames the new save in, after the old checkpoint made way for it."""
+    m = CheckpointManager(directory, mode="sync", keep=3)
+    for step in (1, 2):
+        m.save(step, {"w": torch.full((64,), float(step))})
+    real_rename = os.rename
 
-m = CheckpointManager(sys.argv[1], mode="sync", keep=3)
-for step in (1, 2):
-    m.save(step, {"w": torch.full((64,), float(step))})
-real_rename = os.rename
-def rename(src, dst):
-    if os.path.basename(str(src)).startswith(".tmp-"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    real_rename(src, dst)
-os.rename = rename
-m.save(2, {"w": torch.full((64,), 20.0)})
-"""
+    def rename(src, dst):
+        if os.path.basename(str(src)).startswith(".tmp-"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_rename(src, dst)
+
+    os.rename = rename  # a forked rank's own module: the test process keeps the real one
+    m.save(2, {"w": torch.full((64,), 20.0)})
 
 
 def _manager(tmp_path, keep: int = 3) -> CheckpointManager:
@@ -53,9 +50,8 @@ def _steps(directory) -> list[int]:
 
 def test_a_crash_while_a_checkpoint_is_replaced_keeps_one_of_the_two(tmp_path):
     directory = tmp_path / "ckpt"
-    proc = subprocess.run([sys.executable, "-c", _REPLACE_AND_DIE, str(directory)], cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr[-2000:]
+    [rank] = fork_ranks(lambda _: _replaces_and_dies(directory), tmp_path / "logs", world=1, timeout=120)
+    assert rank.code == -9, rank.output[-2000:]
     manager = _manager(tmp_path)  # the next worker group
     assert _steps(directory) == [2, 1]
     target = {"w": torch.zeros(64)}

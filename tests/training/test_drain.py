@@ -6,15 +6,17 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
-import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from training.contract.capacity import DRAIN_SAVE_MARGIN
 from training.train.drain import (IMPOSSIBLE, UNKNOWN, DrainView, checkpoint_cost, peers_cost, plan_drain,
                                   replicas_survive)
-from training_helpers import REPO_ROOT
+from training.contract.launcher import DRAIN_MARKER_ENV
+from training_helpers import fork_ranks
 
 
 def _views(checkpoint_s: float, peers_s: float, time_left_s: float = 100.0, signalled=(1,), world=2, committed=False):
@@ -87,48 +89,41 @@ def test_the_margin_applies_to_both_ways():
     assert plan_drain(_views(IMPOSSIBLE, fits + 0.1), 1, 1).path == "none"
 
 
-# run_inprocess with a stand-in Wrapper that runs the wrapped function twice (an in-process restart)
-# and sends this process SIGTERM, with the drain marker there, between the two calls.
-_BETWEEN_ITERATIONS = r"""
-import os, signal, sys, time
-from training.contract.config import load_train_config
-import training.train.inprocess as inprocess_module
+def _sigterm_between_two_iterations(marker: Path, run_dir: Path) -> None:
+    """run_inprocess with a stand-in Wrapper that runs the wrapped function twice (an in-process restart)
+    and sends this process SIGTERM, with the drain marker there, between the two calls."""
+    import training.train.inprocess as inprocess_module
+    from training.contract.config import load_train_config
 
-marker = sys.argv[1]
-open(marker, "w").close()
-os.environ.update(TRAINING_DRAIN_MARKER=marker, MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0",
-                  WORLD_SIZE="1")
+    marker.touch()
+    os.environ[DRAIN_MARKER_ENV] = str(marker)
 
-class Restarting:
-    def __init__(self, fn):
-        self.fn = fn
+    @dataclass
+    class Call:
+        iteration: int
 
-    def __call__(self):
-        self.fn(call_wrapper=Call(0))
-        os.kill(os.getpid(), signal.SIGTERM)  # no iteration running
-        time.sleep(0.5)
-        return self.fn(call_wrapper=Call(1))
+    class Restarting:
+        def __init__(self, fn):
+            self.fn = fn
 
-class Call:
-    def __init__(self, iteration):
-        self.iteration = iteration
+        def __call__(self):
+            self.fn(call_wrapper=Call(0))
+            os.kill(os.getpid(), signal.SIGTERM)  # no iteration running
+            time.sleep(0.5)
+            return self.fn(call_wrapper=Call(1))
 
-def train(cfg, iteration):
-    print(f"iteration {iteration.number}: drain flag {iteration.drain_signal.flag}", flush=True)
+    def train(cfg, iteration):
+        print(f"iteration {iteration.number}: drain flag {iteration.drain_signal.flag}", flush=True)
 
-inprocess_module.make_wrapper = lambda cfg, coordination, budget: Restarting
-inprocess_module.run_inprocess(load_train_config(None, [f"run_dir={sys.argv[3]}", "fault_tolerance.restart=both"]),
-                               train)
-print("left the Wrapper", flush=True)
-"""
+    inprocess_module.make_wrapper = lambda cfg, coordination, budget: Restarting  # this rank's own module
+    inprocess_module.run_inprocess(load_train_config(None, [f"run_dir={run_dir}", "fault_tolerance.restart=both"]),
+                                   train)
+    print("left the Wrapper", flush=True)
 
 
 def test_a_sigterm_between_two_inprocess_iterations_reaches_the_next(tmp_path):
-    from training.contract.launcher import free_port
-
-    proc = subprocess.run([sys.executable, "-c", _BETWEEN_ITERATIONS, str(tmp_path / "marker"), str(free_port()),
-                           str(tmp_path / "run")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    assert proc.returncode == 0, (proc.returncode, -signal.SIGTERM, proc.stdout, proc.stderr[-3000:])
-    assert "iteration 0: drain flag 0.0" in proc.stdout
-    assert "iteration 1: drain flag 1.0" in proc.stdout  # the signal was not lost: the next iteration drains
+    [rank] = fork_ranks(lambda _: _sigterm_between_two_iterations(tmp_path / "marker", tmp_path / "run"),
+                        tmp_path / "logs", world=1, timeout=120)
+    assert rank.code == 0, (rank.code, -signal.SIGTERM, rank.output[-3000:])
+    assert "iteration 0: drain flag 0.0" in rank.output
+    assert "iteration 1: drain flag 1.0" in rank.output  # the signal was not lost: the next iteration drains

@@ -9,9 +9,7 @@ import errno
 import gc
 import inspect
 import math
-import multiprocessing
 import os
-import queue
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.config import RESTART_MODES, FaultToleranceConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
-from training.contract.launcher import (HANG_FLOOR_MARGIN_S, STORE_ENDPOINT_ENV, free_port, launcher_ft_args,
+from training.contract.launcher import (HANG_FLOOR_MARGIN_S, STORE_ENDPOINT_ENV, launcher_ft_args,
                                        section_timeout_floor)
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
@@ -39,7 +37,8 @@ from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
 from training.train.rollback import KEEP, MemoryRollback, copy_into
 from training.train.trainer import ModelState, OptimizerState, RngState, TrainState, build, train_step
-from training_helpers import as_a_forked_rank, assert_bitwise_equal, completed, events_named, load_final_state, run_local
+from training_helpers import (assert_bitwise_equal, completed, events_named, fork_ranks, load_final_state,
+                              run_local)
 
 # ---- the Wrapper adapter and the config ---------------------------------------------------------
 
@@ -218,43 +217,33 @@ def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monke
     assert [r[2] for r in reports] == [0.05, 0.05]
 
 
-def _wrapper_run(cfg, setup_failure, result):
-    """A child process: one rank under the Wrapper, `training.train.run` with its checkpoint manager failing."""
+def _wrapper_run(cfg, setup_failure: BaseException) -> None:
+    """One rank under the Wrapper, `training.train.run` with its checkpoint manager failing; prints the outcome."""
     from training.train import inprocess as inprocess_module, trainer
 
     def failing(*args, **kwargs):
         raise setup_failure
 
-    as_a_forked_rank()  # else the model's build can hang, and the Wrapper's hard timeout kills the rank mid-setup
-    trainer.CheckpointManager = failing
+    trainer.CheckpointManager = failing  # this rank's own module: the test process keeps the real one
     try:
         inprocess_module.run_inprocess(cfg, trainer.run)
     except inprocess.exception.RestartAbort as err:
-        result.put(str(err))
+        print(f"outcome: {err}", flush=True)
     else:
-        result.put("completed")
+        print("outcome: completed", flush=True)
 
 
 def test_a_deterministic_setup_failure_ends_the_wrapper_after_its_budget(tmp_path, monkeypatch):
     """Every iteration fails in setup, before the resume: the Wrapper gives up after the budget (the launcher's
     in-job restart takes over) instead of restarting in-process for ever."""
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(name, value)
     monkeypatch.delenv(STORE_ENDPOINT_ENV, raising=False)  # rank 0's process serves the stores
     cfg = _cfg(f"run_dir={tmp_path}", "training.device=cpu", "fault_tolerance.inprocess_max_restarts=2",
                "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15")
-    ctx = multiprocessing.get_context("fork")
-    result = ctx.Queue()
-    gc.collect()  # the test process's garbage dies here, not in the child
-    child = ctx.Process(target=_wrapper_run, args=(cfg, OSError(errno.ENOSPC, "No space left on device"), result))
-    child.start()
-    try:
-        outcome = result.get(timeout=120)
-    except queue.Empty:
-        outcome = f"no outcome after 120 s (the child's exit code: {child.exitcode})"
-        child.kill()
-    child.join()
+    # a forked rank (fork_rank) has one OpenMP thread: else the model's build can hang in libgomp, and the
+    # Wrapper's hard timeout kills the rank mid-setup
+    [rank] = fork_ranks(lambda _: _wrapper_run(cfg, OSError(errno.ENOSPC, "No space left on device")),
+                        tmp_path / "logs", world=1, timeout=120)
+    outcome = rank.output.partition("outcome: ")[2] or f"no outcome (exit code {rank.code}): {rank.output[-3000:]}"
     assert outcome.startswith("3 in-process restarts in a row made no progress (budget 2, "
                               "fault_tolerance.inprocess_max_restarts); the last failed with: rank 0: OSError: "), outcome
     assert "No space left on device" in outcome

@@ -6,7 +6,6 @@ live state, both end bitwise equal, the losses are an uninterrupted run's and ev
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.metadata
 import json
 import os
@@ -27,7 +26,7 @@ from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, 
 from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training.train.replica_groups import start_lighthouse
-from training_helpers import as_a_forked_rank
+from training_helpers import fork_rank
 
 STEPS, BATCH, GLOBAL_BATCH, RANKS = 96, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group;
 # enough steps for a slow machine: a late start and a restart each take ~20 of the survivor's steps here
@@ -52,24 +51,11 @@ class Group:
 
 def _fork_rank(group: Group, rank: int, port: int, lighthouse: str | None) -> int:
     """A rank of `group`, forked from this process: training.train's entry point with the group's env."""
-    gc.collect()  # the test process's garbage dies here, not in the rank
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        as_a_forked_rank()
-        log = os.open(group.run_dir / f"rank{rank}.{group.restarts}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(RANKS),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{REPLICA_GROUP_ENV: str(group.index)})
-        if lighthouse is not None:
-            os.environ[LIGHTHOUSE_ENV] = lighthouse
-        code = trainer.main([f"run_dir={group.run_dir}", *group.overrides])
-        sys.stdout.flush()
-    finally:
-        os._exit(code)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(RANKS), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), REPLICA_GROUP_ENV: str(group.index),
+           **({LIGHTHOUSE_ENV: lighthouse} if lighthouse is not None else {})}
+    return fork_rank(lambda: trainer.main([f"run_dir={group.run_dir}", *group.overrides]),
+                     group.run_dir / f"rank{rank}.{group.restarts}.log", env)
 
 
 def _start(group: Group, lighthouse: str | None) -> None:

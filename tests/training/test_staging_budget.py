@@ -4,12 +4,10 @@ The rank must survive both: the save fails with a line that names the limit and 
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import resource
 import subprocess
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -19,26 +17,10 @@ from training.train.checkpoint import writer_process
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint.staging import BY_VALUE_BYTES
 from training.train.checkpoint.shm_budget import StagingBudgetError, raise_fd_limit
-from training_helpers import as_a_forked_rank
+from training_helpers import completed_ranks, fork_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 _CLONE_NEWNS = 0x00020000  # unshare(2)
-
-
-def _in_a_forked_rank(body: Callable[[], None]) -> int:
-    """Run `body` in a forked child; its exit code (0: returned, 3: raised), or minus the signal that killed it."""
-    gc.collect()  # the test process's garbage dies here, not in the child
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            as_a_forked_rank()
-            body()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 def _full_dev_shm() -> None:
@@ -63,7 +45,7 @@ def test_a_full_dev_shm_fails_the_save_not_the_rank(tmp_path):
         _full_dev_shm()
         _saves(tmp_path, {"w": torch.ones(1 << 20)})  # 4 MiB to stage in 1 MiB
 
-    assert _in_a_forked_rank(rank) == 0
+    completed_ranks(fork_ranks(lambda _: rank(), tmp_path / "logs", world=1))
     failed = [e for e in read_events(tmp_path) if e["event"] == "ckpt_failed"]
     assert len(failed) == 1 and "does not fit in /dev/shm" in failed[0]["error"], failed  # was torch's own line
     assert "checkpoint.mode=sync" in failed[0]["error"]
@@ -80,7 +62,7 @@ def test_a_low_soft_fd_limit_is_lifted_for_the_save(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # a container's 1024, scaled to this state
         _saves(tmp_path, _many_tensors())
 
-    assert _in_a_forked_rank(rank) == 0
+    completed_ranks(fork_ranks(lambda _: rank(), tmp_path / "logs", world=1))
     events = [e["event"] for e in read_events(tmp_path)]
     assert "ckpt_committed" in events and "ckpt_failed" not in events, events  # was: MSG_CTRUNC, ckpt_failed
 
@@ -95,7 +77,7 @@ def test_a_hard_fd_limit_too_low_for_the_state_is_refused_in_one_line(tmp_path):
         except StagingBudgetError as err:
             refusal.write_text(str(err))
 
-    assert _in_a_forked_rank(rank) == 0
+    completed_ranks(fork_ranks(lambda _: rank(), tmp_path / "logs", world=1))
     line = refusal.read_text()
     assert "\n" not in line and "RLIMIT_NOFILE" in line and "300 staged tensors" in line and "512" in line
 
@@ -112,7 +94,7 @@ def test_saves_go_on_with_more_than_1024_descriptors_open(tmp_path):
             for fd in held:
                 os.close(fd)
 
-    assert _in_a_forked_rank(rank) == 0
+    completed_ranks(fork_ranks(lambda _: rank(), tmp_path / "logs", world=1))
     assert "ckpt_committed" in [e["event"] for e in read_events(tmp_path)]
 
 
@@ -127,5 +109,6 @@ def test_small_tensors_cost_no_descriptor(tmp_path):
         loaded = {k: torch.zeros_like(v) for k, v in state.items()}
         assert m.load(loaded).step == 1 and all(torch.equal(loaded[k], v) for k, v in state.items())
 
-    assert _in_a_forked_rank(rank) == 0  # was refused (or, before the refusal, a truncated message: ckpt_failed)
+    # was refused (or, before the refusal, a truncated message: ckpt_failed)
+    completed_ranks(fork_ranks(lambda _: rank(), tmp_path / "logs", world=1))
     assert "ckpt_committed" in [e["event"] for e in read_events(tmp_path)]

@@ -9,7 +9,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +91,69 @@ def as_a_forked_rank() -> None:
 
     torch.set_num_threads(1)
     gc.freeze()
+
+
+def fork_rank(body: Callable[[], object], log: Path, env: dict[str, str]) -> int:
+    """`body()` in a child forked from the test process (torch imported once), with `env` added and its stdout
+    and stderr in `log`; the child's pid. It exits with `body`'s int result, 0 for any other, 3 if it raised."""
+    gc.collect()  # the test process's garbage dies here, not in the child
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 3
+    try:
+        as_a_forked_rank()
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
+        os.environ.update(env)
+        result = body()
+        code = result if isinstance(result, int) else 0
+    except BaseException:  # noqa: BLE001 - the child reports every failure in its log and exit code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+@dataclass(frozen=True)
+class ForkedRank:
+    code: int  # its exit code: 3 if its body raised; minus the signal that killed it
+    output: str
+
+
+def fork_ranks(body: Callable[[int], object], logs: Path, world: int = 2, timeout: float = 90) -> list[ForkedRank]:
+    """`body(rank)` as ranks 0..world-1 of one world (RANK, WORLD_SIZE, their LOCAL_ twins, MASTER_ADDR and a
+    fresh MASTER_PORT set), each forked by `fork_rank`, to completion; after `timeout` the test fails with
+    their outputs (one file per rank under `logs`)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    port = str(free_port())
+    env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    pids = [fork_rank(lambda rank=rank: body(rank), logs / f"rank{rank}.log",
+                      {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)]
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < world and time.monotonic() < deadline:
+        for pid in (p for p in pids if p not in codes):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    for pid in (p for p in pids if p not in codes):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    outputs = [(logs / f"rank{rank}.log").read_text() if (logs / f"rank{rank}.log").exists() else ""
+               for rank in range(world)]
+    if len(codes) < world:
+        pytest.fail(f"ranks still running after {timeout} s; their outputs: {outputs}")
+    return [ForkedRank(codes[pid], output) for pid, output in zip(pids, outputs)]
+
+
+def completed_ranks(ranks: list[ForkedRank]) -> list[str]:
+    """The outputs of `ranks`, asserted to have exited 0."""
+    assert [r.code for r in ranks] == [0] * len(ranks), [r.output[-3000:] for r in ranks]
+    return [r.output for r in ranks]
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
