@@ -76,10 +76,10 @@ TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeo
 # every stale rank terminated, which ends the restart's barrier at once and shrinks the world, so that the
 # Wrapper hands a lost or cut-off node to the launcher (NVRx 0.7.0 inprocess/sibling_monitor.py SiblingMonitor,
 # wrap.py's iteration barrier). The monitor is a process of its own, not slowed by training; the timeout
-# leaves a few missed beats of room, and stays below the injob detection of a partition (the calculated step
-# timeout), where the hard timeout made a lost node cost it (a minute and a half by default).
+# leaves four missed beats of room, and is what a lost node costs beyond an injob restart, where the rank dies
+# with its collective at once (the hard timeout made it cost a minute and a half by default).
 HEARTBEAT_INTERVAL = 0.5
-HEARTBEAT_TIMEOUT = 4.0
+HEARTBEAT_TIMEOUT = 2.0
 BARRIER_MARGIN = 30.0  # barrier_timeout's room for slow ranks
 _KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
 # A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
