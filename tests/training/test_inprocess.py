@@ -595,7 +595,7 @@ def test_a_restore_to_the_older_step_keeps_it_until_a_new_step_is_complete(one_r
         live.values = _tensors(n, **SHAPES)
         rollback.save(n, {"t": live})
     # a peer failed before completing step 3: every rank agrees on step 2
-    monkeypatch.setattr(rollback_module.dist, "all_reduce", lambda t, op: t.clamp_(max=2))
+    monkeypatch.setattr(rollback_module, "least", lambda *values, group=None: [min(v, 2) for v in values])
     assert rollback.restore({"t": live}) == 2
     assert rollback.steps == [2]  # step 3 is gone back on
     live.values = _tensors(30, **SHAPES)  # step 3 again, another way

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from training.contract.capacity import DRAIN_SAVE_MARGIN
 from training.contract.exit_codes import TERMINATED
 from training.contract.launcher import DRAIN_MARKER_ENV
+from training.train.agreement import least
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +120,11 @@ class DrainSignal:
         return start + self.timeout_s - time.monotonic()
 
 
-def agree_on_save(time_left: float, save_seconds: float | None, distributed: bool) -> bool:
+def agree_on_save(time_left: float, save_seconds: float | None) -> bool:
     """Whether every rank has time for one more save: one decision for all (a collective)."""
     need = -1.0 if save_seconds is None else save_seconds * DRAIN_SAVE_MARGIN  # never measured: try
-    values = torch.tensor([time_left, -need], dtype=torch.float64)
-    if distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.MIN)  # the least time left, the longest save
-    return float(values[0]) > -float(values[1])
+    least_left, longest_need = least(time_left, -need)  # the least time left, the longest save
+    return least_left > -longest_need
 
 
 DrainPath = Literal["committed", "checkpoint", "peers", "none"]

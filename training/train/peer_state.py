@@ -83,6 +83,7 @@ from training.contract.capacity import PeerSchedule
 from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
+from training.train.agreement import least, most
 from training.train.rollback import CopyPlan, InPlaceState, load_into
 
 log = logging.getLogger(__name__)
@@ -360,11 +361,10 @@ class PeerState:
     def _release_held_over(self) -> None:
         """After a restore that kept copies outside the nodes' new roles: once every rank's copy of a newer
         step is acknowledged by its partners (one all-reduce per copy until then, on every rank alike), they go."""
-        acknowledged = torch.tensor([self._complete], dtype=torch.int64)
-        dist.all_reduce(acknowledged, op=dist.ReduceOp.MIN, group=self._agree)
+        [acknowledged] = least(self._complete, group=self._agree)
         assert self._held_over is not None
         step, node_of = self._held_over
-        if int(acknowledged.item()) <= step:
+        if acknowledged <= step:
             return
         self._held_over = None
         if self.local_rank == 0:
@@ -475,9 +475,7 @@ class PeerState:
         window_sends = self._saves - self._window_first
         sends = list(self.send_times)[-window_sends:] if window_sends else []
         send_steps = statistics.median(sends) / step_s if sends else 0.0
-        measured = torch.tensor([copy_ratio, send_steps], dtype=torch.float64)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self._agree)
-        copy_ratio, send_steps = measured.tolist()
+        copy_ratio, send_steps = most(copy_ratio, send_steps, group=self._agree)
         self._window = []
         chosen = PeerSchedule.measured(copy_ratio, send_steps)
         interval, every = chosen.interval, chosen.every

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+
+from training.train.agreement import least
 
 KEEP = 2
 
@@ -220,10 +221,7 @@ class MemoryRollback:
         untouched) when some rank holds none. Collective: every rank calls it at the same point."""
         for s in self._snapshots:
             s.plans.clear()  # loading may replace the live tensors (an optimizer's load does)
-        newest = torch.tensor([max(self.steps, default=-1)])
-        if dist.is_initialized():
-            dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-        step = int(newest.item())
+        step = int(least(max(self.steps, default=-1))[0])
         if step < 0:
             return None
         snapshot = next((s for s in self._snapshots if s.step == step), None)

@@ -40,6 +40,7 @@ from training.contract.replica_groups import REPLICA_GROUP_ENV, Share, check_tor
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
+from training.train.agreement import every
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.checkpoint.writers import WriterDeadlines, with_emulated_delay
@@ -562,8 +563,7 @@ class Trainer:
         left still covers a save. Whether the step reached is committed (every rank knows rank 0's outcome)."""
         ckpt = self.ckpt
         ckpt.wait()
-        if ckpt.saved_step != step and agree_on_save(self.drain_signal.time_left(), ckpt.last_save_s,
-                                                     ckpt.distributed):
+        if ckpt.saved_step != step and agree_on_save(self.drain_signal.time_left(), ckpt.last_save_s):
             ckpt.save(step, self.state)
             ckpt.wait()
         return ckpt.saved_step == step
@@ -582,12 +582,10 @@ class Trainer:
         except RuntimeError as err:  # a partner lost meanwhile: the restart resumes from what is left
             log.error("drain: peer state could not send step %d: %s", step, err)
             held = False
-        everywhere = torch.tensor([1 if held else 0])
-        if self.info.world_size > 1:
-            dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-        if everywhere.item() and self.lead:
+        everywhere = every(held)
+        if everywhere and self.lead:
             write_resume_step(Path(self.cfg.checkpoint_dir), step + 1)
-        return bool(everywhere.item())
+        return everywhere
 
     # ---- teardown ------------------------------------------------------------------------------
     def close(self) -> None:

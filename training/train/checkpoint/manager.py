@@ -31,7 +31,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import CheckpointException
 from training.contract.config import TrainConfig
 from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
+from training.train.agreement import every, first_found, from_rank0
 from training.train.checkpoint.fit import misfit
 from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
 from training.train.checkpoint.layout import (GENERATION_FILE, BackgroundDeletion, SaveFenced, clean_up, commit,
@@ -52,7 +53,6 @@ from training.train.checkpoint.writers import AsyncWriter, WriteHook, WriterDead
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # CheckpointException derives from BaseException; DCP raises it on every rank when any rank failed.
 _SAVE_ERRORS = (Exception, CheckpointException)
@@ -144,7 +144,7 @@ class CheckpointManager:
             # A separate group: background-save collectives must not interleave with the training group's.
             group = dist.new_group(backend="gloo", timeout=deadlines.group_timeout) if self.distributed else None
             self._writer = make_async_writer(device, group, write_hook, deadlines, self._writer_replaced)
-        self.generation = self._broadcast(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
+        self.generation = from_rank0(lambda: self.generation)  # also: no rank writes before the stale dirs are gone
 
     def _start_generation(self) -> int:
         """Rank 0: this worker group's generation, its directory rid of older groups' debris; 0 where it has
@@ -181,7 +181,7 @@ class CheckpointManager:
         t0 = time.monotonic()
         if self.rank == 0 and not (self._no_generation is not None and self._no_generation.fenced):
             self.generation = self._start_generation()
-        self.generation = self._broadcast(lambda: self.generation)
+        self.generation = from_rank0(lambda: self.generation)
         if self.generation:
             self._log(f"checkpoints resume at step {step}: this worker group is generation {self.generation} now")
             return True
@@ -297,11 +297,7 @@ class CheckpointManager:
             done = self._inflight.settled or self._writer.done(blocking=False)
         except _SAVE_ERRORS:  # failed counts as done; `wait` reports it
             done = True
-        if not self.distributed:
-            return done
-        flag = torch.tensor([0 if done else 1])
-        dist.all_reduce(flag)  # every rank must take the same skip/wait decision
-        return int(flag.item()) == 0
+        return every(done)  # every rank must take the same skip/wait decision
 
     def _settle(self, blocking: bool) -> None:
         assert self._writer is not None and self._inflight is not None
@@ -328,10 +324,7 @@ class CheckpointManager:
         """Every rank learns whether rank 0 committed `step` (a broadcast): no rank goes on (a drain: leaves
         the process) while rank 0 may still be renaming, writing resume_step or pruning (the renames: the
         deletions run on in their thread), and `saved_step` names only a committed step."""
-        outcome = torch.tensor([step if committed else -1], dtype=torch.int64)
-        if self.distributed:
-            dist.broadcast(outcome, src=0)
-        if int(outcome.item()) == step:
+        if from_rank0(lambda: step if committed else -1) == step:
             self.saved_step = step
 
     def _commit(self, step: int, tmp: Path, started: float) -> bool:
@@ -384,9 +377,9 @@ class CheckpointManager:
         world size may lack (per-rank state): they are left as they are and reported in `missing`.
         If committed checkpoints exist (or were set aside) and none loads, FreshStartRefused, unless
         `allow_fresh_start`."""
-        committed, damaged = self._broadcast(lambda: (committed_checkpoints(self.dir), set_aside_names(self.dir)))
+        committed, damaged = from_rank0(lambda: (committed_checkpoints(self.dir), set_aside_names(self.dir)))
         for i, (step, path) in enumerate(committed):
-            found = self._broadcast(lambda: inspect_checkpoint(path))
+            found = from_rank0(lambda: inspect_checkpoint(path))
             if isinstance(found, Damaged):
                 older = f"falling back to {committed[i + 1][1].name}" if i + 1 < len(committed) else "no older checkpoint"
                 self._log(f"checkpoint {path} is damaged ({found.evidence}); set aside, {older}")
@@ -400,7 +393,7 @@ class CheckpointManager:
                 raise CheckpointLoadError(f"checkpoint {path} could not be inspected ({found}); it was left in place")
             missing = tuple(sorted(k for k in optional if k in state and k not in found.keys))
             loadable = {k: v for k, v in state.items() if k not in missing}
-            mismatch = self._first_found(lambda: misfit(loadable, path))
+            mismatch = first_found(lambda: misfit(loadable, path))
             if mismatch is not None:
                 raise CheckpointMismatch(
                     f"checkpoint {path} is intact but cannot be loaded into this run's model and optimizer "
@@ -421,22 +414,6 @@ class CheckpointManager:
                     "checkpoint into that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
             self._log(f"{none}; starting at step 0 as checkpoint.allow_fresh_start=true says")
         return None
-
-    def _first_found(self, compute: Callable[[], T | None]) -> T | None:
-        """`compute()` on every rank; the lowest rank's result that is not None, on every rank."""
-        here = compute()
-        found: list[T | None] = [here]
-        if self.distributed:
-            found = [None] * dist.get_world_size()
-            dist.all_gather_object(found, here)
-        return next((f for f in found if f is not None), None)
-
-    def _broadcast(self, compute: Callable[[], T]) -> T:
-        """`compute()` on rank 0, its result on every rank (file-system checks are rank 0's)."""
-        box = [compute() if self.rank == 0 else None]
-        if self.distributed:
-            dist.broadcast_object_list(box, src=0)
-        return box[0]  # type: ignore[return-value]
 
     # ---- helpers ---------------------------------------------------------------------------
     def close(self) -> None:
