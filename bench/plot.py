@@ -13,9 +13,10 @@ from bench.results import BenchResult
 
 
 def plot_result(r: BenchResult, path: Path) -> Path:
-    fig = Figure(figsize=(18, 5.5), dpi=110, layout="constrained")
+    rows = len(_mechanisms(r))  # the recovery and goodput panels: one row per mechanism, labels on the left
+    fig = Figure(figsize=(20, max(5.5, 0.42 * rows + 2)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)  # a bare Figure on Agg: no pyplot state, no display
-    recovery, goodput, stall = fig.subplots(1, 3, width_ratios=(1.3, 1.3, 1))
+    recovery, goodput, stall = fig.subplots(1, 3, width_ratios=(1.5, 1.1, 1))
     _recovery(recovery, r)
     _goodput(goodput, r)
     _stall(stall, r)
@@ -30,51 +31,57 @@ def _mechanisms(r: BenchResult, with_reference: bool = False) -> list[tuple[str,
     for m in MECHANISMS:
         if m.name not in r.profile.mechanisms:
             continue
-        label = textwrap.fill(m.label, 13)
+        label = textwrap.shorten(m.label, 48, placeholder="…")
         if with_reference and m.name in REFERENCE_RECOVERY_S:
-            label += f"\nreference ~{REFERENCE_RECOVERY_S[m.name]:g} s"
+            label += f" (reference ~{REFERENCE_RECOVERY_S[m.name]:g} s)"
         out.append((m.name, label))
     return out
 
 
+def _rows(ax, names: list[tuple[str, str]]) -> None:
+    """One row per mechanism, the first at the top."""
+    ax.set_yticks(range(len(names)), [label for _, label in names], fontsize="small")
+    ax.set_ylim(len(names) - 0.5, -0.5)
+
+
 def _recovery(ax, r: BenchResult) -> None:
     names = _mechanisms(r, with_reference=True)
-    middle = ax.get_xaxis_transform()  # x in data, y in axes fraction
-    for x, (name, _) in enumerate(names):
+    for y, (name, _) in enumerate(names):
         res = r.recovery.get(name)
         if res is None:
-            ax.text(x, 0.5, "not available\n(see table)", transform=middle, ha="center", color="tab:gray",
-                    fontsize="small")
+            ax.text(1, y, "not available (see table)", va="center", color="tab:gray", fontsize="small")
             continue
-        ax.bar(x, res.median_recovery_s, color="tab:blue", alpha=0.7, label="median recovery (measured)")
+        ax.barh(y, res.median_recovery_s, color="tab:blue", alpha=0.7, label="median recovery (measured)")
         per_fault = [f["recovery_s"] for f in res.per_fault if f["recovery_s"] is not None]
-        ax.plot([x] * len(per_fault), per_fault, "o", color="black", ms=4, label="each fault")
-        ax.text(x, max(res.median_recovery_s, *per_fault), f"{res.median_recovery_s:.1f} s", ha="center",
-                va="bottom", weight="bold")
+        ax.plot(per_fault, [y] * len(per_fault), "o", color="black", ms=4, label="each fault")
+        ax.text(max(res.median_recovery_s, *per_fault) * 1.08, y, f"{res.median_recovery_s:.1f} s", va="center",
+                weight="bold", fontsize="small")
     if r.floor is not None:
-        ax.axhline(r.floor.median_s, color="tab:green", ls="--",
+        ax.axvline(r.floor.median_s, color="tab:green", ls="--",
                    label=f"floor: fresh Python + torch + group, {r.floor.median_s:.1f} s")
-    ax.set_xticks(range(len(names)), [label for _, label in names], fontsize="small")
-    ax.set_ylabel("fault -> next completed step (s)")
-    ax.margins(y=0.3)  # room for the legend above the bars
+    _rows(ax, names)
+    ax.set_xscale("log")  # a slow fault beside the one-second ones
+    ax.margins(x=0.15)
+    ax.set_xlabel("fault -> next completed step (s, log scale)")
     ax.set_title(f"Recovery per fault ({r.profile.faults} faults each)")
     _legend(ax)
 
 
 def _goodput(ax, r: BenchResult) -> None:
     names = _mechanisms(r)
-    width = 0.38
-    for x, (name, _) in enumerate(names):
+    height = 0.38
+    for y, (name, _) in enumerate(names):
         res = r.recovery.get(name)
         if res is None:
             continue
-        for dx, value, colour, label in ((-width / 2, res.training_goodput, "tab:blue", "training goodput"),
-                                         (width / 2, res.infra_goodput, "tab:orange", "infra goodput")):
-            ax.bar(x + dx, value, width, color=colour, label=label)
-            ax.text(x + dx, value, f"{value:.0%}", ha="center", va="bottom", fontsize="small")
-    ax.set_xticks(range(len(names)), [label for _, label in names], fontsize="small")
-    ax.set_ylim(0, 1)
-    ax.yaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+        for dy, value, colour, label in ((-height / 2, res.training_goodput, "tab:blue", "training goodput"),
+                                         (height / 2, res.infra_goodput, "tab:orange", "infra goodput")):
+            ax.barh(y + dy, value, height, color=colour, label=label)
+            ax.text(value + 0.01, y + dy, f"{value:.0%}", va="center", fontsize="x-small")
+    _rows(ax, names)
+    ax.tick_params(axis="y", labelleft=False)  # the recovery panel beside it names the rows
+    ax.set_xlim(0, 1)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
     ax.set_title(f"Goodput over a run with {r.profile.faults} faults")
     _legend(ax)
 
@@ -107,4 +114,5 @@ def _legend(ax) -> None:
     handles, labels = ax.get_legend_handles_labels()
     by_label = dict(zip(labels, handles))
     if by_label:
-        ax.legend(by_label.values(), by_label.keys(), fontsize="small", loc="upper left")
+        ax.legend(by_label.values(), by_label.keys(), fontsize="small", loc="upper center",
+                  bbox_to_anchor=(0.5, -0.08), ncols=3)
