@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import os
 import signal
 import sys
@@ -26,7 +25,7 @@ from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, 
 from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training.train.replica_groups import start_lighthouse
-from training_helpers import fork_rank
+from training_helpers import fork_rank, samples_by_step
 
 STEPS, BATCH, GLOBAL_BATCH, RANKS = 96, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group;
 # enough steps for a slow machine: a late start and a restart each take ~20 of the survivor's steps here
@@ -124,16 +123,6 @@ def _trained_alone(run_dir: Path) -> int:
     return sum(e["event"] == "step" for e in events[quorums[-1]:])
 
 
-def _samples(run_dir: Path) -> dict[int, list[int]]:
-    """Step -> the sample indices that the group's ranks trained in it."""
-    out: dict[int, list[int]] = {}
-    for path in sorted((run_dir / "samples").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            out.setdefault(record["step"], []).extend(record["indices"])
-    return out
-
-
 @contextlib.contextmanager
 def _lighthouse(cfg: ParallelConfig, scratch: Path) -> Iterator[str]:
     """torchft's LighthouseServer in a process forked from this one, its address; this process never runs
@@ -214,8 +203,8 @@ def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_
                                                                   rel=1e-5, abs=1e-6)
 
     # every sample of every step trained once, by whichever groups were live
-    by_step = _samples(survivor.run_dir)
-    for step, indices in _samples(failing.run_dir).items():
+    by_step = samples_by_step(survivor.run_dir)
+    for step, indices in samples_by_step(failing.run_dir).items():
         by_step.setdefault(step, []).extend(indices)
     for step in range(1, STEPS + 1):
         assert sorted(by_step[step]) == list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH)), step

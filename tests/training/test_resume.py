@@ -3,7 +3,6 @@ evidence of damage, and training refuses to start from scratch while checkpoints
 from __future__ import annotations
 
 import errno
-import json
 import shutil
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoi
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
                                                FreshStartRefused)
-from training_helpers import completed, events_named, run_local
+from training_helpers import completed, events_named, run_local, samples_by_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -189,16 +188,6 @@ def four_ranks(tmp_path_factory):
                          "--steps", str(FIRST), *COMMON))
 
 
-def _samples_by_step(run_dir: Path) -> dict[int, list[int]]:
-    """The sample ids every rank logged, by step (each step trained once here: no fault)."""
-    held: dict[int, list[int]] = {}
-    for path in sorted((run_dir / "samples").glob("rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            held.setdefault(record["step"], []).extend(record["indices"])
-    return held
-
-
 def _losses(run_dir: Path) -> list[float]:
     return [e["loss"] for e in events_named(run_dir, "step")]
 
@@ -224,7 +213,7 @@ def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_
     assert [e["step"] for e in steps] == list(range(1, LAST + 1))
     assert {e["tokens"] for e in steps} == {GLOBAL_BATCH * 64}  # the whole global batch at every world size
     # the same samples in each step as without the resizes, every sample exactly once
-    resized, reference = _samples_by_step(run_dir), _samples_by_step(unresized.run_dir)
+    resized, reference = samples_by_step(run_dir), samples_by_step(unresized.run_dir)  # no fault: once each
     assert {s: sorted(ids) for s, ids in resized.items()} == {s: sorted(ids) for s, ids in reference.items()}
     assert sorted(i for ids in resized.values() for i in ids) == list(range(LAST * GLOBAL_BATCH))
     assert _losses(run_dir) == pytest.approx(_losses(unresized.run_dir), rel=REL_LOSS_TOLERANCE)

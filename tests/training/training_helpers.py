@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -154,6 +155,17 @@ def completed_ranks(ranks: list[ForkedRank]) -> list[str]:
     """The outputs of `ranks`, asserted to have exited 0."""
     assert [r.code for r in ranks] == [0] * len(ranks), [r.output[-3000:] for r in ranks]
     return [r.output for r in ranks]
+
+
+def samples_by_step(run_dir: Path) -> dict[int, list[int]]:
+    """Step -> the sample indices every rank logged for it (logging.sample_log), a replayed step's as often as
+    it ran."""
+    held: dict[int, list[int]] = {}
+    for path in sorted((run_dir / "samples").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            held.setdefault(record["step"], []).extend(record["indices"])
+    return held
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
