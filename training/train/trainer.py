@@ -250,18 +250,18 @@ def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
     fail (training.contract.job_failure) and raise JobMustFail."""
     try:
         trainer = Trainer(cfg, restart)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
     except (FreshStartRefused, CheckpointMismatch, TrainConfigError) as err:
         raise request_job_failure(cfg.run_dir, f"rank{os.environ.get('RANK', 0)}", str(err)) from err
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
 
 
 class Trainer:
     """One attempt of the run on this rank (under the in-process Wrapper, one iteration of it): its
-    components, built once in the order each needs the ones before it, then resumed. Everything it
-    opens `close()` closes, so a process can run the next iteration."""
+    components, built once in the order each needs the ones before it; `train()` loads the state, then
+    trains. Everything it opens `close()` closes, so a process can run the next iteration."""
 
     # setup: the config, NVRx's rank monitor, the SIGTERM watch, the place in the world, the event log
     cfg: TrainConfig
@@ -308,6 +308,7 @@ class Trainer:
         self.events = EventLog(cfg.run_dir, f"rank{self.info.rank}")
         self.lead = self.info.rank == 0
         self.peer = None  # before anything can fail: closing the setup stops its thread
+        self.metrics, self.samples = None, None  # opened by `load`; `close` closes them
         self.replicas: ReplicaGroups | None = None  # parallel.replica_groups >= 2, made last
         try:  # the setup is open: a failure from here on closes it, so that another iteration can start
             self.rows = cfg.rows_per_step(self.info.world_size)  # before anything trains
@@ -334,14 +335,18 @@ class Trainer:
                                           write_hook=with_emulated_delay(self.injector.around_write),
                                           deadlines=WriterDeadlines.of(cfg))
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
-            self.resume()
-            self.ckpt.wait_for_writer()  # in NVRx's setup section, not in the first saves'
-            self._open_reporting()
-            if cfg.parallel.replica_groups > 1:
-                self.replicas = self._join_replica_groups()
         except BaseException:
             self._close_setup()
             raise
+
+    def load(self) -> None:
+        """The state, from the first recovery tier that holds it; then what reports on training, so that the
+        first rate counts steps only, and last the replica groups' manager. In NVRx's setup section."""
+        self.resume()
+        self.ckpt.wait_for_writer()  # in the setup section, not in the first saves'
+        self._open_reporting()
+        if self.cfg.parallel.replica_groups > 1:
+            self.replicas = self._join_replica_groups()
 
     def _join_replica_groups(self) -> ReplicaGroups:
         """This rank's manager of its replica group, once everything else is built: from its creation group
@@ -435,7 +440,9 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> None:
-        """Steps until the last one, checkpointing and draining on the way; then the final save."""
+        """Load the state, then steps until the last one, checkpointing and draining on the way; then the
+        final save."""
+        self.load()
         t, monitor, ckpt = self.cfg.training, self.monitor, self.ckpt
         monitor.end_setup()
         try:
