@@ -1,53 +1,10 @@
-"""The recovery mechanisms compared, and one fault run of each on the local cluster.
+"""The recovery mechanisms the bench compares, and one fault run of each on the local cluster.
 
-Each mechanism gets one run with the profile's deterministic faults at spread steps; the run's
-goodput report (training.report) gives each fault's detection time, recovery time (fault -> next
-completed step) and steps lost, and the run's training and infra goodput.
-
-  inprocess         an exception in one rank; NVRx in-process restart (fault_tolerance.restart=
-                    both), rollback in memory. Needs training.train.inprocess.
-  injob             an exception in one rank; ft_launcher restarts the workers of every node, resume
-                    from the last checkpoint on disk. Workers are forked from each node's template
-                    process (training.pod.prefork, the default).
-  injob_hf          injob's faults on a Hugging Face model: a tiny transformers Llama written from its config
-                    (training.models.tiny), trained from its safetensors; every resume loads the run's
-                    own checkpoint. The preset's row beside it says what the model changes.
-  injob_fresh       the same with fault_tolerance.prefork_workers=false: every restarted worker is a
-                    fresh Python that imports torch, DCP and NVRx again (ft_launcher's own way).
-  node_replacement  node-loss of the last node (its launcher and ranks SIGKILLed); the controller
-                    starts a replacement, the surviving nodes restart their workers in-job.
-  node_zero         the same on node 0: the rendezvous store is its own process (nvrx-control, a
-                    Deployment on the cluster), so node 0 is no different from any other node.
-  hot_spare         node-loss of the node that runs the last rank, with one hot spare: the spare, on
-                    standby in the rendezvous, takes the lost node's place in the next round; the
-                    replacement, held back REPLACEMENT_DELAY_S as Kubernetes would hold it back for
-                    minutes, becomes the new spare.
-  peer_state        the hot spare's node-loss with peer state (training.train.peer_state): the lost node's
-                    ranks resume from copies in their partner node's memory, not from FSx.
-  drain             drain of the last node: the controller (the kubelet here) writes the drain marker
-                    and sends SIGTERM to its launcher; every rank commits the step reached and leaves,
-                    the controller starts a replacement, training resumes from that step.
-  partition         the node that runs the last rank is cut off from the network for good (each node on
-                    its own emulated machine, training.local.netns; needs root), with one hot spare: NVRx's
-                    timeouts stop every rank, the spare takes its place in the next round. As with
-                    hot_spare, the cut-off node's pod is replaced on another machine REPLACEMENT_DELAY_S
-                    later and becomes the new spare; its old processes run on, cut off. (A partition
-                    shorter than the step-section timeout heals with no restart at all.)
-  node_hang         node-hang of the last node, no spare: every process of its pod stops (SIGSTOP), none
-                    dies; NVRx's timeouts stop the survivors' ranks, the controller (the kubelet that
-                    stops reporting) replaces the pod at once here, where on EKS the node is NotReady
-                    and then marked out of service (bench.projection adds those delays).
-  k8s_restart       node-loss of node 0 with ft_launcher's in-job restarts off: every launcher stops,
-                    every node's pod is replaced and joins a new rendezvous, as a plain Kubernetes Job
-                    restart does; resume from the last checkpoint on disk.
-  hang              a rank hangs (sleeps, no heartbeat, no collective): the rank monitor's calculated
-                    step timeout stops it, ft_launcher restarts the workers in-job.
-  node_zero_both, partition_both, hang_both
-                    node_zero's, partition's and hang's faults with fault_tolerance.restart=both: the
-                    Wrapper must hand a lost or cut-off node to the launcher's in-job restart within its
-                    heartbeat timeout, and detect a hang no later than the rank monitor does under injob.
-The faults are those of training.train.faults (`exception@STEP:rank=R`, `node-loss@STEP:node=N`,
-`drain@STEP:node=N`), on the last rank / node unless the mechanism needs node 0.
+A Mechanism is one fault kind and one way of recovering from it; MECHANISMS lists them with their labels.
+Each gets one run with the profile's deterministic faults at spread steps, on the last rank or node (rank 0
+or node 0 where fault_on_host says so). The run's goodput report (training.report) gives each fault's
+detection time, recovery time (fault -> next completed step) and steps lost, and the run's training and infra
+goodput. summarize refuses a run whose faults another restart kind handled: it measured something else.
 """
 from __future__ import annotations
 
@@ -73,7 +30,7 @@ class Mechanism:
     name: str  # the key in the results' "recovery" object (training.plan.planner reads it)
     label: str
     restart: str  # fault_tolerance.restart
-    fault: str  # a training.train.faults kind; one that takes node=N (node-loss, drain) hits a node, others a rank
+    fault: str  # a training.contract.faults kind; one that takes node=N (node-loss, drain) hits a node, others a rank
     in_job_restarts: bool  # ft_launcher may restart workers
     expected_restart_kind: str  # the restart_kind (training.contract.events) that must have handled every fault
     fault_on_host: bool = False  # the fault hits rank 0 / node 0 instead of the last one

@@ -1,40 +1,12 @@
-"""Checkpoint stall: how long a save blocks training, sync vs async, and what that costs in step rate.
+"""Checkpoint stall: how long a save blocks training, sync vs async, and what that costs in step rate and CPU.
 
 The same state is trained on with checkpoints off, sync and async, each mode through its own
-training.train.checkpoint.manager.CheckpointManager, run directory and event log.
-  measure_stall             CPU: one set of processes (torch.multiprocessing, gloo) holds a synthetic
-                            state, a rank-unique shard of state_bytes / world bytes per rank (a real
-                            model of 256 MB+ trains far too slowly on 2 cores); a step is a fixed
-                            amount of matmul work and an all-reduce, then the optimizer's in-place
-                            update of the state (one element of each tensor: the write, not its
-                            cost), after the wait for an async save's staging copy that training
-                            makes there (CheckpointManager.wait_staged). The interval is calibrated first
-                            (a few timed steps, one timed sync save) so that sync saves take about
-                            CALIBRATED_SYNC_COST of the time, as in the reference (~60% efficiency).
-                            The modes are interleaved, one interval each per round, so that a change
-                            in the machine's load hits all three alike. A round of a mode: save (not
-                            for off), `interval` steps, then wait for an async save to be durable, so
-                            a background write is charged to its own mode.
-  measure_stall_on_cluster  GPU: three real training runs of a model preset on one local-cluster node.
-
-Figures (blocking from the event logs through training.report):
-  async setup         (CPU) the async writer's one-time start before the first round, as a rank's start
-                      makes it: its process forked, its staging buffers allocated (prepare; training does
-                      that in the background from its first step on); counted in no mode, reported apart
-  blocking per save   ckpt_blocked.seconds, median over the saves (async: the save's start, and the wait
-                      for its staging copy before the next update)
-  step wall time      wall time of a mode's rounds / its steps (CPU), or (end of the last step - end
-                      of the first) / (steps - 1) of its run (GPU): steps, blocking and any slowdown
-                      from a background write together
-  efficiency          step wall time without checkpoints / with them
-  CPU time per save   (CPU), charged to whom it costs, medians over the rounds, means over the ranks:
-                      the training rank: its process's CPU time in a round of a mode (every thread: for
-                      async, staging, and the background thread's planning and coordination), less what
-                      it spent in the same round with checkpoints off;
-                      the writer: the async writer process's CPU time in the round (the shard write:
-                      serialisation, the write around the page cache, fsync; training.train.checkpoint.writer_process).
-                      A sync save has no writer: the rank writes. A background write hides its wait, not its
-                      CPU time: where the ranks keep every CPU busy, the writer's time comes out of training.
+CheckpointManager, run directory and event log; each save's blocking is read from its log through
+training.report. measure_stall runs on CPU: a synthetic state, the modes in interleaved rounds, at an
+interval calibrated so that sync saves take CALIBRATED_SYNC_COST of the time (the reference's ~60%
+efficiency); it also charges each save's CPU time to the training rank and to the async writer process.
+measure_stall_on_cluster runs on a GPU: three real training runs of a model preset on one local-cluster
+node. StallResult says what each figure is.
 """
 from __future__ import annotations
 
@@ -78,6 +50,16 @@ class StallSpec:
 
 @dataclass(frozen=True)
 class StallResult:
+    """The figures of one stall measurement. Blocking per save: the saves' ckpt_blocked (async: the save's start,
+    and the wait for its staging copy before the next update). Step wall time: a mode's rounds' wall time / its
+    steps (CPU), or from the end of the first step to the end of the last, per step (GPU): steps, blocking and
+    any slowdown from a background write together. Efficiency: step wall time without checkpoints / with them.
+    CPU time per save (CPU only; medians over the rounds, means over the ranks), charged to whom it costs: the
+    training rank, its process's CPU time in a round (every thread: for async, the staging and the background
+    thread's planning and coordination) less what it spent in the same round with checkpoints off; and the
+    async writer process, its CPU time in the round (the shard write: serialisation, the write around the page
+    cache, fsync). A sync save has no writer: the rank writes. A background write hides its wait, not its CPU
+    time: where the ranks keep every CPU busy, the writer's time comes out of training."""
     state_bytes: int  # measured: the size of the committed sync checkpoint
     world_size: int
     interval_steps: int
@@ -93,10 +75,12 @@ class StallResult:
     efficiency_sync: float
     efficiency_async: float
     run_dirs: dict[str, str]
-    cpu_per_save_sync_s: float | None = None  # CPU only (see the module docstring): the training rank's
+    cpu_per_save_sync_s: float | None = None  # CPU only: the training rank's
     cpu_per_save_async_s: float | None = None
     writer_cpu_per_save_async_s: float | None = None  # the async writer process's
-    async_setup_s: float | None = None  # CPU only: the async writer's one-time start (module docstring)
+    # CPU only: the async writer's one-time start, as a rank's start makes it (its process forked, its staging
+    # buffers allocated), before the first round; counted in no mode
+    async_setup_s: float | None = None
 
     @property
     def rank_cpu_ratio(self) -> float | None:
@@ -229,6 +213,8 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
 
 
 def synthetic_state(nbytes: int, rank: int, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+    """A rank's shard of state, in tensors of at most CHUNK_BYTES: synthetic, as a real model of 256 MB+
+    trains far too slowly on 2 cores."""
     # Rank-unique keys: DCP writes each rank's shard (identical keys would be deduplicated as replicas).
     chunks, rest = divmod(nbytes, CHUNK_BYTES)
     sizes = [CHUNK_BYTES] * chunks + ([rest] if rest else [])
@@ -243,7 +229,8 @@ def _step(a: torch.Tensor, matmuls: int) -> None:
 
 
 def _update(state: dict[str, dict[str, torch.Tensor]]) -> None:
-    """What an optimizer step does to the state, in kind: it writes every tensor in place."""
+    """What an optimizer step does to the state, in kind: it writes every tensor in place (one element of each:
+    the write, not its cost)."""
     for shard in state.values():
         for tensor in shard.values():
             tensor[:1].add_(1.0)
@@ -268,9 +255,12 @@ def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, dev
 
 def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], state: dict, a: torch.Tensor,
                  device: torch.device) -> tuple[dict[str, float], dict[str, list[float]], float]:
-    """`spec.saves` rounds of every mode; returns each mode's total wall time (rank 0's clock), the CPU
-    time in each round of each mode of this process (all its threads) and, under WRITER, of its async
-    writer process in each async round, and the async writer's setup time."""
+    """`spec.saves` rounds of every mode, one interval of each per round, so that a change in the machine's
+    load hits every mode alike. A round of a mode: a save (none with checkpoints off), `interval` steps, then
+    the wait for an async save to be durable, so that a background write is charged to its own mode. Returns
+    each mode's total wall time (rank 0's clock), the CPU time in each round of each mode of this process (all
+    its threads) and, under WRITER, of its async writer process in each async round, and the async writer's
+    setup time."""
     lead = dist.get_rank() == 0
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
     managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)

@@ -1,52 +1,12 @@
 """The local emulated cluster: one ft_launcher per emulated node on 127.0.0.1, and a controller that
 plays the Kubernetes Indexed Job.
 
-    python -m training.local --nodes 2 --nproc-per-node 2 --steps 200 --run-dir runs/x \\
-        [--config FILE] [--faults exception@30:rank=1,sigkill@60:rank=3] [section.key=value …]
-    python -m training.local --demo        # what `make demo` runs
-
-Each node runs the pods' command, `python -m training.pod.launch … ft_launcher … -m training.train --config
-FILE` (by default through training.pod.prefork: the launcher starts a worker template, its workers are
-forked from it), and gets its index in JOB_COMPLETION_INDEX, as the pods do. The rendezvous store is
-its own process, as on the cluster: NVRx's `nvrx-control` under training.pod.store on a free port, which
-every launcher joins as a client, so losing node 0 costs what losing any node costs. With --spares S, S more nodes start
-and wait as hot spares (NVRx's standby participants): a failed node's place goes to a spare in the
-next rendezvous round, and its replacement becomes the new spare. Spares start once every training node has joined the
-first round, so that `node=N` faults with N < --nodes hit a training node (NVRx makes whoever is
-there first active). Launchers run in their own
-sessions; their output goes to <run_dir>/logs/node<i>.log (the store's to store.log) and rank 0's
-lines are echoed here.
-
-What the controller does when a launcher exits (each time with a fault_detected event, by=controller),
-as the Job and its podFailurePolicy would (training.contract.job_rules decides, from the table the
-chart renders):
-- killed by a `node-loss` fault (a lost node: its strike marks it lost first): its orphaned ranks are killed
-  and the node is started again, after --replacement-delay seconds (what Kubernetes takes to notice, evict,
-  schedule and start the new pod; bench.projection names its parts on EKS), not counted against
-  --node-retries: on EKS the pod of a lost node is removed with DisruptionTarget, which the Job's
-  podFailurePolicy ignores (node_replaced, restart with restart_kind=node).
-- exited with an error (a failed pod, e.g. INCOMPLETE), or killed by a signal N otherwise (a container whose
-  PID 1 died, e.g. an OOM kill: exit code 128 + N, no DisruptionTarget): the same, counted against
-  --node-retries (backoffLimitPerIndex) per node.
-- exited with CONFIG_ERROR (the config or its checkpoints cannot work: named on the last line, from the
-  rank's job failure request) or NO_PROGRESS (fault_tolerance.max_restarts in-job restarts in a row made
-  no progress): the job fails at once, with a message naming the ranks and faults that the event log
-  recorded (e.g. a persistent fault).
-- drained (a `drain` fault: the controller plays the kubelet, with the drain marker, SIGTERM and the
-  grace period): the node is started again, not counted against --node-retries.
-- hung (a `node-hang` fault stopped every process of its pod): the controller plays the kubelet that stops
-  reporting and, --replacement-delay seconds later, the hung-node marker and PodGC: the pod is replaced,
-  not counted, its stopped processes left where they are until the run ends.
-It also reads the launchers' logs for NVRx's detections (a rank monitor's timeout, ft_launcher's
-"worker failed") and records them as fault_detected, so the report measures detection time.
-With --netns every node runs on its own emulated machine (training.local.netns: a network namespace
-with its own address and hostname, on a bridge; the store listens on the host's end), so their traffic
-crosses a network that a `partition` fault can cut. The controller then also plays the network and
-Kubernetes' node lifecycle: it takes the node's link down (and up again after the fault's duration); a
-node unreachable for --replacement-delay seconds has its pod replaced on a new machine, while the old
-pod's processes run on where they are, cut off, until the link is back and its kubelet kills them.
-Ctrl-C (or SIGTERM) stops every node as the kubelet stops a pod: SIGTERM to its PID 1 (training.pod.launch,
-which passes it on to its launcher), SIGKILL to every process left of it after a grace period.
+It is how everything runs and is tested without AWS or a GPU, so it runs what the cluster runs. Each node
+runs the pod's own command (training.pod.launch around ft_launcher) with its JOB_COMPLETION_INDEX; the
+rendezvous store is its own process. Cluster plays what Kubernetes does around them: the Job, replacing or
+failing pods by the table the chart renders (training.contract.job_rules); the kubelet, for drains, hangs and
+stops; with --netns, the network that a partition cuts. It turns NVRx's log lines into fault_detected events,
+so that the report measures detection time. EKS's delays it cannot play are parameters (--replacement-delay).
 """
 from __future__ import annotations
 
@@ -190,7 +150,7 @@ class Cluster:
         self.failure_requests = FailureRequests(self.run_dir)  # a rank's cause, when a node exits CONFIG_ERROR
         self.failure: str | None = None  # why the job failed
         self.network = network
-        self.store_host = network.host_address if network else "127.0.0.1"
+        self.store_host = network.host_address if network else "127.0.0.1"  # with --netns: the host's end
         self.unreachable: list[Unreachable] = []  # nodes that do not report: cut off (partition) or hung (node-hang)
         self.new_rendezvous()
         self.store: psutil.Popen | None = None
@@ -205,8 +165,9 @@ class Cluster:
         self.store_port, self.run_id = free_port(), f"local-{uuid.uuid4().hex[:8]}"
 
     def start_store(self) -> None:
-        """The rendezvous store, as the cluster's store Deployment runs it: before any node, and again
-        whenever it exits."""
+        """The rendezvous store, as the cluster's store Deployment runs it (NVRx's nvrx-control under
+        training.pod.store): before any node, and again whenever it exits. Every launcher joins it as a
+        client, so losing node 0 costs what losing any node costs."""
         with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
             command = [sys.executable, "-m", "training.pod.store", "--config", str(self.config_path), "--",
                        *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
@@ -260,6 +221,8 @@ class Cluster:
         if self.cfg.fault_tolerance.restart != "injob":
             # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        # Its own session: a terminal's Ctrl-C reaches the controller alone, which stops each node as the
+        # kubelet stops a pod (stop_all), and kill_node can kill the node's process group.
         with node.log_path.open("ab") as log_file:
             node.proc = psutil.Popen(command, cwd=REPO_ROOT, env=env, stdout=log_file,
                                      stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -306,6 +269,8 @@ class Cluster:
             for node in self.nodes:
                 if node.start_at is not None and time.monotonic() >= node.start_at:
                     self.start(node)
+            # Spares start once every training node has joined the first round: NVRx makes whoever is there
+            # first active, and a `node=N` fault with N < --nodes must hit a training node.
             if self.nodes[-1].proc is None and all(n.joined for n in self.nodes[:self.training_nodes]):
                 for spare in self.nodes[self.training_nodes:]:
                     self.start(spare)
@@ -317,7 +282,9 @@ class Cluster:
         return 130
 
     def _handle_exits(self) -> int | None:
-        """Act on launchers that exited; returns the job's status once it is decided, else None."""
+        """Act on launchers that exited, as the Job and its podFailurePolicy would (job_rules.decide, from the
+        table the chart renders), each failure recorded as fault_detected; returns the job's status once it is
+        decided, else None."""
         if self.store is not None and self.store.poll() is not None:
             # It ends when the rendezvous shuts down: the run's end, or a launcher that stopped for good
             # (no in-job restarts); then every node's pod is replaced and joins a new rendezvous.
@@ -412,7 +379,9 @@ class Cluster:
         node. On EKS the node goes NotReady after the node-monitor grace period, the taint manager evicts
         the pod, which stays Terminating while nobody confirms it stopped; the Job (podReplacementPolicy:
         Failed) replaces it once PodGC deletes it as Failed, when the hung-node marker (k8s.mark_hung_nodes)
-        has marked the node out of service (k8s_delays.KubernetesDelays.hung_node_out_of_service_s)."""
+        has marked the node out of service (k8s_delays.KubernetesDelays.hung_node_out_of_service_s). Here the
+        replacement comes --replacement-delay seconds after the hang, uncounted; the stopped processes stay
+        where they are until the run ends."""
         for node in self.nodes:
             if node.proc is None or node.start_at is not None or self.cut_off(node) or not _stopped(node.proc):
                 continue
@@ -557,7 +526,8 @@ class Cluster:
         kill_processes(node.descendants)
 
     def read_output(self, node: Node, detect: bool) -> None:
-        """Echo rank 0's lines; with `detect`, record the faults that NVRx's log lines report."""
+        """Echo rank 0's lines; with `detect`, record the faults that NVRx's log lines report (a rank monitor's
+        timeout, ft_launcher's failed worker) as fault_detected, so that the report measures detection time."""
         for line in node.new_output_lines():
             if "[rank0]" in line:
                 print(line, flush=True)
@@ -706,7 +676,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="default: runs/local-<time>")
     p.add_argument("--config", default=None, help="training config file (YAML/JSON)")
     p.add_argument("--faults", action="append", default=None, metavar="SPEC[,SPEC…]",
-                   help="fault specs, comma-separated or repeated (format: training/train/faults.py); "
+                   help="fault specs, comma-separated or repeated (format: docs/faults.md); "
                    "--faults '' runs the demo without faults")
     p.add_argument("--max-restarts", type=int, default=None, help="ft_launcher in-job restarts: "
                    "sets fault_tolerance.max_restarts")

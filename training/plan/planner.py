@@ -1,58 +1,15 @@
 """Checkpoint-interval planner: the save interval that maximizes expected goodput, and the goodput
 each recovery mechanism should then reach.
 
-    python -m training.plan --nodes 16 --gpus-per-node 8 --node-mtbf-hours 2000 --save-blocking-s 3 \\
+Saving often costs blocking time. Saving rarely loses more work to each failure. Daly's model weighs the two
+from the job MTBF M = node MTBF / nodes, the save blocking S, each mechanism's recovery time R and an async
+save's commit lag D. S and R come from flags, a bench result or the capacity model of a training config.
+
+    python -m training.plan --nodes 16 --node-mtbf-hours 2000 --save-blocking-s 3 \\
         --recovery-s inprocess=10 --recovery-s injob=17 --recovery-s k8s=270
-    python -m training.plan --nodes 16 --node-mtbf-hours 2000 --from-bench bench.json
 
-Model (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps", 2006):
-  M    job MTBF = node MTBF / nodes. Node failures are independent with exponentially distributed
-       times between them and any one stops the job, so job failures are a Poisson process of rate
-       1/M and the expected time to the first failure is M.
-  S    time one save blocks training (seconds); tau is the training time between saves.
-  R    recovery time of a mechanism, failure to training again; independent of tau, and failures
-       may strike during recovery too.
-  D    commit lag: how long a checkpoint stays uncommitted after its save stopped blocking (an async
-       save's write, 0 for a sync save; training.contract.capacity.commit_lag_s). D <= tau + S.
-Work runs in failure-atomic segments of length w: a failure loses the part of the current segment
-done so far, and what L adds, and costs R. One segment takes M e^((R+L)/M) (e^(w/M) - 1) wall seconds on
-average, so
-    G(tau) = tau / (tau + S) * w / (M e^((R+L)/M) (e^(w/M) - 1))
-with
-    w = tau + S,  for mechanisms that roll back to the last checkpoint on disk (injob, node replacement,
-    L = D         Kubernetes restart): G = tau / (M e^((R+D)/M) (e^((tau+S)/M) - 1)), Daly's model with
-                  the lag. After a restart the first checkpoint commits tau + S + D later, each next one
-                  tau + S after the one before, and the work kept until the next failure is tau times the
-                  commits before it: e^(-D/M) / (e^((tau+S)/M) - 1) of them on average. So the lag costs
-                  like recovery time: a failure landing uniformly in time loses (tau + S)/2 + D, not (tau + S)/2;
-    w = step,     for the mechanisms that resume from memory (IN_MEMORY: "inprocess", in-process restart
-    L = 0         with in-memory rollback, and "peer_state", a lost node's state from its partner's
-                  memory): a failure loses at most the step in flight (--step-s), not half an
-                  interval, so only the save overhead tau / (tau + S) depends on tau.
-The interval is chosen for rollback to disk. D does not move the optimum: dG/dtau = 0 gives, with u = tau/M,
-    u + ln(1 - u) = -S/M          (solved numerically: the exact optimum of the model)
-whose expansions are Young's first order  tau = sqrt(2 S M)  and Daly's higher order
-    tau = sqrt(2 S M) (1 + sqrt(S / (2M)) / 3 + S / (18 M)) - S   for S < 2M, else tau = M.
-With a lag the recommended interval is at least ASYNC_SAVE_HEADROOM times it (shortest_interval_s): the
-save must commit before the next is due, with room for a slower save.
-Not modelled: a mechanism is assumed to handle every failure (in reality in-process restart cannot
-survive a lost node), failed saves, slowdown from an asynchronous save finishing in the background
-(only its blocking time counts), recovery time growing with the interval.
-
---config FILE (a training config, e.g. k8s/train.yaml) takes S, the step time and R from the capacity model
-(training.contract.capacity) for that config on --nodes p5.48xlarge nodes against the FSx of
---fsx-storage-gib and --fsx-throughput-per-tib (default: cdk.json's): S is the time a save blocks the step, R the
-recovery of a lost node from FSx (injob) and from peer state, and D an async save's modelled duration. It prints
-the capacity table first.
---capacity-tables prints the tables of docs/capacity.md (8b and 70b on 2, 32 and 256 p5 nodes, and HSDP beside them).
-
---from-bench FILE takes S and R from a benchmark result (JSON):
-    {"checkpoint": {"async_blocking_s": 0.4, "sync_blocking_s": 6.2},
-     "recovery": {"inprocess": {"median_recovery_s": 9.8}, "injob": {"median_recovery_s": 17.0},
-                  "node_replacement": {"median_recovery_s": 95.0}, "k8s_restart": {"median_recovery_s": 270.0}}}
-S is checkpoint.<--save-mode>_blocking_s (async by default); every mechanism under "recovery" must
-have median_recovery_s, and the bench's "drain" is left out: a drain is announced, not a failure, and
-loses no work. --save-blocking-s and --recovery-s, when given, take precedence over the file.
+--from-bench FILE reads S from checkpoint.<--save-mode>_blocking_s, R from recovery.NAME.median_recovery_s.
+Reference: docs/capacity.md.
 """
 from __future__ import annotations
 
@@ -123,6 +80,8 @@ def young_interval(save_s: float, mtbf_s: float) -> float:
 
 
 def daly_interval(save_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order expansion of optimum_interval: sqrt(2 S M) (1 + sqrt(S / (2M)) / 3 + S / (18 M)) - S
+    for S < 2M, else M."""
     if save_s >= 2 * mtbf_s:
         return mtbf_s
     x = save_s / (2 * mtbf_s)
@@ -130,7 +89,9 @@ def daly_interval(save_s: float, mtbf_s: float) -> float:
 
 
 def optimum_interval(save_s: float, mtbf_s: float) -> float:
-    """Root u in (0, 1) of u + ln(1 - u) + S/M, which decreases from S/M to -inf: bisection always converges."""
+    """The exact optimum of expected_goodput for rollback to disk: dG/dtau = 0 gives u + ln(1 - u) = -S/M with
+    u = tau/M, whatever the commit lag. Root u in (0, 1) of u + ln(1 - u) + S/M, which decreases from S/M to -inf:
+    bisection always converges."""
     lo, hi = 0.0, 1.0
     while True:
         mid = (lo + hi) / 2
@@ -144,8 +105,13 @@ def optimum_interval(save_s: float, mtbf_s: float) -> float:
 
 def _segment_and_lag(interval_s: float, save_s: float, mechanism: Mechanism, step_s: float,
                      commit_lag_s: float) -> tuple[float, float]:
-    """(w, L) of the module's model: what a failure can lose of the work since the last failure-atomic point,
-    and the commit lag it loses beside it."""
+    """(w, L) of expected_goodput: the failure-atomic segment a failure loses part of, and the commit lag it
+    loses beside it.
+
+    Rolling back to disk, w = tau + S and L = D. After a restart the first checkpoint commits tau + S + D later,
+    each next one tau + S after the one before, and the work kept until the next failure is tau times the commits
+    before it: e^(-D/M) / (e^((tau+S)/M) - 1) of them on average. So the lag costs like recovery time. Resuming
+    from memory (IN_MEMORY), a failure loses at most the step in flight: w = step, L = 0."""
     if mechanism.in_memory:
         return step_s, 0.0
     if commit_lag_s > interval_s + save_s:
@@ -156,6 +122,9 @@ def _segment_and_lag(interval_s: float, save_s: float, mechanism: Mechanism, ste
 
 def expected_goodput(interval_s: float, save_s: float, mechanism: Mechanism, mtbf_s: float, step_s: float,
                      commit_lag_s: float = 0.0) -> float:
+    """Daly's model with a commit lag. Work runs in failure-atomic segments of length w: a failure loses the part
+    done so far, and L, and costs R; failures strike during recovery too. One segment takes
+    M e^((R+L)/M) (e^(w/M) - 1) wall seconds on average, so G = tau / (tau + S) * w / that."""
     segment, lag = _segment_and_lag(interval_s, save_s, mechanism, step_s, commit_lag_s)
     per_segment = mtbf_s * math.exp((mechanism.recovery_s + lag) / mtbf_s) * math.expm1(segment / mtbf_s)
     return interval_s / (interval_s + save_s) * segment / per_segment

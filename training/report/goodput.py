@@ -2,43 +2,12 @@
 
     python -m training.report RUN_DIR [--plot [PNG]]
 
-Prints the report, writes it as JSON to RUN_DIR/report.json and, with --plot, draws the timeline
-(RUN_DIR/timeline.png unless a path is given). Only the event log is read, and only its own
-timestamps are used, so a laptop run and an EKS run whose run directory is on FSx report alike.
-
-Definitions (seconds; "since start" counts from the first event, or the first step's start if earlier):
-  wall time         first event, or first step start if earlier, to the last event.
-  step execution    one `step` event; it ran over [t - step_time_s, t].
-  lost execution    an execution whose result was thrown away: a later `resume` restored an earlier
-                    step (resume.step < step), or the same step was executed again later.
-  productive time   step_time_s summed over executions that were not lost: each step counts once.
-  training goodput  productive time / wall time.
-  infra goodput     step_time_s summed over all executions, lost ones included / wall time: the share
-                    of the run the job was up and computing, whatever became of the result.
-  Neither numerator holds checkpoint blocking (ckpt_blocked.seconds), start-up, detection, restart,
-  checkpoint loading or time between steps.
-Faults: a fault starts at a `fault_injected`, or at a `fault_detected` while no fault is open (a real
-fault nobody injected); it is open until the first step completed after its restart.
-  detection time    fault_injected -> first fault_detected; without one -> the next restart or
-                    attempt_start. None for a fault known only from its detection.
-  recovery time     fault -> first step completed after the restart (the first restart,
-                    attempt_start or resume after the fault); without a restart, the first step
-                    that started after the fault completes, for a fault training outlives (an
-                    injected disk-full: a failed save; fs-eio; or a fault nobody injected).
-                    None when training never went on.
-  steps lost        step reached at the fault (the last step completed, or resumed to; for a drain,
-                    the step every rank left at, `drained`, whose path says how it was kept) minus the step
-                    training resumed from: resume.step, i.e. the last step held in the restored state
-                    (without a resume event, the first step completed afterwards minus one).
-  steps lost from   the step reached at the fault minus the newest checkpoint committed by then: what a
-  the checkpoint    resume from disk alone would have lost (the baseline that peer state and in-process
-                    restarts improve on).
-  time lost         fault -> the next step after the one reached at the fault is completed, less one
-                    typical (median) step time: how much later training got there than without the
-                    fault, recovery and recomputed steps together. None when it never got there.
-Checkpoints: saves started, committed and failed (ckpt_start, ckpt_committed, ckpt_failed); the
-blocking time of each save (ckpt_blocked.seconds): mean, max, total.
-Events dropped: what the events_dropped records count (shown only when some were).
+It says what a run's faults cost. Training goodput is the share of wall time in steps whose result survived;
+infra goodput, in any step. Each fault gets its detection and recovery time and the steps and time it lost.
+The report is printed and written to RUN_DIR/report.json; --plot draws the timeline (RUN_DIR/timeline.png
+unless a path is given). Only the event log and its own timestamps are read, so a laptop run and an EKS run
+whose run directory is on FSx report alike.
+Reference: docs/observability.md.
 """
 from __future__ import annotations
 

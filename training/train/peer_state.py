@@ -1,57 +1,14 @@
-"""Peer-replicated training state: a lost node costs no trip to FSx and (nearly) no step.
+"""Peer-replicated training state: a lost node costs no trip to FSx and at most `interval` steps.
 
-Every `interval` steps each rank copies its own part of the training state (the Stateful dict a DCP
-checkpoint holds: model and optimizer shards, step and data position, RNG) into its node's memory,
-and a background thread sends that copy to the same local rank on the next `replicas` nodes of the
-ring (rank r -> r + L, r + 2L, … modulo the world, L ranks per node), over a gloo group of its own,
-so no collective of the training step waits for it. Node memory is a directory (TRAINING_NODE_MEMORY:
-the pod's memory-backed /dev/shm on the cluster, a directory per emulated node here) that outlives
-the worker processes, so an in-job restart finds it; a node's replacement starts with it empty.
-
-A copy is consistent or unused: its files are `shard<r>-slot<k>.bin` (the tensors' bytes,
-mapped), `.meta` (the structure around them) and `.ok` (step, world size, sizes, CRC-32 of bytes and
-structure), and the `.ok` is removed before the slot is written and written (atomically) only once the
-bytes and structure are complete. Two slots per shard alternate. The training thread copies the
-state into a slot; the thread checksums and commits it, sends it and waits for every partner to say it
-committed its copy. A save does not overwrite the older slot before the newer one is committed on every
-partner, so at any instant some step has every shard somewhere unless a node and all its partners are lost.
-
-The interval is the promise: a node lost at any instant costs at most `interval` steps (a step counts as
-reached once `save` returned for it: rank 0's step event follows). A copy taken at step t only counts once
-every partner acknowledged it, so a copy every `interval` steps alone would leave up to the interval plus
-the send's length in steps (two intervals, with a send slower than one) behind the step reached. So copies
-are taken every `every` steps (at most the interval) and a copy in flight has until `interval` steps after
-the newest acknowledged one: `save` waits for it there, so no step counts as reached with the newest
-complete step further back than the interval, however slow the network. A fixed interval I takes a copy
-every I // 2 + 1 steps, each with (I + 1) // 2 steps to reach the partners (I = 1: every step, each copy
-acknowledged before the next step counts). The attempt's first step counts from where it resumed.
-
-Interval (peer_state.interval null): after the first saves, the copy's share of a step and the send's
-length in steps, medians over CALIBRATION_STEPS saves, the largest over all ranks (one all-reduce): the
-send's length with headroom (at least a step) is its deadline; a copy every max(deadline, the steps
-that keep the copy within a budget of a step) steps; the interval (the promise) is that plus the deadline
-minus one (1 when both fit in a step): training.contract.capacity.PeerSchedule, which the capacity model
-projects with. Measured again every RECHECK_SAVES saves, so a cost that grows (a
-bigger state, a slower network) moves the interval with it.
-
-Restore (collective, at resume, before the FSx checkpoint): every node reports its complete copies;
-the newest step for which every shard of this world has one (same world size and config) wins if it
-is not older than the newest FSx checkpoint any rank sees. Each rank takes its shard from its own node's
-memory, or else from a node that holds a copy, point to point, and checks its CRC-32 before loading it: a
-copy that fails is dropped (a log line and a `peer_copy_rejected` event) and the next source is taken,
-another node's copy of the step, else an older step, else the checkpoint. No step with a copy of every
-shard (two partners lost together, a resized world): the FSx checkpoint, and a log line that says which
-shards had no copy; node memory is only cleared once that load succeeded (`discard`). After a restore each
-node keeps its new roles' shards (its ranks' and their sources'); a copy of the restored step outside them (a
-restart that gave the nodes other ranks, three nodes or more) is kept until every rank's copy of a newer step
-is acknowledged, since it may be the restored step's only copy of that shard: a second loss soon after still
-finds every shard.
-
-Not NVRx's local checkpointing (nvidia_resiliency_ext.checkpointing.local): its
-CliqueReplicationStrategy all-gathers each save's tensors on the calling thread (training would wait
-for every transfer), its cliques need the world size divisible by jump x factor (an odd number of
-nodes, which hot spares and resizes give, has no grouping), and each save's finalize all-gathers
-over the whole world. The ring here replicates from a thread and works at any node count >= 2.
+Every few steps each rank copies its part of the training state (the Stateful dict a DCP checkpoint
+holds) into its node's memory, a directory that outlives the worker processes, and a background thread
+sends it to the same local rank on the next `replicas` nodes of a ring, over a gloo group of its own,
+so no collective of the step waits for it. At resume the newest step of which every shard has a
+verified copy is loaded, unless an FSx checkpoint is newer. Not NVRx's local checkpointing, which
+all-gathers each save on the training thread and cannot group an odd number of nodes: this ring sends
+from a thread and works at any node count >= 2. Cost: node memory for two copies of each shard a node
+holds; a copy on the training thread every `every` steps, and a wait where a send is late. What it
+guarantees, for a user: docs/recovery.md, "Peer state".
 """
 from __future__ import annotations
 
@@ -186,9 +143,13 @@ class _Slot:
 
 
 class NodeMemory:
-    """A node's shard copies (module doc): the files of each (shard, slot). Not of the kind: a restart that
-    gives this node other ranks makes its own copies a partner's and the replicas its own, and they count
-    as such (else a partition's survivor prunes every copy it holds, and the steps they kept are lost)."""
+    """A node's shard copies: for each (shard, slot) the files `shard<r>-slot<k>.bin` (the tensors' bytes,
+    mapped), `.meta` (the structure around them) and `.ok` (its `Copy`: step, world size, sizes, CRC-32 of
+    bytes and structure). A copy is consistent or unused: `begin` removes the `.ok` before the slot is
+    written, and `commit` writes it (atomically) only once the bytes and structure are complete. Not of the
+    kind: a restart that gives this node other ranks makes its own copies a partner's and the replicas its
+    own, and they count as such (else a partition's survivor prunes every copy it holds, and the steps they
+    kept are lost)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -265,15 +226,24 @@ class NodeMemory:
 
 
 def memory_root(configured: str | None, run_dir: str) -> Path:
-    """This run's directory in the node's memory."""
+    """This run's directory in the node's memory: under `configured` (peer_state.memory_dir), else
+    $TRAINING_NODE_MEMORY (the local cluster's directory per emulated node), else DEFAULT_MEMORY in the pod's
+    memory-backed /dev/shm. It outlives the worker processes, so an in-job restart finds it; a node's
+    replacement starts with it empty."""
     base = configured or os.environ.get(NODE_MEMORY_ENV) or DEFAULT_MEMORY
     return Path(base) / hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
 
 
 class PeerState:
-    """One rank's side (module doc). `save` after each step (it decides whether this step is saved),
-    `restore` once at resume and `discard` when another tier's state was loaded instead, `close` at the
-    end; all of them on every rank alike."""
+    """One rank's side. `save` after each step (it decides whether this step is saved), `restore` once at
+    resume and `discard` when another tier's state was loaded instead, `close` at the end; all of them on
+    every rank alike.
+
+    Two slots per shard alternate. The training thread copies the state into a slot (`_copy`); the
+    replication thread checksums and commits it, sends it and waits for every partner to say it committed
+    its copy (`_replicate`). A save does not overwrite the older slot before the newer one is committed on
+    every partner, so at any instant some step has every shard somewhere unless a node and all its partners
+    are lost."""
 
     def __init__(self, root: Path, fingerprint: str, interval: int | None, replicas: int, timeout_s: float,
                  events: EventLog | None = None) -> None:
@@ -285,13 +255,15 @@ class PeerState:
         if self.replicas < replicas:
             log.warning("peer state: %d node(s), so %d replica(s) per shard instead of %d (on other nodes only)",
                         nodes, self.replicas, replicas)
+        # the ring: rank r sends to r + L, r + 2L, … (L ranks per node, modulo the world), the same local rank on
+        # the next nodes, and receives from r - L, r - 2L, …
         self.partners = [(self.rank + per_node * j) % self.world for j in range(1, self.replicas + 1)]
         self.sources = [(self.rank - per_node * j) % self.world for j in range(1, self.replicas + 1)]
         self.memory, self.fingerprint = NodeMemory(root), fingerprint
         self.node = f"{os.uname().nodename}:{root}"
         self.events = events if self.rank == 0 else None  # rank 0 writes the run's events
         self.interval, self._adaptive = (interval, False) if interval else (1, True)
-        self.every = PeerSchedule.fixed(self.interval).every  # steps between copies (module doc)
+        self.every = PeerSchedule.fixed(self.interval).every  # steps between copies (`_keep_promise`)
         self._pending: tuple[int, int] | None = None  # (step, slot) of the copy queued and not yet acknowledged
         self._complete: int | None = None  # the newest step acknowledged by every partner (or resumed from)
         self._saves = 0
@@ -332,9 +304,9 @@ class PeerState:
     def save(self, step: int, state: dict[str, Stateful], step_time_s: float, *, force: bool = False) -> float | None:
         """After every step: copy this rank's state at `step` into node memory and queue it for the partners if
         `step` is one of every `every` (or `force`: a drain), and wait for the copy in flight where the step
-        would otherwise count as reached more than `interval` steps past the newest acknowledged one (module
-        doc). The seconds it took the training thread (the waits included), or None if it neither copied nor
-        waited."""
+        would otherwise count as reached more than `interval` steps past the newest acknowledged one
+        (`_keep_promise`). The seconds it took the training thread (the waits included), or None if it neither
+        copied nor waited."""
         if self._complete is None:
             self._complete = step - 1  # the step this attempt resumed from
         started = time.perf_counter()
@@ -350,7 +322,18 @@ class PeerState:
 
     def _keep_promise(self, step: int) -> bool:
         """Wait for the copy in flight if without it the newest acknowledged step is more than `interval`
-        behind `step`; whether it waited."""
+        behind `step`; whether it waited.
+
+        The interval is the promise: a node lost at any instant costs at most `interval` steps, a step counting
+        as reached once `save` returned for it (rank 0's step event follows). A copy taken at step t counts only
+        once every partner acknowledged it, so a copy every `interval` steps alone would leave up to the interval
+        plus the send's length in steps behind the step reached (two intervals, with a send slower than one).
+        So copies are taken every `every` steps (at most the interval), and a copy in flight has until
+        `interval` steps after the newest acknowledged one: here `save` waits for it, so no step counts as
+        reached with the newest complete step further back than the interval, however slow the network. A
+        fixed interval I copies every I // 2 + 1 steps, each with (I + 1) // 2 steps to reach the partners
+        (training.contract.capacity.PeerSchedule.fixed; I = 1: every step, each copy acknowledged before the
+        next step counts). The attempt's first step counts from where it resumed (`save`)."""
         if self._pending is not None and self._sent[self._pending[1]].is_set():
             self._acknowledged()
         if self._pending is None or step - self._complete <= self.interval:
@@ -386,7 +369,7 @@ class PeerState:
         started = time.perf_counter()
         slot = self._slot
         # The copy before this one must be committed on every partner before the one before it, which this
-        # slot holds, is overwritten: else a node lost now leaves no step with every shard (module doc).
+        # slot holds, is overwritten: else a node lost now leaves no step with every shard (class doc).
         self._acknowledged()
         copying = time.perf_counter()
         target = self._slots[slot]
@@ -455,9 +438,12 @@ class PeerState:
         return copies
 
     def _calibrate(self, step: int, copy_s: float, step_time_s: float) -> None:
-        """interval=None (module doc): after CALIBRATION_STEPS measured saves, then every RECHECK_SAVES,
-        every rank takes the interval the slowest rank's copy and send need (one all-reduce, the same on
-        every rank)."""
+        """interval=None: after CALIBRATION_STEPS measured saves, then every RECHECK_SAVES, every rank takes
+        the interval the slowest rank's copy and send need. The copy's share of a step and the send's length in
+        steps, medians over the window, the largest over all ranks (one all-reduce, the same on every rank),
+        give training.contract.capacity.PeerSchedule.measured, the rule the capacity model projects with.
+        Measured again, a cost that grows (a bigger state, a slower network) moves the interval with it. Until
+        the first choice the interval is 1: a copy every step."""
         if not self._adaptive:
             self.chosen_at = step if self.chosen_at is None else self.chosen_at  # a fixed interval: settled at once
             return
@@ -543,9 +529,21 @@ class PeerState:
 
     # ---- restore ---------------------------------------------------------------------------------
     def restore(self, state: dict[str, Stateful], not_older_than: int) -> int | None:
-        """Load the newest step every shard has a verified copy of (module doc) into `state` and return it;
-        None (`state` and node memory untouched) when there is none, or a rank sees a newer FSx checkpoint
-        (`not_older_than`): then `discard` once another tier's state is loaded."""
+        """Load the newest step every shard has a verified copy of into `state` and return it; None (`state`
+        and node memory untouched) when there is none, or a rank sees a newer FSx checkpoint
+        (`not_older_than`): then `discard` once another tier's state is loaded.
+
+        Collective, at resume, before the FSx checkpoint. Every node reports its complete copies; only those of
+        this world size and fingerprint (the model and data config) count. Each rank takes its shard from its
+        own node's memory, or else point to point from a node that holds a copy, and checks its CRC-32 before
+        loading it: a copy that fails is dropped (a log line and a `peer_copy_rejected` event) and the next
+        source is taken, another node's copy of the step, else an older step, else the checkpoint. With no step
+        that has a copy of every shard (two partners lost together, a resized world), `_newest_complete` logs
+        which shards had none. After a restore each node keeps its new roles' shards (its ranks' and their
+        sources'); a copy of the restored step outside them (a restart that gave the nodes other ranks, three
+        nodes or more) is kept until every rank's copy of a newer step is acknowledged (`_release_held_over`),
+        since it may be the restored step's only copy of that shard: a second loss soon after still finds
+        every shard."""
         reports: list[Any] = [None] * self.world
         mine = self.memory.copies() if self.local_rank == 0 else None
         dist.all_gather_object(reports, (self.node, mine, not_older_than), group=self.group)

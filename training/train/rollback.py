@@ -1,37 +1,13 @@
-"""In-memory rollback for in-process restarts: after every step each rank keeps a host copy of its own
-part of the training state (the same Stateful dict that DCP checkpoints: model and optimizer shards,
-step and data position, RNG), so that a restart resumes from the last completed step instead of the
-last checkpoint on disk.
+"""In-memory rollback for in-process restarts: each rank keeps its last two steps in host memory.
 
-The copies live in the process, which an in-process restart keeps; a new process (in-job restart)
-starts empty and loads from disk. Two steps are kept: ranks can be one step apart when a fault
-strikes (FSDP2's optimizer step is local, so a rank may finish step N while a peer fails before the
-end of it), and `restore` agrees on the newest step every rank holds.
-
-Cost: each kept step has its own set of host buffers, allocated at its first save and overwritten by
-later ones (fresh memory every step means page faults on every byte, hundreds of MB a step at 8b).
-For CUDA tensors the buffers are pinned and the copies run on a side stream, so a device-to-host
-copy goes at the link's speed without a pageable bounce; on CPU they are plain tensors. A buffer whose tensor
-changed shape or dtype, or appeared (AdamW creates its moments at the first step), is allocated anew.
-
-Model and optimizer (`InPlaceState`): torch's state-dict helpers cost more per step than the copy (per
-tensor Python work), while the tensors they hand out are the same memory step after step (FSDP2
-shards and AdamW's moments and step counts are updated in place). So a save into a snapshot whose
-`CopyPlan` still fits copies the live tensors straight into its buffers, with one `torch._foreach_copy_`,
-without calling state_dict(); `refresh` re-reads the non-tensor leaves that change meanwhile (the
-learning rate). A plan is made from a state_dict() call, each tensor it hands out matched by address
-to one of the Stateful's live tensors. It fits while the Stateful is the one it was made for and every
-tensor it lists is where it was (address, shape, strides, dtype, device), position by position; the
-listing follows the structure (parameter order, each parameter's state in order), so a tensor that
-appears, is replaced, resized or moved to another place changes it. Anything else (a first save, a
-changed listing, a tensor state_dict() hands out that the listing lacks) goes through state_dict() and
-makes a new plan; `restore` drops every plan, as loading may replace tensors. A plan holds no live
-tensor: a dead iteration's model is freed as before.
-
-Publication: a save writes over the older snapshot (or one that holds no complete step), which holds
-no step from the moment the write begins until the copy has completed. An asynchronous restart
-exception landing mid-copy therefore leaves the newest snapshot whole and the one being written
-unused: `restore` never reads a half-written set.
+After every step each rank copies its own part of the training state (the Stateful dict DCP
+checkpoints: model and optimizer shards, step and data position, RNG) into host buffers, so that an
+in-process restart resumes from the last completed step, not from the last checkpoint on disk. The
+copies live in the process: a new process (an in-job restart) starts empty and loads from disk. Two
+steps are kept, as ranks can be a step apart when a fault strikes; `restore` agrees on the newest step
+every rank holds. Cost: host memory for two copies of the rank's state (pinned on CUDA), and a copy
+every step that the step waits for, kept cheap by reusing the buffers and, for model and optimizer,
+by skipping state_dict() (`CopyPlan`).
 """
 from __future__ import annotations
 
@@ -46,13 +22,19 @@ from torch.distributed.tensor import DTensor
 
 from training.train.agreement import least
 
+# Steps kept. Ranks can be one step apart when a fault strikes (FSDP2's optimizer step is local, so a rank may
+# finish step N while a peer fails before the end of it): with two, every rank holds the step `restore` agrees on.
 KEEP = 2
 
 
 @runtime_checkable
 class InPlaceState(Protocol):
     """A Stateful whose state_dict() is costly and hands out its live tensors (or views of them), which
-    training updates in place: a save copies them again without calling state_dict() (module doc)."""
+    training updates in place: a save copies them again without calling state_dict() (`CopyPlan`).
+
+    torch's state-dict helpers cost more per step than the copy (Python work per tensor), while the tensors
+    they hand out are the same memory step after step (FSDP2 shards and AdamW's moments and step counts are
+    updated in place)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -127,7 +109,18 @@ def load_into(state: dict[str, Stateful], saved: dict[str, Any]) -> None:
 @dataclass(frozen=True)
 class CopyPlan:
     """How a save refills a snapshot's copy of an InPlaceState without its state_dict(): live tensor
-    `sources[i]` (a position in its live_tensors()) into `buffers[i]`, while the listing is at `where`."""
+    `sources[i]` (a position in its live_tensors()) into `buffers[i]`, while the listing is at `where`.
+
+    A save into a snapshot whose plan still fits copies the live tensors straight into its buffers, with one
+    `torch._foreach_copy_`; `refill` has the owner `refresh` the non-tensor leaves that change meanwhile
+    (the learning rate). A plan is made from a state_dict() call, each tensor it hands out matched by address to one of
+    the Stateful's live tensors. It fits while the Stateful is the one it was made for and every tensor it
+    lists is where it was (address, shape, strides, dtype, device), position by position; the listing
+    follows the structure (parameter order, each parameter's state in order), so a tensor that appears, is
+    replaced, resized or moved to another place changes it. Anything else (a first save, a changed listing,
+    a tensor state_dict() hands out that the listing lacks) goes through state_dict() and makes a new plan;
+    `MemoryRollback.restore` drops every plan, as loading may replace tensors. A plan holds no live tensor:
+    a dead iteration's model is freed as before."""
     owner: weakref.ref[InPlaceState]  # weak: a plan must not keep a dead iteration's state alive
     where: list[Where]
     sources: list[int]
@@ -168,6 +161,13 @@ class _Snapshot:
 
 
 class MemoryRollback:
+    """The KEEP newest steps of this rank's state, each in its own set of host buffers, allocated at its
+    first save and overwritten by later ones: fresh memory every step would mean page faults on every byte
+    of the state, every step. For CUDA tensors the buffers are pinned and the copies run on a side stream, so
+    a device-to-host copy goes at the link's speed without a pageable bounce; on CPU they are plain tensors.
+    A buffer whose tensor changed shape or dtype, or appeared (AdamW creates its moments at the first step),
+    is allocated anew (`copy_into`)."""
+
     def __init__(self) -> None:
         self._snapshots = [_Snapshot() for _ in range(KEEP)]
         self._stream: torch.cuda.Stream | None = None
@@ -177,6 +177,10 @@ class MemoryRollback:
         return sorted(s.step for s in self._snapshots if s.step is not None)
 
     def save(self, step: int, state: dict[str, Stateful]) -> None:
+        """Copy `state` at `step` over the older snapshot (or one that holds no complete step), which holds no
+        step from the moment the write begins until the copy has completed. An asynchronous restart exception
+        landing mid-copy therefore leaves the newest snapshot whole and the one being written unused: `restore`
+        never reads a half-written set."""
         # The oldest snapshot, or one holding no step: never the newest complete one.
         target = min(self._snapshots, key=lambda s: -1 if s.step is None else s.step)
         target.step = None  # from here until the copy is complete, restore cannot pick it
@@ -225,7 +229,7 @@ class MemoryRollback:
         if step < 0:
             return None
         snapshot = next((s for s in self._snapshots if s.step == step), None)
-        if snapshot is None:  # ranks more than one step apart: cannot happen (see module doc)
+        if snapshot is None:  # ranks more than one step apart: cannot happen (see KEEP)
             raise RuntimeError(f"in-memory rollback: step {step} agreed but this rank holds {self.steps}")
         for newer in (s for s in self._snapshots if s.step is not None and s.step > step):
             # a step the run goes back on: kept, it would make the next save overwrite `step`, the

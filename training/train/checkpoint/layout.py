@@ -1,36 +1,14 @@
 """The checkpoint directory: its names and every file operation of the commit protocol.
 
-  step_00000040/          complete: every rank's shards, DCP .metadata, and COMMITTED (a JSON marker)
-  .tmp-step_00000060.g7/  a save in progress by generation 7, or abandoned: never loaded, removed
-  .replaced-step_00000040/  a checkpoint being replaced by a new save of its step (Atomic commit)
-  .pruned-step_00000010/  a checkpoint being deleted, invisible from the first moment (Pruning)
-  corrupt-step_00000020-<time>/  a committed checkpoint found damaged, set aside (never deleted)
-  GENERATION              the newest generation of workers (a number; see Fencing)
-
-Atomic commit: every rank writes its shards (fsynced) into `.tmp-step_N`; DCP's coordinator (rank 0)
-writes `.metadata` only after gathering every rank's write result, so when rank 0's save returns,
-all data is durable. Rank 0 then writes COMMITTED, renames the directory to `step_N` (one atomic
-rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` dir. A save
-of a step that already has a checkpoint (the same step trained again after a resume from an older one)
-first renames the old one to `.replaced-step_N`, then renames the new one in, then deletes the old: a
-crash between the two renames leaves no `step_N`, and the next worker group puts the old one back
-(`clean_up`), so one of the two is always there.
-
-Pruning: a checkpoint past `keep` is first renamed to `.pruned-step_N` (one atomic rename: it stops
-being a checkpoint at once), then deleted in a background thread (BackgroundDeletion). What an
-interrupted deletion leaves is deleted by the next `clean_up` (at every worker group's start, and after
-every commit), and so is a `step_N` without its COMMITTED marker: a commit renames only complete
-directories, so that is what a deletion in place (before pruning renamed first) left half done. A full file system is loud: `out_of_space` tells a save
-that failed for it (ENOSPC, or EDQUOT over a quota) from any other.
-
-Fencing: every CheckpointManager (one per worker group: an attempt, a rendezvous round, an in-process
-restart) takes the next generation number from GENERATION as it starts (where that write fails, at a
-later save, unless a newer group has started meanwhile; until then it saves nothing), and writes only into
-`.tmp-step_N.g<its generation>`. A worker of an older generation that is still running (a node cut off
-from its peers but not from the file system, a paused process) therefore writes where no newer save
-looks, and its rank 0 commits only while GENERATION still holds its own number, checked just before the
-rename: a late save is never committed with, nor over, a newer generation's checkpoint (ckpt_failed
-says it was fenced). Its leftovers are removed when a newer generation starts or commits.
+A checkpoint is complete or invisible, and only the newest generation of workers commits one. Atomic
+commit (`commit`): every rank writes into `.tmp-step_N.g<generation>`; once every rank's shards are
+durable, rank 0 writes the COMMITTED marker and renames the directory to `step_N`, one atomic rename.
+Pruning (`prune`, `clean_up`): a checkpoint replaced or pruned is renamed out of sight before it is
+deleted, and the next `clean_up` finishes what a crash interrupted. Fencing (`start_generation`): each
+worker group takes the next number from GENERATION and commits only while it is still the newest, so a
+late worker of an older group never commits with, nor over, a newer group's checkpoint. A full file
+system is told apart from other failures (`out_of_space`). Cost: a few fsyncs and renames per commit,
+and a replaced checkpoint's space until its replacement is in. For a user: docs/training.md, Checkpoints.
 """
 from __future__ import annotations
 
@@ -90,7 +68,17 @@ def current_generation(directory: str | os.PathLike) -> int:
 def start_generation(directory: Path, found: int | None = None) -> int:
     """Rank 0 of a new worker group: the next generation, made durable before any rank writes. `found`: what
     GENERATION held when the group started, for a group whose first try failed (a full file system) and
-    tries again later: SaveFenced if a newer group started meanwhile, which then owns the directory."""
+    tries again later: SaveFenced if a newer group started meanwhile, which then owns the directory.
+
+    Fencing: every CheckpointManager (one per worker group: an attempt, a rendezvous round, an in-process
+    restart) takes the next generation number as it starts (where that write fails, at a later save, unless
+    a newer group has started meanwhile; until then it saves nothing), and writes only into
+    `save_dir_name(step, its generation)`. A worker of an older generation that is still running (a node cut
+    off from its peers but not from the file system, a paused process) therefore writes where no newer save
+    looks, and its rank 0 commits only while GENERATION still holds its own number, checked just before the
+    rename (`commit`): a late save is never committed with, nor over, a newer generation's checkpoint
+    (ckpt_failed says it was fenced). Its leftovers are removed when a newer generation starts or commits
+    (`remove_older_saves`)."""
     newest = current_generation(directory)
     if found is not None and newest != found:
         raise SaveFenced(f"fenced: generation {newest} of the workers started after this worker group found "
@@ -105,7 +93,16 @@ class SaveFenced(RuntimeError):
 
 def commit(directory: Path, tmp: Path, step: int, *, generation: int, world_size: int) -> Path:
     """Rank 0, once every rank's shards of `tmp` are durable: make the save of `step` the checkpoint
-    `step_N`, or raise SaveFenced (a newer generation started) or OSError, leaving `tmp` uncommitted."""
+    `step_N`, or raise SaveFenced (a newer generation started) or OSError, leaving `tmp` uncommitted.
+
+    Atomic commit: every rank writes its shards (fsynced) into `tmp`; DCP's coordinator (rank 0) writes
+    `.metadata` only after gathering every rank's write result, so when rank 0's save returns, all data is
+    durable. Here rank 0 writes COMMITTED (a JSON marker), renames the directory to `step_N` (one atomic
+    rename) and fsyncs the parent. A crash at any point before the rename leaves only a `.tmp-` directory,
+    never loaded. A save of a step that already has a checkpoint (the same step trained again after a resume
+    from an older one) first renames the old one to `.replaced-step_N`, then renames the new one in, then
+    deletes the old: a crash between the two renames leaves no `step_N`, and the next worker group puts the
+    old one back (`clean_up`), so one of the two is always there."""
     final = directory / step_dir_name(step)
     with open(tmp / COMMIT_MARKER, "w") as f:
         json.dump({"step": step, "world_size": world_size, "generation": generation, "time": time.time()}, f)
@@ -148,15 +145,19 @@ def remove_older_saves(directory: Path, generation: int) -> None:
 
 def prune(directory: Path, keep: int) -> list[Path]:
     """Rank 0, after a commit: the committed checkpoints older than the newest `keep` renamed out of sight
-    (`.pruned-…`); returns those, for a BackgroundDeletion to delete."""
+    (`.pruned-…`); returns those, for a BackgroundDeletion to delete.
+
+    Pruning: the rename is atomic, so a pruned checkpoint stops being one at once; the deletion follows in a
+    background thread. What an interrupted deletion leaves is deleted by the next `clean_up` (at every worker
+    group's start, and after every commit)."""
     hidden = (_hide(old) for _, old in committed_checkpoints(directory)[keep:])
     return [path for path in hidden if path is not None]
 
 
 class BackgroundDeletion:
     """Deletes pruned checkpoints in a thread of their own: unlinking a shard file of hundreds of MiB waits
-    for the file system (~50 ms per 512 MiB here, hardly any CPU), a wait the training thread should not
-    make. One deletion at a time; what a crash or an error leaves, the next clean_up deletes."""
+    for the file system with hardly any CPU, a wait the training thread should not make. One deletion at a
+    time; what a crash or an error leaves, the next clean_up deletes."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -195,6 +196,8 @@ def clean_up(directory: Path) -> None:
         log.warning("checkpoint %s: its replacement by a new save was interrupted; the checkpoint is back", final)
     for path in sorted(directory.glob(f"{PRUNED_PREFIX}step_*")):
         _delete(path)
+    # A commit renames only complete directories, so a `step_N` without its marker is what a deletion in place
+    # (before pruning renamed first) left half done.
     for path in sorted(directory.glob("step_*")):
         if _STEP_DIR.match(path.name) and not _has_marker(path):
             log.warning("checkpoint directory %s has no %s marker: what an interrupted deletion left; deleting it",
