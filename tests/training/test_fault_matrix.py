@@ -117,7 +117,9 @@ def test_a_fault_whose_step_the_rank_never_trains_fires_at_the_next_step_it_does
 
 # ---- the matrix in the local cluster -------------------------------------------------------------
 
-REPLACEMENT_DELAY_S = 20  # with a hot spare: 2x its takeover at load 10 (3.5 s idle); the run's end waits it out
+# with a hot spare: above its takeover when the survivor only learns of the lost peer from NVRx's calculated
+# step timeout (17 s on a loaded 2-core box), not from gloo at once; the run's end waits it out
+REPLACEMENT_DELAY_S = 30
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
 SAMPLE_LOG = "logging.sample_log=true"  # each rank's sample indices per step: the exactly-once data check
 
