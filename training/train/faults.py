@@ -219,6 +219,7 @@ class FaultInjector:
         self._rank = rank
         self._events = events
         self._failures_left: dict[str, int] = {}  # disk-full: saves still to fail in this firing
+        self._spent: set[str] = set()  # once-per-run faults known fired: no stat of the run dir each step after
         if any(s.kind in NODE_STRIKES and self._due(s) for s in self._mine):
             _striker()
 
@@ -257,10 +258,16 @@ class FaultInjector:
         return spec.step == step if spec.persistent else spec.step <= step
 
     def _due(self, spec: FaultSpec) -> bool:
-        return spec.persistent or not (self._dir / spec.key).exists()
+        if spec.persistent:
+            return True
+        if spec.key not in self._spent and (self._dir / spec.key).exists():
+            self._spent.add(spec.key)
+        return spec.key not in self._spent
 
     def _fire(self, spec: FaultSpec, step: int) -> None:
         self._record(spec)
+        if not spec.persistent:
+            self._spent.add(spec.key)
         self._events.emit("fault_injected", kind=spec.kind, rank=self._rank, step=step, spec=spec.text)
 
     def _record(self, spec: FaultSpec) -> None:
