@@ -1,19 +1,12 @@
 """What reading the event log costs rank 0 as a run grows: a refresh of the metrics endpoint and the start
-of an attempt, on synthetic logs of up to millions of events (a two-week run at about a step a second
-writes over a million step events).
+of an attempt, on synthetic logs of up to millions of events.
 
     python -m bench.event_log [--events N …]
 
-For each size: a log of that many events (steps of 1 s, a checkpoint every 100 steps, an in-job restart
-every 100,000 steps) in the run directory's events/, written as training.contract.events writes it.
-Then, in this process:
-  catch-up        the first refresh of the first metrics endpoint (RunCollector.collect): no tally saved yet
-  refresh         a refresh after REFRESH_EVENTS more events (a refresh's worth at a step a second)
-  resumed         the first refresh of the next rank 0 process (a new attempt's endpoint), which finds the
-                  tally the first one saved (training.report.saved_tally) REFRESH_EVENTS events ago
-  attempt start   rank 0's events for a new attempt (Trainer._announce_attempt)
-each as wall seconds and bytes read (/proc/self/io rchar). Only those two entry points are used, so the
-same script measures an older checkout of the code (there `resumed` is a whole catch-up).
+Why: a two-week run writes over a million step events, and neither a scrape nor an attempt's start may cost
+more as the log grows. Each size's log is written as training.contract.events writes it, and only two entry
+points are measured (RunCollector.collect, Trainer._announce_attempt), so the same script measures an older
+checkout. The rows and what each measures: docs/benchmarks.md.
 """
 from __future__ import annotations
 

@@ -114,9 +114,9 @@ class Unavailable(Exception):
 
 def unavailable_reason(m: Mechanism) -> str | None:
     if m.needs_module and importlib.util.find_spec(m.needs_module) is None:
-        return f"{m.needs_module.replace('.', '/')}.py does not exist in this checkout yet"
+        return f"{m.needs_module} does not exist in this checkout yet"
     if m.fault not in KINDS:
-        return f"training/train/faults.py has no {m.fault!r} fault kind"
+        return f"training.contract.faults.KINDS has no {m.fault!r} fault kind"
     if m.netns:
         return netns_unavailable_reason()
     return None

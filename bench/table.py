@@ -91,7 +91,7 @@ def recovery_table(r: BenchResult) -> list[str]:
 
 
 def rollback_table(r: BenchResult) -> list[str]:
-    title = "In-memory rollback (training/train/rollback.py)"
+    title = "In-memory rollback (training.train.rollback)"
     x = r.rollback
     if x is None:
         return [f"{title}: not measured ({r.unavailable.get(ROLLBACK, 'unknown reason')})"]
@@ -105,7 +105,7 @@ def rollback_table(r: BenchResult) -> list[str]:
 
 
 def peer_table(r: BenchResult) -> list[str]:
-    title = "Peer state (training/train/peer_state.py)"
+    title = "Peer state (training.train.peer_state)"
     x = r.peer
     if x is None:
         return [f"{title}: not measured ({r.unavailable.get(PEER, 'not in this profile')})"]
@@ -118,7 +118,7 @@ def peer_table(r: BenchResult) -> list[str]:
 
 
 def peer_sizes_table(r: BenchResult) -> list[str]:
-    title = "Peer state as the state grows (bench/peer_sizes.py)"
+    title = "Peer state as the state grows (bench.peer_sizes)"
     if not r.peer_sizes:
         return [f"{title}: not measured ({r.unavailable.get(PEER_SIZES, 'not in this profile')})"]
     base = r.peer_sizes[0]
@@ -138,12 +138,12 @@ def peer_sizes_table(r: BenchResult) -> list[str]:
 
 
 def projection_table(r: BenchResult) -> list[str]:
-    title = "Projection, not a measurement: a lost p5 node on EKS (bench/projection.py)"
+    title = "Projection, not a measurement: a lost p5 node on EKS (bench.projection)"
     if not r.projections:
         return [f"{title}: needs the in-job run and the node-loss runs, not measured here"]
     delays = ", ".join(f"{name} {value:g} s" for name, value in vars(r.delays).items())
     lines = [f"{title}. Each recovery is the sum of its parts: Kubernetes' and EKS's delays "
-             f"(training/contract/k8s_delays.py: {delays}) and what this run measured. Reference: the AWS post's plain "
+             f"(training.contract.k8s_delays: {delays}) and what this run measured. Reference: the AWS post's plain "
              f"Kubernetes restart, ~{REFERENCE_PLAIN_RESTART_S:g} s.", "",
              *_header("scenario", "projected recovery", "parts (s)")]
     for p in r.projections:

@@ -3,25 +3,13 @@ SELECTOR matches and whose kubelet stopped reporting (Ready condition Unknown) f
 (its EC2 instance stopped) and, once EC2 reports the instance stopped, marked out of service; a node that
 reports Ready again is unmarked.
 
-Why: a node that hangs but still exists keeps its pod. After its toleration the taint manager deletes the
-pod, which then stays Terminating, because no kubelet confirms that its containers stopped; the training
-Job (podReplacementPolicy: Failed, which a podFailurePolicy requires) replaces a pod only once it is
-Failed, and EKS node auto repair replaces the node only after 30 min NotReady. On a node with the taint
-node.kubernetes.io/out-of-service, PodGC force-deletes the terminating pods and marks them Failed
-(Kubernetes 1.34 docs: "Non-graceful node shutdown handling" in Node Shutdowns, and "Garbage collection of
-Pods" in Pod Lifecycle); the pod already carries DisruptionTarget from the taint manager, so the Job
-replaces it without counting it.
-
-Why fence first: those docs say to apply the taint only once the node is shut down. A node cut off from the
-API server but not from FSx could go on writing (checkpoints, the event log, NCCL traces) beside its
-replacement; generation fencing guards the checkpoint commits but not every write. Stopping the instance
-(ec2:StopInstances with Force: no OS shutdown to wait for on a hung node) ends every process on it, and the
-taint follows only when DescribeInstances says "stopped" (or "terminated"). A node that cannot be fenced (no
-EC2 instance id, a denied call) is not marked; the next poll tries again.
-
-Stdlib only: the Kubernetes API with the pod's service account token (RBAC: list and patch nodes), EC2's Query
-API signed with Signature Version 4 with the Pod Identity credentials (IAM: StopInstances on this cluster's GPU
-instances, DescribeInstances; infra/node_fencing.py).
+Why: a hung node's pod stays Terminating, and the Job (podReplacementPolicy: Failed) replaces it only once it is
+Failed, which without this is EKS auto repair's 30 min. On a node with the taint node.kubernetes.io/out-of-service
+PodGC force-deletes the terminating pods and marks them Failed, and the Job replaces them uncounted; the taint is
+for a node that is shut down, hence the forced stop first (Kubernetes 1.34 docs: "Non-graceful node shutdown
+handling" in Node Shutdowns, and "Garbage collection of Pods" in Pod Lifecycle). Cost: stdlib only, a poll every
+POLL_S (RBAC: list and patch nodes; IAM: StopInstances on this cluster's GPU instances, DescribeInstances;
+infra.node_fencing). The whole sequence: docs/recovery.md, "A node that hangs".
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ each run's output and exits 1, naming the collective, the node and the figure, w
 - a node's NCCL did not log the EFA transport (`NET/OFI`, aws-ofi-nccl's lines at NCCL_DEBUG=INFO),
   e.g. it fell back to TCP sockets (`NET/Socket`, `Using network Socket`);
 - the bus bandwidth at the largest message size is below the collective's floor for the instance type
-  (infra/instances.py, min_busbw_gbs);
+  (infra.instances, min_busbw_gbs);
 - a run did not finish within --timeout-s (a hang: aws-ofi-nccl 1.18.0 hung on broadcast while all-reduce
   passed); its processes are killed and the next collective runs;
 - fewer nodes took part than the Job's size, the results had wrong values, or mpirun failed.

@@ -19,7 +19,7 @@ TINY = replace(QUICK, faults=1, first_fault=6, tail_steps=2, checkpoint_interval
 def test_a_mechanism_without_its_module_is_not_available(tmp_path: Path) -> None:
     missing = Mechanism("inprocess", "in-process", "inprocess", "exception", True, "inprocess",
                         needs_module="training.no_such_module")
-    with pytest.raises(Unavailable, match="training/no_such_module.py does not exist"):
+    with pytest.raises(Unavailable, match="training.no_such_module does not exist"):
         measure_mechanism(missing, TINY, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 

@@ -221,7 +221,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert ("| in-memory rollback per step / step time (in-process run) | 4.0% | <= 5% | target | PASS |"
             in text)
     no_rollback = format_markdown(replace(result, rollback=None, unavailable={"rollback": "disk full"}))
-    assert "In-memory rollback (training/train/rollback.py): not measured (disk full)" in no_rollback
+    assert "In-memory rollback (training.train.rollback): not measured (disk full)" in no_rollback
     assert "PASS" in text and "BASELINE" in text and "~270 s" in text
     assert "Projection, not a measurement: a lost p5 node on EKS" in text
     assert "| hot spare (spare node and standby pod): this repository's default | 50 s |" in text
@@ -229,7 +229,7 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| peer state copy per step / step time (peer-state run) | 3.0% | <= 5% | target | PASS |" in text
     assert "| small | 300.0 MiB | 0.40 s | 2.00 s | 3.00 s | 1.00 s (0.31 GB/s) | 300x | 200x | 200x | 30x |" in text  # growth, measured
     no_sizes = format_markdown(replace(result, peer_sizes=(), unavailable={"peer_sizes": "/dev/shm full"}))
-    assert "Peer state as the state grows (bench/peer_sizes.py): not measured (/dev/shm full)" in no_sizes
+    assert "Peer state as the state grows (bench.peer_sizes): not measured (/dev/shm full)" in no_sizes
     png = plot_result(result, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -551,7 +551,7 @@ def format_capacity(c: Capacity) -> str:
                        f"{c.peer_steps_lost if s.peer_state else '-'}; drain {c.drain_steps_lost}"),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = ["Capacity (projected; constants and their sources: training/contract/capacity.py):"]
+    lines = ["Capacity (projected; constants and their sources: training.contract.capacity):"]
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     problems = c.problems()
     lines += [f"  REFUSED: {p}" for p in problems] or ["  every promise holds at this size"]

@@ -2,31 +2,13 @@
 
     python -m training.pod.launch --config FILE -- ft_launcher ARG …
 
-1. Pre-flight: the training config must load, or the node exits CONFIG_ERROR (ft_launcher would
-   exit 1 whatever its ranks exit with, and the Job would retry a config that cannot work).
-2. Runs the command (ft_launcher, or `python -m training.pod.prefork launch ft_launcher …`) as its
-   child, with the pod's start time and index as NVRx's infrastructure rank and the rendezvous store's
-   endpoint for the ranks' in-process coordination (launcher_env), passes on the
-   termination signals the kubelet (or the local controller) sends, and reaps every process that
-   ends up orphaned under it, as a container's PID 1 must. One loop does both (Child, PassedOn): a
-   signal reaches the command, however close to its exit it lands, and never makes the loop miss that exit.
-3. Watches the run's job failure requests (training.contract.job_failure): when a rank asks, it stops
-   the command (SIGTERM, SIGKILL after STOP_GRACE_S) and exits CONFIG_ERROR at once, the cause on its last
-   line and in the container's termination message, whatever the restart mode would have done next.
-4. Stops the command COMPLETED_GRACE_S after the run completed, if it has not ended by then: a node still
-   starting as the run ended (a lost node's replacement, standing by) may join the store the Deployment
-   started again after the rendezvous shut down, and would wait there for a round until the join timeout.
-5. Exits 0 exactly when the run completed (a completed run_end in the event log,
-   training.contract.events.run_completed), whatever ft_launcher exited with: a node that starts or fails
-   after the run's end has nothing left to do, and the Indexed Job needs every index to succeed.
-   Otherwise it exits as ft_launcher did, but never 0: ft_launcher 0.7.0 also exits 0 when a hot
-   spare leaves and when every rank left cleanly after SIGTERM, which the Job would count as a
-   completed index and never run again; that becomes INCOMPLETE, which the Job retries.
-
-Every read it makes of the run directory (on FSx) may fail for a while (training.pod.read_errors): the
-failure is logged and the read tried again at the next poll, and never stops the command, whose ranks
-deal with FSx themselves. The checks before the start and after the exit wait up to READ_PATIENCE_S
-for an answer; after that the run counts as not completed (the Job retries the pod, whose check reads it).
+It checks the config before anything starts, runs the command as its child (passing on the kubelet's
+termination signals and reaping orphans, as a container's PID 1 must), stops it when a rank asks the Job
+to fail (training.contract.job_failure) or shortly after the run completed, and exits 0 exactly when the
+run completed: ft_launcher 0.7.0 also exits 0 when a hot spare leaves or every rank left cleanly after
+SIGTERM, which the Indexed Job would count as a completed index and never run again. Cost: a poll of the
+run directory on FSx every POLL_S, whose failed reads are retried, never fatal (training.pod.read_errors).
+Each step and its exit codes: docs/recovery.md, "The pod's PID 1".
 """
 from __future__ import annotations
 

@@ -1,36 +1,12 @@
 """Pre-forked workers: an in-job restart without Python start-up and imports.
 
-ft_launcher starts each worker as a fresh `python -m training.train`, so every in-job restart pays
-for the interpreter and the imports of torch, DCP/DTensor, torch._dynamo (FSDP2's first call) and
-NVRx, with all ranks of a node importing at once. Here one template process per node imports all
-that once, before any restart, and forks a worker for each start ft_launcher asks for. A fork is
-pristine: modules are loaded, nothing has run (no tensor, no CUDA context, no process group).
-
-    python -m training.pod.prefork launch CMD [ARG ...]
-        Start the template, then exec CMD (ft_launcher) with TRAINING_PREFORK_SERVER set. The
-        template is CMD's child and gets SIGTERM when CMD dies.
-    python -m training.pod.prefork worker MODULE [ARG ...]
-        The entrypoint ft_launcher starts (`-m training.pod.prefork worker training.train …`): a
-        stdlib-only stub that has the template fork `python -m MODULE ARG …` with the stub's argv,
-        environment, working directory and stdio. It forwards signals to that worker's process
-        group and exits as the worker exits (a kill by signal N is passed on as signal N).
-        Without a template (none was launched, or it died) the stub execs `python -m MODULE ARG …`
-        itself: slower, same job.
-
-Each worker has a supervisor process, forked from the template, that reports its exit status to
-the stub. The worker leads its own session and process group, as ft_launcher's own workers do.
-When the worker exits, the supervisor kills what is left in that group (helper processes the
-worker started), as NVRx 0.7.0's launcher kills its workers' groups. If the stub is killed
-(ft_launcher's SIGKILL after its stop timeout), the supervisor kills the group; if the supervisor
-dies, the kernel kills the worker. NVRx's rank monitor sees the worker's own PID and kills it
-directly.
-
-Differences from a plain worker, by design or unavoidable:
-- After a SIGKILL of the stub, the worker dies a moment later, not before ft_launcher reaps the
-  stub. A SIGTERM (ft_launcher's normal stop) is waited for: the stub exits when the worker has.
-- What is read once at import time comes from the template: environment variables read by torch's
-  and NVRx's imports (TORCH_LOGS, dynamo/inductor settings), rlimits, a NUMA memory policy. The
-  worker does take the stub's environment, working directory, umask and CPU affinity.
+ft_launcher starts each worker as a fresh `python -m training.train`, so every in-job restart pays for
+the interpreter and the imports of torch, DCP/DTensor, torch._dynamo and NVRx, on all ranks of a node at
+once. Here one template process per node imports all that once and forks a pristine worker (nothing run:
+no tensor, no CUDA context, no process group) for each start ft_launcher asks for; `launch` starts the
+template, `worker` is the stdlib-only stub ft_launcher runs in its place. Cost: a template process per
+node, and what torch's and NVRx's imports read once (environment, rlimits) comes from the template. The
+protocol and every difference from a plain worker are in docs/recovery.md, "Pre-forked workers".
 """
 from __future__ import annotations
 

@@ -2,23 +2,12 @@
 
     python -m training.pod.store --config FILE [--stall-timeout SECONDS] -- nvrx-control ARG …
 
-NVRx 0.7.0 opens a new rendezvous round only from a surviving launcher whose workers failed. When every
-node that was training is lost at once (the one node of a one-node job; both nodes of a pair) nobody
-is left to open it: the replacements and the spares wait for it for ever. This process runs the store
-as its child and watches the run's event log (on FSx): when no rank has written an event for the stall
-timeout (fault_tolerance.rendezvous_join_timeout_s + STALL_MARGIN_S: longer than any round may
-gather) and the run has not completed, it starts the store over, empty. The launchers still connected
-to the old one fail and their pods are retried; each then joins the new store's first round, and
-training resumes from peer state or the checkpoint. (The local cluster's controller, which sees every
-launcher, starts over at once instead.)
-
-The event log is on FSx, whose reads fail for a while when its Lustre client is evicted
-(training.pod.read_errors). A read that fails is logged and tried again at the next poll, and never taken
-for a stall, so the store and every node's rendezvous outlive it.
-
-Signals it receives go to the store; it exits as the store does (the Deployment starts it again). The
-store dies with it, whatever ends it (the kernel's parent-death signal), so the next store never finds
-its port still held by this one's.
+NVRx 0.7.0 opens a new rendezvous round only from a surviving launcher whose workers failed, so when every
+node that was training is lost at once nobody opens it and the replacements wait for ever. This process runs
+the store as its child and, when no rank has written an event for the stall timeout (longer than any round
+may gather) and the run has not completed, starts it over, empty. Cost: a read of the event log on FSx
+every poll, whose failures are retried, never taken for a stall (training.pod.read_errors). What follows a
+restart of the store: docs/recovery.md, "Hot spares".
 """
 from __future__ import annotations
 

@@ -2,21 +2,12 @@
 barriers, heartbeats, interruption records) and the application's (each iteration's process-group rendezvous,
 the fault log).
 
-Both live in the rendezvous store, whose endpoint training.pod.launch hands the ranks (STORE_ENDPOINT_ENV):
-nvrx-control in the store pod on the system nodes (training.local: its store process). It outlives every GPU
-node, so losing any node, rank 0's too, leaves the survivors' Wrapper standing: it sees the lost ranks'
-heartbeats stop and, the world shrunk, hands over to the launcher's in-job restart, as for any lost node.
-Hosted in global rank 0's process (NVRx's default), they died with rank 0's node: the survivors' monitor
-threads failed on the dead store ("Broken pipe") and nothing escalated.
-
-Each launcher cycle starts new ranks, with a new Wrapper whose keys must start empty: they go under the
-cycle's prefix (TORCHELASTIC_RESTART_COUNT is NVRx 0.7.0's global cycle number, the rendezvous round, the
-same on every node; MASTER_ADDR:MASTER_PORT, which rank 0 picks anew each round, besides). A store started
-over is empty anyway.
-
-Without the endpoint (ft_launcher started by hand, not under training.pod.launch) global rank 0's process
-hosts one store for both, at MASTER_PORT+1, and waits for every rank before it leaves (the Wrapper's
-critical rank); losing rank 0 there ends the cycle's coordination.
+Both live in the rendezvous store off the GPU nodes, whose endpoint training.pod.launch hands the ranks
+(STORE_ENDPOINT_ENV), under a prefix of the launcher cycle so that each cycle's keys start empty. Why: hosted
+in global rank 0's process (NVRx's default) they died with rank 0's node and nothing escalated; off the
+nodes, losing any node leaves the survivors' Wrapper standing to hand over to the in-job restart. Cost: every
+rank's Wrapper polls a remote store. Without the endpoint, rank 0 hosts one store at MASTER_PORT+1. Details:
+docs/recovery.md, "How `both` works".
 """
 from __future__ import annotations
 

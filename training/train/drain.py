@@ -1,32 +1,13 @@
 """Drains: SIGTERM commits, it does not discard.
 
-Kubernetes sends SIGTERM to a pod on a node drain, an eviction, the end of a spot instance or a
-capacity block, and `kubectl delete pod`; ft_launcher forwards it to its ranks and waits
-`fault_tolerance.drain_timeout_s` (its --term-timeout) before it SIGKILLs them. But ft_launcher also
-sends SIGTERM to stop the survivors of a failed rank before an in-job restart, and there the rank
-must go at once, as SIGTERM's default would: it may be blocked in a collective with the dead rank.
-A drain is told apart by a marker file (DRAIN_MARKER_ENV) that whoever drains writes before the
-signal: the pod's preStop hook, which the kubelet runs before it sends SIGTERM, or training.local's
-controller.
-
-A rank is never left in a collective by a Python signal handler that cannot run: the handler only
-makes the interpreter write the signal number to a pipe (`signal.set_wakeup_fd`, done in C, from
-whichever thread the signal lands in), and a watcher thread reads it. Without the marker the watcher
-ends the process (TERMINATED). With it, it notes the drain; the train loop carries the note in the
-all-reduce it already does for the loss (no extra collective), so every rank learns of the drain at
-the same step, from whichever node got the signal. Then all ranks together keep the step reached
-(`plan_drain`), one of two ways, the one whose measured cost is lower, if it fits the time left
-(DRAIN_SAVE_MARGIN times the cost):
-  checkpoint  let the in-flight async save commit, then save the step reached to the checkpoint
-              directory (FSx), unless the in-flight save was of that step;
-  peers       copy the step reached into node memory and send it to the partner nodes (peer state,
-              training.train.peer_state); the drained node's replacement restores it from them. Only
-              where every drained node has a partner that is not drained. The in-flight save is
-              abandoned (never committed; the next worker group removes it).
-A way never measured yet (no save so far) is tried only when no measured way fits. Every rank
-learns the outcome (a commit by rank 0, every partner's copy) before any rank leaves, and leaves
-with TERMINATED, an exit code that ft_launcher and the Job retry (ft_launcher exits 0 when every
-rank exits cleanly after a signal, which the Job would take for a completed index).
+Kubernetes sends SIGTERM on a node drain, an eviction, the end of a spot instance or capacity block;
+ft_launcher also sends it to stop the survivors of a failed rank, and there the rank must go at once (it
+may be blocked in a collective with the dead rank). A drain is told apart by a marker file
+(DRAIN_MARKER_ENV) written before the signal (the pod's preStop hook). A watcher thread, woken through
+`signal.set_wakeup_fd` so no Python handler can leave a rank stuck, ends the process on a plain stop and
+otherwise notes the drain; the train loop carries it in the loss all-reduce (no extra collective), and
+all ranks together keep the step reached by a checkpoint or by peer state (`plan_drain`), whichever is
+cheaper and fits the time left. Cost: one thread per rank. The protocol: docs/recovery.md, "Drains".
 """
 from __future__ import annotations
 

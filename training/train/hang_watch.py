@@ -1,19 +1,13 @@
 """Under restart=both, a hang is detected as soon as under injob: the rank monitor's calculated section
 timeouts, applied in-process.
 
-Under injob the launcher's rank monitor stops a rank whose step (or checkpoint) section stays open past the
-timeout calculated from observed steps (training.train.monitor), seconds on a small model. Under
-restart=both those timeouts are raised above the Wrapper's hard timeout (section_timeout_floor), so that the
-Wrapper, not the launcher, handles a hang; but the Wrapper's soft timeout is one fixed figure from the config
-(fault_tolerance.inprocess_soft_timeout, a minute by default), and the peers blocked in a collective with
-the hung rank learn of it only from gloo's timeout. This watch compares the open section with its calculated
-timeout and, past it, reports once per iteration; the report (training.train.inprocess) records a
-soft-timeout interruption in the Wrapper's store, as the Wrapper's monitor process does at its own soft
-timeout, and every rank restarts in-process.
-
-Costs one thread per rank that wakes every WATCH_INTERVAL_S. The timeouts are the process's: the tightest
-each iteration calculated after calculate_timeouts_after steps; an iteration's first steps are watched by
-the previous iterations' calculation.
+Why: under restart=both the launcher's calculated timeouts are raised above the Wrapper's hard timeout
+(section_timeout_floor), and the Wrapper's soft timeout is one fixed figure from the config, so a hung rank's
+peers would learn of it only from gloo's timeout. This watch compares the open section with its calculated
+timeout and, past it, reports once per iteration; the report (training.train.inprocess) records a soft-timeout
+interruption in the Wrapper's store, and every rank restarts in-process. Cost: one thread per rank that wakes
+every WATCH_INTERVAL_S. The timeouts are the process's: the tightest each iteration calculated after
+calculate_timeouts_after steps; an iteration's first steps are watched by the previous iterations' calculation.
 """
 from __future__ import annotations
 

@@ -1,36 +1,16 @@
 """In-process restart (fault_tolerance.restart = both): training.train.run under
 nvidia_resiliency_ext.inprocess.Wrapper, inside ft_launcher.
 
-A fault in one rank (an exception, a hang past the rank monitor's calculated section timeout,
-training.train.hang_watch, or past inprocess_soft_timeout) makes every rank abort its process groups
-(training.train.gloo_abort), call `run` again with a fresh store prefix and resume from the in-memory
-copy of the last completed step (training.train.rollback), without a new process. What the Wrapper
-cannot handle ends it and falls back to ft_launcher: a lost process or node (the world would shrink, and
-FSDP shards no longer fit; a node whose heartbeats stop is given up after HEARTBEAT_TIMEOUT), or a spent
-restart budget (restarts in a row without progress, a failure in setup as in a step: a persistent fault).
-
-A drain (training.train.drain) is no fault: every rank leaves the Wrapper at the same step as from a
-completed run, and raises Drained only once out of it (a rank leaving with an exception would make the
-Wrapper interrupt the others, mid-commit). Its hang timeouts are off while the drain waits for saves
-(`Iteration.unwatched`), and the SIGTERM watcher is the process's, started before the Wrapper, so a
-signal that lands between two iterations reaches the next.
-
-Stores: the Wrapper's and the application's (process groups under `iteration<N>/`, the fault log) are
-clients of the rendezvous store, off the GPU nodes, so that losing rank 0's node is handled as any other
-lost node (training.train.coordination).
-
-On a CPU machine LOCAL_RANK is hidden while the Wrapper is built: with it, NVRx 0.7.0 adds NVML
-GPU/NIC health checks to every restart, which fail without a GPU.
-
-The launcher's rank monitor: `run` connects a new RankMonitorClient per iteration and disconnects
-on the way out; while disconnected the rank is not watched, so a restart in progress is never a
-timeout. Config validation keeps inprocess_hard_timeout below the rank monitor's configured timeouts;
-timeouts calculated from observed steps, or loaded from a checkpoint, are raised above it
-(training.contract.launcher.section_timeout_floor), so the Wrapper, not the launcher, handles a hang.
-
-No `from __future__ import annotations` here: the Wrapper finds the parameter to inject its
-CallWrapper into by the annotation *object*.
+A fault in one rank (an exception, or a hang: training.train.hang_watch, inprocess_soft_timeout) makes
+every rank abort its process groups (training.train.gloo_abort) and call `run` again under a fresh store
+prefix, resuming from the in-memory copy of the last completed step (training.train.rollback): no new
+process, at most one step lost. What the Wrapper cannot handle (a lost process or node, a spent restart
+budget) falls back to ft_launcher's in-job restart. Cost: the Wrapper's monitor process and store traffic
+per rank, and the per-step rollback copy. How drains, hangs, the stores and the rank monitor fit in:
+docs/recovery.md, "How `both` works".
 """
+# No `from __future__ import annotations` here: the Wrapper finds the parameter to inject its
+# CallWrapper into by the annotation *object*.
 import contextlib
 import logging
 import os
@@ -237,6 +217,7 @@ def make_wrapper(cfg: TrainConfig, coordination: Coordination, initialize: inpro
     kwargs = wrapper_kwargs(cfg, coordination=coordination, master_port=int(os.environ["MASTER_PORT"]),
                             on_cuda=on_cuda, initialize=initialize)
     Path(cfg.run_dir, "logs").mkdir(parents=True, exist_ok=True)
+    # with LOCAL_RANK set, NVRx 0.7.0 adds NVML GPU/NIC health checks to every restart, which fail without a GPU
     with _hidden_env("LOCAL_RANK", hide=not on_cuda):
         return wrapper_cls(**kwargs)
 

@@ -1,19 +1,12 @@
 """Rank 0's live metrics in the Prometheus text format, at http://<rank 0>:<metrics.port>/metrics.
 
-Two sources, so that nothing is counted twice:
-- the step just completed, set by the training loop: step, loss, step time, tokens/s and, with a known
-  GPU peak, MFU (training.contract.flops); and the events rank 0 could not write to the log yet;
-- the run so far, from the event log by the report's own definitions (training.report.tally), so a
-  scrape and `python -m training.report` agree: training and infra goodput, restarts by kind, checkpoint
-  blocking and the age of the newest committed checkpoint. The log is read at most every
-  metrics.event_log_refresh_s seconds, in the HTTP server's thread, never in the training loop's, and
-  only what was appended since the last read (a two-week log holds millions of events): a refresh costs
-  the events since the previous one, whatever the log's length. The first read of a process (after each
-  restart of rank 0) catches up from the tally saved beside the log (training.report.saved_tally, at most
-  every TALLY_SAVE_S), reading only what was appended since; without one it reads the whole log once.
-
-The server binds in the background: a rank 0 restarted in-job may find the port still held for a moment
-by the process it replaces (being killed), and retries until it is free; training never waits for it.
+Two sources, so that nothing is counted twice: the step just completed, set by the training loop (with a
+known GPU peak, MFU: training.contract.flops), and the run so far, from the event log by the report's own
+definitions (training.report.tally), so a scrape and `python -m training.report` agree. Cost: a read of what
+the log appended since the last refresh, at most every metrics.event_log_refresh_s, in the HTTP server's
+thread, never the training loop's; a new rank 0 catches up from the saved tally (training.report.saved_tally).
+The server binds in the background (a rank 0 restarted in-job may find the port still held for a moment by
+the process it replaces), and training never waits for it. docs/observability.md, "Live metrics".
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """NVRx fault tolerance, the rank side: RankMonitorClient sections and heartbeats. The launcher side (the
 ft_launcher flags derived from the training config) is training.contract.launcher.
 
-Sections: `setup` (process start to the first step), `step` (one training step; an async save's wait
-for its staging copy, before the optimizer's step, falls in it), `checkpoint` (the rest of a save's
-blocking part). After `calculate_timeouts_after` steps of an attempt, the step and (sync saves
-only) checkpoint section timeouts are recomputed from observed timings (max × safety factor) and sent
-to the rank monitor; they are saved in checkpoints, so a restarted job gets tight hang detection
-from its first step. A heartbeat is sent after every step, so the launcher's heartbeat timeouts
-(from the config, generous) hold as a backstop.
-
-An async save's checkpoint section is a hand-off of milliseconds, but the same section also holds
-the waits that last as long as a whole save: a save due while the last one is in flight (when_busy=
-wait), a drain's commit, the final close. A timeout learned from hand-offs would kill healthy ranks in
-those waits, so with checkpoint.mode=async the checkpoint section keeps its configured timeout, and
-one learned earlier (a checkpoint of a sync run, or of a run before this rule) is put back to it.
-
-Without ft_launcher (no rank monitor socket in the environment) every call is a no-op, announced
-once with a log line.
+Why: the launcher's rank monitor can stop a hung rank within seconds only if each section's timeout fits
+what the rank really does, so the `step` (and, for sync saves, `checkpoint`) timeouts are recalculated
+from observed timings and saved in checkpoints; async saves keep the configured checkpoint timeout, since
+that section also holds waits as long as a whole save. Cost: a heartbeat per step; every call is a no-op
+without ft_launcher. The sections and rules: docs/training.md, "Section timeouts".
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """CheckpointManager: saves, commits, prunes and loads checkpoints, on every rank at the same points of
 the program (`layout` has the directory and the commit protocol, `writers` the DCP writers).
 
-Async mode: at most one save is in flight; `poll()` (called every step on every rank) commits a finished
-save. The next save waits for it (the wait is emitted as ckpt_blocked) or, with when_busy=skip, is
-skipped with a log line. A save's staging copy may still be running when `save` returns (on CPU,
-`staging`): `wait_staged()` waits for it before the state changes, and the save's ckpt_blocked, emitted
-once the copy is made, counts both waits. Ranks can see a save finish at different polls (the torch
-writer's check is local), so a save stays in flight until the next `save` or `wait`, where all ranks decide
-together.
-
-A failing save (e.g. OSError: disk full) emits ckpt_failed, removes its `.tmp-` dir, and training
-goes on. A full file system (layout.out_of_space) also emits ckpt_no_space and logs an error naming the
-directory: every later save fails too until space is freed. A save whose rename succeeded is committed,
-whatever the bookkeeping after it (resume step, clearing up, pruning) meets. A worker group that cannot
-write GENERATION as it starts (NoGeneration) trains without checkpoints: each save it skips is an error
-line and ckpt_failed, and tries GENERATION again, so checkpoints resume once the file system takes writes.
-
-Loading takes the newest complete checkpoint and reshards it to the current world size (DCP). Only
-evidence of damage (`inspection`) sets a checkpoint aside as `corrupt-step_N-<time>/` and falls back
-to the previous one. An intact checkpoint that cannot match the state (a changed preset or optimizer,
-`fit`) raises CheckpointMismatch, which no restart can cure; any other load error (I/O, a timeout) fails
-the attempt for a retry; both leave it in place. When checkpoints exist but none loads, training refuses
-to start at step 0 unless told to.
+Why: nothing a fault, a drain or a resize does may discard training. A failing save (a full file system
+included) is an event and a log line, and training goes on; only evidence of damage sets a checkpoint
+aside, and a checkpoint that cannot match the state (CheckpointMismatch) fails the Job instead of being
+retried. Cost: at most one async save in flight, and a `poll()` on every rank every step that commits a
+finished one. What each failure does, and how loading falls back: docs/training.md, "Checkpoints" and
+"Async saves".
 """
 from __future__ import annotations
 

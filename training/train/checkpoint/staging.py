@@ -2,22 +2,14 @@
 once, ahead of the first save and off the training thread, and reused by every save; each copy made in a
 thread of its own while the training thread goes on to the next step, until it changes the state.
 
-A save copies the state (its staging copy); the writer process then reads the copy where it lies
-(`writer_process`). torch's DefaultStager(use_shared_memory) already keeps one buffer per source storage and
-reuses it (torch.distributed.checkpoint._state_dict_stager.StateDictStager, torch 2.13), but it costs the
-training thread three ways: the first save allocates and page-faults every buffer (the kernel zero-fills
-each new shared-memory page); every save copies on the training thread; and
-its copies (UntypedStorage.copy_) hold the GIL, so neither can move into a thread without stopping the
-training loop's Python as long.
-
-`SharedStaging` copies with Tensor.copy_, which releases the GIL, in its own thread: `warm_up(state)` runs a
-first staging there, which allocates and touches the buffers while training goes on (on a spare core, for
-nothing), and `stage` hands each save's copy to the same thread and returns a Future. DCP's async_save
-then starts the write once the copy is made, and returns that Future as its AsyncSaveResponse's
-staging_completion: the training thread may run the next step's forward and backward meanwhile, and waits
-for it only before it changes the state (CheckpointManager.wait_staged, before the optimizer's step).
-A save waits for a warm-up still running before it hands over its copy, and each save copies the state of
-its own step (what the warm-up copied is thrown away).
+Why not torch's DefaultStager(use_shared_memory) (torch.distributed.checkpoint._state_dict_stager
+.StateDictStager, torch 2.13), which also reuses one buffer per source storage: its first save allocates and
+page-faults every buffer on the training thread, every save copies there, and its copies
+(UntypedStorage.copy_) hold the GIL, so they cannot move into a thread either. `SharedStaging` copies with
+Tensor.copy_, which releases the GIL, in its own thread (`warm_up`, then `stage`, which returns the Future DCP
+gives as staging_completion). Cost: a thread and a spare copy of the rank's state in shared memory; the
+training thread waits only before the optimizer's step (CheckpointManager.wait_staged). docs/training.md,
+"Async saves".
 """
 from __future__ import annotations
 

@@ -1,34 +1,13 @@
 """The writer process: writes a rank's checkpoint shards outside the training process.
 
-An async save on CPU runs DCP's `async_save` in a background thread of the training process, which does
-the planning, the collectives and rank 0's `.metadata` (small), and hands each rank's shard write, the
-CPU-heavy part (serialising every tensor, the write, fsync), to this process. In a
-thread of the training process that write would hold the GIL against the training loop and count as the
-rank's CPU time (bench.stall measures the two processes apart).
-
-The staged tensors are not copied again on the way: they live in shared memory (`staging`'s buffers,
-reused from save to save), and a request pickles each of them as a reference to its
-memory's file descriptor, which travels beside the pickle over this process's own socket (SCM_RIGHTS,
-unix(7)). multiprocessing's way, a listener thread in the training process that the writer connects to
-once per tensor, is not used: a rank forked with os.fork (training.pod.prefork) without multiprocessing's
-after-fork hooks inherits that listener's state without its thread, and every handle fetched from it
-fails; the listener also costs the training process a connection and an HMAC handshake per tensor.
-
-Protocol, one write in flight: the parent sends WriteRequest(path, plan, data); the process answers with
-the list of WriteResults or with the exception the write raised. It never commits anything (the training
-process's rank 0 does, layout.commit), so a writer process outliving its training iteration can at most
-leave files in an uncommitted `.tmp-` directory.
-
-Every wait on the writer and its zygote is bounded (`deadline_s`, from the checkpoint section timeout: a
-write that outlasts it would have the rank monitor kill the rank in the next save's wait anyway). A writer
-with no answer in time (stuck in I/O: a process in uninterruptible FSx I/O does not die even from SIGKILL
-until the I/O returns) fails its save, is SIGKILLed, and abandoned: its socket is closed, so it can never
-answer a later save, and the next save gets a new writer. A zygote found dead (the OOM killer, ENOMEM on
-fork) or stuck is replaced once per request (`Replaced` says so). It is forked by the rank's zygote (`_Zygote`), so a new one
-costs a fork, not an interpreter's imports, and an in-process or in-job restart waits for none; it dies with
-the zygote, which dies with the rank (PR_SET_PDEATHSIG), and when its socket closes; `abort()` kills it
-mid-write. Signals to the rank's process group (a drain's SIGTERM) do not reach it: a drain waits for the
-write in flight to commit.
+An async save on CPU runs DCP's `async_save` (planning, collectives, rank 0's `.metadata`) in a thread
+of the training process, and hands each rank's shard write, the CPU-heavy part (serialising, the
+write, fsync), to this process: in a thread of the training process it would hold the GIL against the
+training loop and count as the rank's CPU time. The staged tensors travel as file descriptors of their
+shared memory (`staging`'s buffers) over this process's own socket (SCM_RIGHTS, unix(7)), not copied.
+It never commits (rank 0's training process does, `layout.commit`). Cost: one process per rank, forked
+from the rank's zygote (`_Zygote`), and every wait on it bounded by `deadline_s`. The protocol and how
+stuck or dead writers are replaced: docs/training.md, "Async saves".
 """
 from __future__ import annotations
 
