@@ -307,7 +307,7 @@ def _validate(j: JobConfig) -> None:
 
 def _validate_faults(j: JobConfig) -> None:
     try:
-        specs = parse_faults(j.train.faults)
+        specs = parse_faults(j.train.faults, groups=j.train.parallel.replica_groups)
     except FaultSpecError as err:
         raise JobConfigError(str(err)) from None
     destructive = [s.text for s in specs if s.kind in DESTRUCTIVE_KINDS]

@@ -64,6 +64,16 @@ def test_fault_node_must_exist():
         parse_faults(["node-loss@3:node=2"], world_size=2, nodes=2)
 
 
+def test_a_fault_names_a_replica_group_that_exists_and_fires_only_there(tmp_path, monkeypatch):
+    assert parse_fault("node-loss@5:node=1:group=1").key == "node-loss@5_group=1_node=1"
+    with pytest.raises(FaultSpecError, match=r"replica group 2 does not exist \(parallel.replica_groups=2: group=0 to 1\)"):
+        parse_faults(["exception@3:group=2"], groups=2)
+    monkeypatch.setenv("TRAINING_REPLICA_GROUP", "1")
+    _injector(tmp_path, "exception@3:group=0").maybe_fire(3)  # group 0's rank 0, not this group's
+    with pytest.raises(FaultInjected):
+        _injector(tmp_path, "exception@3:group=1").maybe_fire(3)
+
+
 def test_env_faults_join_the_config_once(monkeypatch):
     cfg = load_train_config(None, ["faults=[exception@3]"])
     monkeypatch.setenv(ENV_VAR, " hang@4:rank=1, exception@3 ,")

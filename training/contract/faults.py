@@ -38,12 +38,14 @@ class FaultSpec:
     count: int = 1
     duration: int | None = None  # partition: seconds until the link is back; None: for good
     persistent: bool = False
+    group: int = 0  # the replica group whose rank or node it targets (parallel.replica_groups)
 
     @property
     def key(self) -> str:
         """A file-name-safe identity: the normalised spec."""
         options = [f"count={self.count}" if self.count != 1 else None,
                    f"duration={self.duration}" if self.duration is not None else None,
+                   f"group={self.group}" if self.group else None,
                    f"node={self.node}" if self.node is not None else None,
                    "persistent" if self.persistent else None,
                    f"rank={self.rank}" if self.rank is not None else None]
@@ -53,14 +55,14 @@ class FaultSpec:
 @dataclass(frozen=True)
 class FaultKind:
     help: str
-    keys: frozenset[str]  # options key=value; "rank" or "node" says whom it targets
+    keys: frozenset[str]  # options key=value; "rank" or "node" says whom it targets, in replica group `group`
     flags: frozenset[str] = frozenset()
     # when it fires: before the step it names, or in this rank's write of a checkpoint save
     when: Literal["step", "write"] = "step"
 
 
-_RANK = frozenset({"rank"})
-_NODE = frozenset({"node", "rank"})  # a node fault names the node, or a rank: the node that runs it
+_RANK = frozenset({"rank", "group"})
+_NODE = frozenset({"node", "rank", "group"})  # a node fault names the node, or a rank: the node that runs it
 _PERSISTENT = frozenset({"persistent"})
 # What each kind does is training.train.faults' (AT_STEP, IN_WRITE); this table is what a spec may say.
 KINDS: dict[str, FaultKind] = {
@@ -84,7 +86,7 @@ KINDS: dict[str, FaultKind] = {
 
 # ---- parsing -----------------------------------------------------------------------------------
 _SPEC = re.compile(r"^(?P<kind>[a-z][a-z0-9-]*)@(?P<step>[^:]+)(?P<opts>(:[^:]*)*)$")
-_NUMBER_KEYS = {"rank": 0, "node": 0, "count": 1, "duration": 1}  # key -> smallest allowed value
+_NUMBER_KEYS = {"rank": 0, "node": 0, "count": 1, "duration": 1, "group": 0}  # key -> smallest allowed value
 
 
 def _allowed() -> str:
@@ -140,9 +142,14 @@ def _parse_option(text: str, kind: str, item: str) -> tuple[str, int | bool]:
 
 
 def parse_faults(texts: tuple[str, ...] | list[str], world_size: int | None = None,
-                 nodes: int | None = None) -> list[FaultSpec]:
+                 nodes: int | None = None, groups: int | None = None) -> list[FaultSpec]:
+    """The specs, each checked against the shape when it is given: `world_size` ranks and `nodes` nodes (of
+    one replica group), `groups` replica groups."""
     specs = [parse_fault(t) for t in texts]
     for spec in specs:
+        if groups is not None and spec.group >= groups:
+            raise FaultSpecError(f"fault spec {spec.text!r}: replica group {spec.group} does not exist "
+                                 f"(parallel.replica_groups={groups}: group=0 to {groups - 1})")
         if world_size is not None and spec.rank is not None and spec.rank >= world_size:
             raise FaultSpecError(f"fault spec {spec.text!r}: rank {spec.rank} does not exist (world size {world_size})")
         if nodes is not None and spec.node is not None and spec.node >= nodes:

@@ -13,6 +13,7 @@ entry point (`check_torchft`) and the config's validation (`split_problem`).
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from dataclasses import dataclass
 
 # The group index of a rank's process (0 … R-1), set per group by whoever starts it (the group's Job, the
@@ -22,6 +23,11 @@ REPLICA_GROUP_ENV = "TRAINING_REPLICA_GROUP"
 # (torchft 0.2.0 manager.py: `os.environ["TORCHFT_LIGHTHOUSE"]`).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 TORCHFT_VERSION = "0.2.0"  # requirements.txt and training/requirements-image.txt pin it
+
+
+def replica_group() -> int:
+    """This process's replica group (0 without replica groups)."""
+    return int(os.environ.get(REPLICA_GROUP_ENV, 0))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from training.contract.events import EventLog
 from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, lost_marker, node_index,
                                       partitioned_marker)
 from training.contract.launcher import DRAIN_MARKER_ENV
+from training.contract.replica_groups import replica_group
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.node_strike import Strike
 from training.train.outage import begin_outage, in_outage
@@ -210,6 +211,7 @@ class FaultInjector:
     def __init__(self, specs: list[FaultSpec], run_dir: str | os.PathLike, rank: int, events: EventLog,
                  checkpoint_dir: str | os.PathLike | None = None) -> None:
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
+        specs = [s for s in specs if s.group == replica_group()]  # rank and node are the group's own
         self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
         self._node_faults = [s for s in specs if s.kind in NODE_STRIKES]
         self._dir = fired_dir(run_dir)

@@ -36,7 +36,7 @@ from training.contract.faults import FaultSpecError, check_chaos_switch, parse_f
 from training.contract.flops import flops_per_token
 from training.contract.job_failure import JobMustFail, request_job_failure
 from training.contract.model_source import ModelSourceError, check_model_source
-from training.contract.replica_groups import REPLICA_GROUP_ENV, Share, check_torchft
+from training.contract.replica_groups import Share, check_torchft, replica_group
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
@@ -354,7 +354,7 @@ class Trainer:
         others' back (training.train.replica_groups)."""
         from training.train.replica_groups import ReplicaGroups  # torchft, only with replica groups
 
-        return ReplicaGroups(self.cfg.parallel, int(os.environ[REPLICA_GROUP_ENV]), self.info, self.state, self.rows,
+        return ReplicaGroups(self.cfg.parallel, replica_group(), self.info, self.state, self.rows,
                              self.train_state.step, self.events if self.lead else None)
 
     def _announce_attempt(self) -> None:
@@ -645,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[%(asctime)s] [rank{rank}] %(message)s", datefmt="%H:%M:%S")
     try:
         cfg = with_env_faults(load_train_config(args.config, args.overrides))
-        check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1))), cfg.allow_destructive_faults)
+        check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)),
+                                        groups=cfg.parallel.replica_groups), cfg.allow_destructive_faults)
         check_token_file(cfg.data.path, cfg.data.dtype, check_model_source(cfg.model).vocab_size)
         if cfg.parallel.replica_groups > 1 and (missing := check_torchft()):
             raise TrainConfigError(missing)
