@@ -158,7 +158,8 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
-@pytest.mark.parametrize("fault", ["sigkill@{}:rank=0", "exception@{}:rank=1"], ids=["sigkill-rank0", "exception-rank1"])
+@pytest.mark.parametrize("fault", ["sigkill@{}:rank=0:group=1", "exception@{}:rank=1:group=1"],
+                         ids=["sigkill-rank0", "exception-rank1"])
 def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_live_state(
         tmp_path, uninterrupted, fault):
     survivor = Group(0, tmp_path / "group0", (*SHAPE, *GROUPS), [])
