@@ -29,6 +29,10 @@ def run_cluster(spec: ClusterSpec) -> int:
                        "--node-retries", str(spec.node_retries), "--spares", str(spec.spares),
                        *(["--netns"] if spec.netns else []), *spec.overrides])
     cfg, config_path = build_config(args)
-    cluster = Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares,
-                      spec.replacement_delay_s, VirtualNetwork() if spec.netns else None)
-    return cluster.run()
+    network = VirtualNetwork() if spec.netns else None
+    try:
+        return Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares,
+                       spec.replacement_delay_s, network).run()
+    finally:
+        if network is not None:
+            network.close()

@@ -218,3 +218,19 @@ def test_fault_training_survives_recovers_at_the_next_step(fake_run: FakeRun) ->
     assert (disk.recovery_s, disk.steps_lost) == (pytest.approx(STEP_S), 0)
     assert (node.kind, node.rank, node.steps_lost) == ("node", None, 10)
     assert node.recovery_s == pytest.approx(3.0 + 2.0 + STEP_S)
+
+
+def test_a_replica_group_that_healed_from_a_live_group_lost_no_step(fake_run: FakeRun) -> None:
+    """A group restarts from nothing (resume 0) and heals to the live group's step 35: its 20 steps live on."""
+    fake_run.attempt(0, "fresh", resume=0, source_kind="none")
+    fake_run.steps(1, 20, save_every=100)
+    fake_run.fault("node-loss", rank=1, step=21)
+    fake_run.wait(3.0)
+    fake_run.attempt(1, "injob", resume=0, source_kind="none")
+    fake_run.emit("quorum", step=35, group=1, live_groups=2, rows=1, healed_from_step=0)
+    fake_run.steps(36, 40, save_every=100)
+    fake_run.end(40)
+    report = build_report(read_events(fake_run.run_dir))
+    (fault,) = report.faults
+    assert (fault.resumed_from, fault.steps_lost) == (35, 0)
+    assert report.final_step == 40

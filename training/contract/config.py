@@ -266,6 +266,14 @@ class ParallelConfig:
     join_timeout_s: float = _doc(0.5, "R >= 2, the Lighthouse's: how long a quorum waits for a group that "
                                       "heartbeats but has not asked to join (torchft's default: 60 s).")
 
+    def lighthouse_options(self) -> dict[str, int]:
+        """The Lighthouse's settings, by torchft's names (LighthouseServer's arguments, torchft_lighthouse's
+        flags): a quorum of one group is enough (the others may all be down), a group that stops heartbeating
+        is dropped after heartbeat_timeout_s. So at a fresh start the group that asks first trains alone and
+        the others heal into the quorum from it."""
+        return {"min_replicas": 1, "join_timeout_ms": int(self.join_timeout_s * 1000),
+                "heartbeat_timeout_ms": int(self.heartbeat_timeout_s * 1000)}
+
 
 @dataclass(frozen=True)
 class LoggingConfig:

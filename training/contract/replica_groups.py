@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # The group index of a rank's process (0 … R-1), set per group by whoever starts it (the group's Job, the
 # local cluster, a test).
@@ -28,6 +29,13 @@ TORCHFT_VERSION = "0.2.0"  # requirements.txt and training/requirements-image.tx
 def replica_group() -> int:
     """This process's replica group (0 without replica groups)."""
     return int(os.environ.get(REPLICA_GROUP_ENV, 0))
+
+
+def lighthouse_command(options: dict[str, int], port: int, bin_dir: str) -> list[str]:
+    """torchft's own Lighthouse server (its `torchft_lighthouse` console script) on every address at `port`,
+    with `options` (ParallelConfig.lighthouse_options) as its flags."""
+    return [str(Path(bin_dir) / "torchft_lighthouse"), f"--bind=[::]:{port}",
+            *(f"--{key}={value}" for key, value in options.items())]
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,11 @@ from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, REJOI
                                         launcher_wrapper, rendezvous_args, resume_step_file, store_command,
                                         worker_entrypoint)
 from training.contract.model_source import ModelSourceError, check_model_source
+from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, check_torchft, lighthouse_command
 from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
+from training.local.replica_groups import Lighthouse, LighthouseError, group_config, run_groups, stall_summary
 from training.pod.launch import exit_code
 from training.pod.prefork import die_with_parent
 from training.report.cli import write_report
@@ -139,7 +141,17 @@ class Node:
 class Cluster:
     def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
                  node_retries: int, spares: int = 0, replacement_delay_s: float = 0.0,
-                 network: VirtualNetwork | None = None) -> None:
+                 network: VirtualNetwork | None = None, replica_group: int | None = None,
+                 lighthouse: str | None = None) -> None:
+        """Args:
+            cfg: the training config its ranks load (config_path holds it)
+            nodes: training nodes; `spares` more wait as hot spares
+            node_retries: replacements per node after its launcher failed (the Job's backoffLimitPerIndex)
+            replacement_delay_s: from a node's loss to its replacement's start
+            network: with --netns, the emulated machines' network (its owner closes it)
+            replica_group: this Job's replica group (training.local.replica_groups); None without groups
+            lighthouse: the torchft Lighthouse's address, with replica groups
+        """
         self.cfg, self.config_path = cfg, config_path
         self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
         self.training_nodes, self.spares, self.replacement_delay_s = nodes, spares, replacement_delay_s
@@ -147,6 +159,8 @@ class Cluster:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
+        self.replica_group, self.lighthouse = replica_group, lighthouse
+        self.name = "controller" if replica_group is None else f"group{replica_group} controller"
         self.failure_requests = FailureRequests(self.run_dir)  # a rank's cause, when a node exits CONFIG_ERROR
         self.failure: str | None = None  # why the job failed
         self.network = network
@@ -197,6 +211,9 @@ class Cluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
+        if self.replica_group is not None:  # what each group's Job sets in its pods
+            env[REPLICA_GROUP_ENV] = str(self.replica_group)
+            env[LIGHTHOUSE_ENV] = str(self.lighthouse)
         if self.network is None:
             # NVRx 0.7.0's rendezvous closes when two launchers share a host, unless told this is a
             # simulation; every node here is on localhost
@@ -235,51 +252,62 @@ class Cluster:
 
     def run(self) -> int:
         """Run to completion; returns 0 when every node finished, 1 on failure, 130 when stopped."""
+        self.begin()
+        status = None
+        try:
+            while (status := self.tick()) is None:
+                time.sleep(0.2)
+        finally:
+            self.end(status)
+        return status
+
+    def begin(self) -> None:
+        """The Job is created: its store, then its training nodes."""
         self.events.emit("job_start", nodes=self.training_nodes, nproc_per_node=self.nproc_per_node,
                          spares=self.spares)
         self.start_store()
         for node in self.nodes[:self.training_nodes]:
             self.start(node)
+
+    def tick(self) -> int | None:
+        """One round of the controller: read the nodes' output, play the kubelet and the network, start what
+        is due, act on exits. The job's status once it is decided (130: a stop was requested), else None."""
+        if self._stop_requested:
+            self.say("stop requested: shutting down every node")
+            return 130
+        for node in self.nodes:
+            node.refresh_descendants()
+            self.read_output(node, detect=True)
+        self.serve_drains()
+        self.serve_hangs()
+        self.serve_partitions()
+        for node in self.nodes:
+            if node.start_at is not None and time.monotonic() >= node.start_at:
+                self.start(node)
+        # Spares start once every training node has joined the first round: NVRx makes whoever is there
+        # first active, and a `node=N` fault with N < --nodes must hit a training node.
+        if self.nodes[-1].proc is None and all(n.joined for n in self.nodes[:self.training_nodes]):
+            for spare in self.nodes[self.training_nodes:]:
+                self.start(spare)
+        return self._handle_exits()
+
+    def end(self, status: int | None) -> None:
+        """Every node and the store stopped, what they left behind killed, the rest of their output read;
+        `status` (None: the controller itself failed) recorded."""
         try:
-            status = self._supervise()
-        finally:
             self.stop_all()
             self.stop_store()
             for unreachable in self.unreachable:
                 if unreachable.evicted is not None:
                     self.kill_node(unreachable.evicted)
-            if self.network is not None:
-                self.network.close()
             shutil.rmtree(self.memory_root, ignore_errors=True)
             for node in self.nodes:
                 self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
-        if status != 0:
-            self.events.emit("run_end", step=last_step(self.run_dir), status="failed" if status == 1 else "stopped")
-        self.events.close()
-        return status
-
-    def _supervise(self) -> int:
-        while not self._stop_requested:
-            for node in self.nodes:
-                node.refresh_descendants()
-                self.read_output(node, detect=True)
-            self.serve_drains()
-            self.serve_hangs()
-            self.serve_partitions()
-            for node in self.nodes:
-                if node.start_at is not None and time.monotonic() >= node.start_at:
-                    self.start(node)
-            # Spares start once every training node has joined the first round: NVRx makes whoever is there
-            # first active, and a `node=N` fault with N < --nodes must hit a training node.
-            if self.nodes[-1].proc is None and all(n.joined for n in self.nodes[:self.training_nodes]):
-                for spare in self.nodes[self.training_nodes:]:
-                    self.start(spare)
-            status = self._handle_exits()
-            if status is not None:
-                return status
-            time.sleep(0.2)
-        self.say("stop requested: shutting down every node")
-        return 130
+        finally:
+            if status is not None and status != 0:
+                self.events.emit("run_end", step=last_step(self.run_dir),
+                                 status="failed" if status == 1 else "stopped")
+            self.events.close()
 
     def _handle_exits(self) -> int | None:
         """Act on launchers that exited, as the Job and its podFailurePolicy would (job_rules.decide, from the
@@ -530,7 +558,7 @@ class Cluster:
         timeout, ft_launcher's failed worker) as fault_detected, so that the report measures detection time."""
         for line in node.new_output_lines():
             if "[rank0]" in line:
-                print(line, flush=True)
+                print(line if self.replica_group is None else f"[group{self.replica_group}] {line}", flush=True)
             if _ACTIVE_RANK in line:
                 node.joined = node.active = True
             elif any(w in line for w in _LEFT_OUT):
@@ -542,7 +570,7 @@ class Cluster:
                                      detail=f"local rank {m.group('local_rank')}: {m.group('what')}")
 
     def say(self, message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] [controller] {message}", flush=True)
+        print(f"[{time.strftime('%H:%M:%S')}] [{self.name}] {message}", flush=True)
 
 
 def _pod_top_process() -> None:
@@ -638,13 +666,22 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         overrides.append(f"training.steps={args.steps}")
     if args.max_restarts is not None:
         overrides.append(f"fault_tolerance.max_restarts={args.max_restarts}")
+    if args.replica_groups is not None:
+        overrides.append(f"parallel.replica_groups={args.replica_groups}")
     if args.faults is not None:
         specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
         overrides.append("faults=[" + ",".join(specs) + "]")
     cfg = with_env_faults(load_train_config(args.config, overrides))
-    world_size = args.nodes * args.nproc_per_node
-    cfg.training.accumulation_steps(world_size)  # a world that cannot reach global_batch_size starts nothing
-    specs = parse_faults(cfg.faults, world_size=world_size, nodes=args.nodes + args.spares)
+    groups = cfg.parallel.replica_groups
+    if args.nodes % groups:
+        raise TrainConfigError(f"--replica-groups={groups} does not divide --nodes={args.nodes}: each group has as "
+                               f"many whole nodes; allowed: {[r for r in range(1, args.nodes + 1) if args.nodes % r == 0]}")
+    if groups > 1 and (missing := check_torchft()):
+        raise TrainConfigError(missing)
+    group_nodes = args.nodes // groups
+    group_world_size = group_nodes * args.nproc_per_node
+    cfg.rows_per_step(group_world_size)  # a shape that cannot reach global_batch_size starts nothing
+    specs = parse_faults(cfg.faults, world_size=group_world_size, nodes=group_nodes + args.spares, groups=groups)
     if not args.netns and any(spec.kind == "partition" for spec in specs):
         raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
     check_token_file(cfg.data.path, cfg.data.dtype, check_model(cfg.model).vocab_size)
@@ -655,16 +692,30 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     return cfg, path
 
 
+def write_group_config(cfg: TrainConfig, group: int) -> tuple[TrainConfig, Path]:
+    """Group `group`'s config, written to its own run directory."""
+    group_cfg = group_config(cfg, group)
+    path = Path(group_cfg.run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(group_cfg.to_yaml())
+    return group_cfg, path
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ConfigArgumentParser(prog="python -m training.local", description=__doc__.split("\n\n")[0])
     p.add_argument("--demo", action="store_true", help=f"2 nodes x 2 ranks and {DEMO_SPARES} hot spare, tiny model, "
                    f"async checkpoints, peer state, {DEMO_STEPS} steps, injected faults ({', '.join(DEMO_FAULTS)})")
-    p.add_argument("--nodes", type=int, default=2, help="training nodes (the world size is nodes x nproc-per-node)")
-    p.add_argument("--spares", type=int, default=None, help="hot spare nodes: they wait as standby and take a "
-                   f"failed node's place in the next rendezvous round (default 0; demo: {DEMO_SPARES})")
+    p.add_argument("--nodes", type=int, default=2, help="training nodes (the world size is nodes x nproc-per-node), "
+                   "of every replica group together")
+    p.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                   help="R replica groups (parallel.replica_groups; torchft, docs/replica-groups.md): R must divide "
+                   "--nodes; each group its own Job, store and spares, under one Lighthouse process")
+    p.add_argument("--spares", type=int, default=None, help="hot spare nodes (of each replica group): they wait as "
+                   "standby and take a failed node's place in the next rendezvous round "
+                   f"(default 0; demo: {DEMO_SPARES})")
     p.add_argument("--replacement-delay", type=float, default=None, metavar="SECONDS",
                    help="from a node's loss to its replacement's start: Kubernetes' part of a node replacement "
-                   f"(default 0; demo: {DEMO_REPLACEMENT_DELAY_S:g}; bench/projection.py has EKS's)")
+                   f"(default 0; demo: {DEMO_REPLACEMENT_DELAY_S:g}; bench.projection has EKS's)")
     p.add_argument("--save-delay", type=float, default=0.0, metavar="SECONDS",
                    help="each rank's checkpoint write is held back this long: a checkpoint file system as slow as "
                         "FSx is at the size we ship (a save of 8b state takes minutes there)")
@@ -692,8 +743,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.spares = DEMO_SPARES if args.demo else 0
     if args.replacement_delay is None:
         args.replacement_delay = DEMO_REPLACEMENT_DELAY_S if args.demo else 0.0
-    if args.nodes < 1 or args.nproc_per_node < 1:
-        p.error("--nodes and --nproc-per-node must be at least 1")
+    if args.nodes < 1 or args.nproc_per_node < 1 or (args.replica_groups is not None and args.replica_groups < 1):
+        p.error("--nodes, --nproc-per-node and --replica-groups must be at least 1")
     if args.spares < 0 or args.replacement_delay < 0 or args.save_delay < 0:
         p.error("--spares, --replacement-delay and --save-delay must be 0 or more")
     args.run_dir = args.run_dir or f"runs/{'demo' if args.demo else 'local'}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -714,21 +765,55 @@ def main(argv: list[str] | None = None) -> int:
         return CONFIG_ERROR
     if args.save_delay:
         os.environ[SAVE_DELAY_ENV] = str(args.save_delay)  # every rank's environment (Cluster.env)
-    cluster = Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
-                      args.replacement_delay, network)
-    signal.signal(signal.SIGINT, cluster.request_stop)
-    signal.signal(signal.SIGTERM, cluster.request_stop)
-    spares = f" + {args.spares} spare(s)" if args.spares else ""
-    cluster.say(f"{args.nodes} node(s){spares} x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, "
-                f"checkpoints {cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; "
-                f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/")
+    groups = cfg.parallel.replica_groups
+    lighthouse = None
+    if groups == 1:
+        clusters = [Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
+                            args.replacement_delay, network)]
+        shape, where = f"{args.nodes} node(s)", f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/"
+    else:
+        port = free_port()
+        command = lighthouse_command(cfg.parallel.lighthouse_options(), port, str(Path(sys.executable).parent))
+        lighthouse = Lighthouse(command, port, Path(cfg.run_dir) / "lighthouse.log")
+        address = f"http://{network.host_address if network else '127.0.0.1'}:{port}"
+        clusters = [Cluster(*write_group_config(cfg, g), args.nodes // groups, args.nproc_per_node, args.node_retries,
+                            args.spares, args.replacement_delay, network, replica_group=g, lighthouse=address)
+                    for g in range(groups)]
+        shape = f"{groups} replica groups of {args.nodes // groups} node(s)"
+        where = f"run directories {cfg.run_dir}/group<g>, logs in their logs/; the Lighthouse's log {lighthouse.log_path}"
+    _stop_on_signals(clusters)
+    spares = f" + {args.spares} spare(s){' each' if groups > 1 else ''}" if args.spares else ""
+    clusters[0].say(f"{shape}{spares} x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, checkpoints "
+                    f"{cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; {where}")
     started = time.monotonic()
-    status = cluster.run()
-    cluster.say(f"finished in {time.monotonic() - started:.1f} s; goodput report:")
     try:
-        print(write_report(Path(cfg.run_dir), plot=True), flush=True)
-    except ReportError as err:  # e.g. stopped before the first step: nothing to report
-        print(f"no goodput report: {err}", file=sys.stderr)
-    if cluster.failure is not None:  # the last line says why, below the report
-        cluster.say(f"the job failed: {cluster.failure}")
+        status = clusters[0].run() if lighthouse is None else run_groups(clusters, lighthouse)
+    except LighthouseError as err:
+        print(f"training.local: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if network is not None:
+            network.close()
+    clusters[0].say(f"finished in {time.monotonic() - started:.1f} s; goodput report:")
+    for cluster in clusters:
+        try:
+            print(write_report(cluster.run_dir, plot=True), flush=True)
+        except ReportError as err:  # e.g. stopped before the first step: nothing to report
+            print(f"no goodput report for {cluster.run_dir}: {err}", file=sys.stderr)
+    if groups > 1:
+        for line in stall_summary(Path(cfg.run_dir), groups):
+            clusters[0].say(line)
+    for cluster in clusters:
+        if cluster.failure is not None:  # the last line says why, below the report
+            cluster.say(f"the job failed: {cluster.failure}")
     return status
+
+
+def _stop_on_signals(clusters: list[Cluster]) -> None:
+    """Ctrl-C or SIGTERM stops every group's nodes, as the kubelet stops a pod."""
+    def request_stop(signum: int, frame: object) -> None:
+        for cluster in clusters:
+            cluster.request_stop(signum, frame)
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)

@@ -126,7 +126,7 @@ def build_report(events: Sequence[Event]) -> GoodputReport:
 def build_timeline(events: Sequence[Event]) -> Timeline:
     if not events:
         raise ReportError("no events (expected JSON lines written through training.contract.events.EventLog)")
-    events = sorted(events, key=lambda r: r["t"])
+    events = _healed_resumes(sorted(events, key=lambda r: r["t"]))
     steps = [r for r in events if r["event"] == "step"]
     if not steps:
         raise ReportError(
@@ -183,6 +183,21 @@ def summarize(tl: Timeline) -> GoodputReport:
             blocking_max_s=max(blocking, default=None),
         ),
     )
+
+
+def _healed_resumes(events: list[Event]) -> list[Event]:
+    """The events, each resume that a heal follows before the next step moved to the step healed to: a
+    replica group that restarted behind the live ones received their state (training.train.replica_groups),
+    in which its earlier steps live on, so they are not lost."""
+    out, pending = list(events), None  # pending: the index of a resume with no step after it yet
+    for i, r in enumerate(out):
+        if r["event"] == "resume":
+            pending = i
+        elif r["event"] == "step":
+            pending = None
+        elif r["event"] == "quorum" and r.get("healed_from_step") is not None and pending is not None:
+            out[pending], pending = {**out[pending], "step": r["step"]}, None
+    return out
 
 
 def _step_runs(events: list[Event], t0: float) -> tuple[StepRun, ...]:

@@ -49,11 +49,8 @@ log = logging.getLogger(__name__)
 
 
 def start_lighthouse(cfg: ParallelConfig, bind: str = "[::]:0") -> LighthouseServer:
-    """The Lighthouse, in this process (tests) or as its own (the cluster's Deployment, later): a quorum of
-    one group is enough (the others may all be down), a dead group is dropped after cfg.heartbeat_timeout_s.
-    So at a fresh start the group that asks first trains alone and the others heal into the quorum from it."""
-    return LighthouseServer(bind=bind, min_replicas=1, join_timeout_ms=int(cfg.join_timeout_s * 1000),
-                            heartbeat_timeout_ms=int(cfg.heartbeat_timeout_s * 1000))
+    """The Lighthouse in this process (tests; the cluster runs torchft_lighthouse: lighthouse_command)."""
+    return LighthouseServer(bind=bind, **cfg.lighthouse_options())
 
 
 class ReplicaGroups:
@@ -79,6 +76,8 @@ class ReplicaGroups:
         # torchft's reconfigurable process groups: each quorum re-forms it over the live groups' ranks with
         # this group rank (manager.py `_async_quorum`: pg.configure on "<store>/torchft/<quorum_id>/<rank>")
         pg = ProcessGroupNCCL(timeout=timeout) if info.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        for name in ("torchft.manager", "torchft_quorums", "torchft_commits"):  # each logs every step at INFO
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.manager = Manager(
             pg=pg, min_replica_size=1,
             # a heal: the sender's host copy of every Stateful (DTensors as their local shards, `rollback`),

@@ -504,8 +504,9 @@ class Trainer:
         if peer_s is not None:
             costs["peer_s"] = round(peer_s, 5)
         if self.lead:
+            group = {} if self.replicas is None else {"group": self.replicas.group}
             self.events.emit("step", step=step, loss=round(mean_loss, 6), step_time_s=round(step_time, 5),
-                             tokens=self.tokens_per_step, **costs)
+                             tokens=self.tokens_per_step, **group, **costs)
             if self.peer is not None and self.peer.chosen_at == step:
                 self.events.emit("peer_state", interval=self.peer.interval, every=self.peer.every,
                                  replicas=self.peer.replicas, bytes_per_rank=self.peer.bytes_per_rank)

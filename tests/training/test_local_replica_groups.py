@@ -1,0 +1,99 @@
+"""`python -m training.local --replica-groups R`: each group a Job of its own under one torchft Lighthouse.
+One composed run: a lost node in one group, a crashed rank in the other later. What a user is promised: the
+other group trains on through each fault, the failed group heals from its live state, no completed step is
+lost, every sample is trained once, and both groups end with the same state, bit for bit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from training.contract.events import read_events
+from training.contract.exit_codes import CONFIG_ERROR
+from training.local import cluster as local
+from training.local.replica_groups import group_run_dir, longest_stall
+from training.report.goodput import build_report
+from training.train.final_state import bitwise_mismatch, load_final_state
+from training_helpers import completed, run_local, samples_by_step
+
+STEPS, GLOBAL_BATCH = 300, 16  # 16: a row of 4 sequences per rank of a group, one row per group
+# the crash lands once the lost node's group is back: its restart takes ~70 of these steps here
+NODE_LOSS, CRASH = 40, 200
+STALL_BOUND_S = 6.0  # heartbeat_timeout_s (1 s) plus re-forming the quorum's process group, on 2 busy cores
+
+
+SHAPE = ("--nproc-per-node", "1", "--steps", str(STEPS), f"training.global_batch_size={GLOBAL_BATCH}",
+         "checkpoint.mode=off", "checkpoint.save_final=true", "logging.sample_log=true")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The same global batch on one FSDP2 group of 2 nodes (--replica-groups 1), no fault."""
+    return completed(run_local(tmp_path_factory.mktemp("reference") / "run", "--nodes", "2", *SHAPE)).run_dir
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in read_events(run_dir) if e["event"] == "step"}
+
+
+def _died_in(events: list[dict]) -> set[int]:
+    """The steps a group was training when an attempt of it ended: the one after its attempt's last step."""
+    died, last = set(), None
+    for e in events:
+        if e["event"] == "resume" and last is not None:
+            died.add(last + 1)
+        elif e["event"] == "step":
+            last = e["step"]
+    return died
+
+
+@pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
+def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tmp_path, uninterrupted):
+    run = completed(run_local(
+        tmp_path / "run", "--nodes", "4", "--replica-groups", "2", *SHAPE,
+        "--faults", f"node-loss@{NODE_LOSS}:node=1:group=1,exception@{CRASH}:rank=0:group=0", timeout=400))
+    groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
+    events = [read_events(g) for g in groups]
+
+    # each fault fired once, in its own group; that group healed from the other's live state, not from step 0
+    fired = [[e["kind"] for e in group if e["event"] == "fault_injected"] for group in events]
+    assert fired == [["exception"], ["node-loss"]], fired
+    for group, fault_step in zip(events, (CRASH, NODE_LOSS)):
+        heals = [e for e in group if e["event"] == "quorum" and e.get("healed_from_step") is not None
+                 and e["step"] >= fault_step]
+        assert heals and heals[0]["live_groups"] == 2, (
+            f"no heal after the fault at step {fault_step}: the other group's fault came first on a slow machine?")
+
+    # the other group never stopped longer than the bound; the report loses no completed step to either fault
+    for directory, group in zip(groups, events):
+        stall, before = longest_stall(directory)
+        assert stall < STALL_BOUND_S, f"{directory.name} stalled {stall:.2f} s before step {before}"
+        assert [f.steps_lost for f in build_report(group).faults] == [0], run.output[-3000:]
+    assert "group 0: " in run.output and "group 1: " in run.output  # the controller's stall summary
+
+    # every step's loss is the uninterrupted run's, whichever groups were live (float tolerance: the sum splits)
+    reference = _losses(uninterrupted)
+    for directory in groups:
+        assert _losses(directory) == pytest.approx({s: reference[s] for s in _losses(directory)}, rel=1e-5, abs=1e-6)
+
+    # no sample twice; a step misses logged samples only where a group died after its rows were summed: the
+    # other group's commit holds them (its loss above is the whole batch's)
+    by_step = samples_by_step(groups[0])
+    for step, indices in samples_by_step(groups[1]).items():
+        by_step.setdefault(step, []).extend(indices)
+    died = _died_in(events[0]) | _died_in(events[1])
+    for step in range(1, STEPS + 1):
+        logged, expected = sorted(by_step.get(step, [])), list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
+        assert len(set(logged)) == len(logged) and set(logged) <= set(expected), step
+        assert logged == expected or step in died, step
+
+    # both groups end bit for bit the same
+    mismatch = bitwise_mismatch(load_final_state(groups[0], tmp_path), load_final_state(groups[1], tmp_path))
+    assert mismatch is None, mismatch
+
+
+def test_replica_groups_that_do_not_divide_the_nodes_are_refused_in_one_line(tmp_path, capsys):
+    assert local.main(["--run-dir", str(tmp_path / "run"), "--nodes", "4", "--replica-groups", "3"]) == CONFIG_ERROR
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--replica-groups=3 does not divide --nodes=4" in line and "allowed: [1, 2, 4]" in line, line
+    assert not (tmp_path / "run" / "logs").exists()
