@@ -317,3 +317,74 @@ def test_docs_capacity_tables_are_the_models_output(capsys: pytest.CaptureFixtur
     assert capacity.startswith("| model | nodes | FSx GiB") and hsdp.startswith("| model | nodes | GPU state GB")
     for table in (capacity, hsdp):
         assert table in page, "docs/capacity.md differs from `python -m training.plan --capacity-tables`"
+
+
+def _replica_group_goodput_by_simulation(groups: int, recovery_s: float, stall_s: float, mtbf_s: float,
+                                         step_s: float, wall_s: float, seed: int) -> float:
+    """Failures of the job at rate 1/M, each on a group drawn at random: every group loses the step in flight,
+    the failed one then recovery_s (a failure while it recovers starts its recovery over), the others stall_s.
+    Goodput is the GPU-time outside every group's lost intervals."""
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(mtbf_s, int(2 * wall_s / mtbf_s)))
+    times = times[times < wall_s]
+    in_flight = rng.uniform(0, step_s, times.size)
+    failed = rng.integers(groups, size=times.size)
+    lost = 0.0
+    for g in range(groups):
+        end = -math.inf
+        for t, flight, f in zip(times, in_flight, failed):
+            start, stop = t - flight, t + (recovery_s if f == g else stall_s)
+            lost += stop - max(start, end) if stop > end else 0.0
+            end = max(end, stop)
+    return 1 - lost / (groups * wall_s)
+
+
+def test_replica_groups_goodput_counts_gpu_time_as_a_simulation_of_the_groups_does() -> None:
+    """A failure stops one group of R for its recovery and stalls the others: by GPU-time, R is
+    (recovery + (R-1) stall) / R, and a heal from live state loses only the step in flight."""
+    groups, recovery, stall, mtbf, step = 4, 60.0, 10.0, 2000.0, 2.0
+    mechanism = Mechanism("replica_groups", recovery, groups, stall)
+    assert mechanism.gpu_recovery_s == pytest.approx((60 + 3 * 10) / 4)
+    simulated = _replica_group_goodput_by_simulation(groups, recovery, stall, mtbf, step, 2e7, seed=37)
+    planned = expected_goodput(100.0, 0.0, mechanism, mtbf, step)
+    assert planned == pytest.approx(simulated, abs=1e-3)
+    every_gpu_stops = expected_goodput(100.0, 0.0, Mechanism("injob", recovery), mtbf, step)
+    assert planned - every_gpu_stops > 0.01  # what the groups buy: 22.5 s of every GPU per failure, not 60 s
+
+
+REPLICA = ["--recovery-s", "peer_state=48", "--recovery-s", "replica_groups=54", "--survivor-stall-s", "11"]
+
+
+def test_cli_plans_replica_groups_at_scale(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--nodes", "2048", "--save-blocking-s", "0.5", "--commit-lag-s", "60", "--step-s", "5", *REPLICA,
+                 "--replica-groups", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "replica_groups  R =      54 s for 1 of 4 groups, 11 s for the others: 21.8 s per GPU" in out
+    assert "heals from a live group: loses at most the step in flight" in out
+    header, peer, replicas = out.splitlines()[-3:]
+    assert header.split()[-3:] == ["2048", "nodes,", "10x"]
+    assert float(replicas.split()[-1].rstrip("%")) > float(peer.split()[-1].rstrip("%"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--recovery-s", "replica_groups=54"],
+     "--recovery-s replica_groups: give the other groups' stall per failure with --survivor-stall-s SECONDS"),
+    (["--recovery-s", "injob=17", "--replica-groups", "4"], "--replica-groups and --survivor-stall-s plan the replica_groups mechanism"),
+    ([*REPLICA, "--replica-groups", "1"], "--replica-groups 1: expected 2 or more"),
+])
+def test_cli_refuses_replica_groups_it_cannot_plan(extra: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--nodes", "2048", "--save-blocking-s", "0.5", *extra])
+    assert exit_.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+
+
+def test_from_bench_plans_the_replica_group_row_with_its_survivors_stall(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    data = {**BENCH, "recovery": {**BENCH["recovery"],
+                                  "replica_groups": {"median_recovery_s": 12.0, "median_survivor_stall_s": 1.1}}}
+    bench = _bench(tmp_path, data)
+    assert main(["--nodes", "16", "--from-bench", bench]) == 0
+    assert "R =      12 s for 1 of 2 groups, 1.1 s for the others: 6.5 s per GPU" in capsys.readouterr().out
+    assert main(["--nodes", "16", "--from-bench", bench, "--replica-groups", "8"]) == 0
+    assert "for 1 of 8 groups" in capsys.readouterr().out

@@ -12,8 +12,9 @@ from training.contract.config import TrainConfigError, load_train_config
 from training.contract.model_source import ModelSourceError
 from training.plan import planner
 from training.plan.capacity_tables import capacity_tables
-from training.plan.planner import (LLAMA3_NODE_FAILURE_RATE, Mechanism, PlanError, mechanism_arg, positive_float_arg,
-                                   positive_int_arg, format_plan, format_scale, from_bench, make_plan)
+from training.plan.planner import (BENCH_REPLICA_GROUPS, LLAMA3_NODE_FAILURE_RATE, REPLICA_GROUPS, Mechanism, PlanError,
+                                   format_plan, format_scale, from_bench, make_plan, mechanism_arg, positive_float_arg,
+                                   positive_int_arg, with_replica_groups)
 
 
 def fsx_from_cdk_json(path: Path, storage_gib: int | None, throughput_per_tib: int | None) -> FsxSpec:
@@ -49,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recovery-s", type=mechanism_arg, action="append", metavar="[NAME=]SECONDS",
                         help="R of a recovery mechanism; repeat for several (inprocess, peer_state: resume "
                              "from memory)")
+    parser.add_argument("--replica-groups", type=positive_int_arg, metavar="R",
+                        help=f"plan the {REPLICA_GROUPS} mechanism with R groups (default: the bench's "
+                             f"{BENCH_REPLICA_GROUPS}): a failure stops only its group, the others stall")
+    parser.add_argument("--survivor-stall-s", type=positive_float_arg,
+                        help=f"the other groups' stall per failure, for --recovery-s {REPLICA_GROUPS}=SECONDS "
+                             "(default: the bench result's median_survivor_stall_s)")
     parser.add_argument("--commit-lag-s", type=positive_float_arg,
                         help="D: seconds a checkpoint stays uncommitted after its save stopped blocking, an async "
                              "save's write (default: the capacity model's with --config, else 0: saves commit when "
@@ -92,10 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.from_bench and (save is None or not mechanisms):
             bench_save, bench_mechanisms = from_bench(args.from_bench, args.save_mode)
             save, mechanisms = save or bench_save, mechanisms or bench_mechanisms
+        if save is None or not mechanisms:
+            parser.error("give --save-blocking-s and --recovery-s, --from-bench FILE or --config FILE")
+        mechanisms = with_replica_groups(mechanisms, args.replica_groups, args.survivor_stall_s)
     except (PlanError, TrainConfigError, ModelSourceError) as err:  # a Hugging Face model's config.json unread
         parser.exit(2, f"error: {err}\n")
-    if save is None or not mechanisms:
-        parser.error("give --save-blocking-s and --recovery-s, --from-bench FILE or --config FILE")
     names = [m.name for m in mechanisms]
     if len(set(names)) < len(names):
         parser.error(f"--recovery-s: each mechanism once, got {names}")

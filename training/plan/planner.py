@@ -30,6 +30,8 @@ LLAMA3_NODE_FAILURE_RATE = 419 / (54 * 24 * 2048)
 SCALE_NODES = (32, 256, 2048)
 SCALE_RATES = ((1, "Llama 3 rate"), (10, "10x"))
 NOT_FAILURES = ("drain",)  # bench mechanisms for announced events, not failures: not planned with
+REPLICA_GROUPS = "replica_groups"  # the mechanism that stops only the failed node's group
+BENCH_REPLICA_GROUPS = 2  # the groups of the bench's replica_groups row (bench.mechanisms)
 DAY_S = 86400.0
 
 
@@ -39,12 +41,35 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Mechanism:
+    """A way to recover from a node failure.
+
+    Args:
+        name: its bench name; IN_MEMORY ones resume from state in memory.
+        recovery_s: R, from the failure to the next completed step of the GPUs it stops.
+        groups: replica groups (training.contract.config.ParallelConfig.replica_groups). 1: a failure stops
+            every GPU. R >= 2: it stops its group's GPUs, which heal from a live group's state, and stalls
+            the other groups' for survivor_stall_s.
+        survivor_stall_s: the other groups' stall per failure, with groups >= 2.
+    """
     name: str
     recovery_s: float
+    groups: int = 1
+    survivor_stall_s: float = 0.0
 
     @property
     def in_memory(self) -> bool:
-        return self.name in IN_MEMORY
+        return self.name in IN_MEMORY or self.groups > 1
+
+    @property
+    def gpu_recovery_s(self) -> float:
+        """R averaged over every GPU: the failed group's share of the GPUs pays recovery_s, the rest the stall."""
+        return (self.recovery_s + (self.groups - 1) * self.survivor_stall_s) / self.groups
+
+    def describe(self) -> str:
+        if self.groups == 1:
+            return f"R = {self.recovery_s:>7g} s"
+        return (f"R = {self.recovery_s:>7g} s for 1 of {self.groups} groups, {self.survivor_stall_s:g} s for the "
+                f"others: {self.gpu_recovery_s:.1f} s per GPU")
 
 
 @dataclass(frozen=True)
@@ -124,9 +149,10 @@ def expected_goodput(interval_s: float, save_s: float, mechanism: Mechanism, mtb
                      commit_lag_s: float = 0.0) -> float:
     """Daly's model with a commit lag. Work runs in failure-atomic segments of length w: a failure loses the part
     done so far, and L, and costs R; failures strike during recovery too. One segment takes
-    M e^((R+L)/M) (e^(w/M) - 1) wall seconds on average, so G = tau / (tau + S) * w / that."""
+    M e^((R+L)/M) (e^(w/M) - 1) wall seconds on average, so G = tau / (tau + S) * w / that. With replica
+    groups, R is the GPU average (Mechanism.gpu_recovery_s): G counts GPU-time."""
     segment, lag = _segment_and_lag(interval_s, save_s, mechanism, step_s, commit_lag_s)
-    per_segment = mtbf_s * math.exp((mechanism.recovery_s + lag) / mtbf_s) * math.expm1(segment / mtbf_s)
+    per_segment = mtbf_s * math.exp((mechanism.gpu_recovery_s + lag) / mtbf_s) * math.expm1(segment / mtbf_s)
     return interval_s / (interval_s + save_s) * segment / per_segment
 
 
@@ -171,10 +197,11 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"Expected goodput at {_duration(plan.recommended_s)}:")
     width = max(len(o.mechanism.name) for o in plan.outcomes)
     for o in plan.outcomes:
-        rollback = ("resumes from memory: loses at most the step in flight, not half an interval"
+        rollback = ("heals from a live group: loses at most the step in flight" if o.mechanism.groups > 1 else
+                    "resumes from memory: loses at most the step in flight, not half an interval"
                     if o.mechanism.in_memory else "rolls back to the last committed checkpoint")
         lost = expected_loss_s(plan.recommended_s, plan.save_s, o.mechanism, plan.step_s, plan.commit_lag_s)
-        lines.append(f"  {o.mechanism.name:<{width}}  R = {o.mechanism.recovery_s:>7g} s  "
+        lines.append(f"  {o.mechanism.name:<{width}}  {o.mechanism.describe()}  "
                      f"{o.goodput:7.3%}  loses {_duration(lost)} per failure ({rollback})")
     return "\n".join(lines)
 
@@ -231,6 +258,26 @@ def positive_int_arg(text: str) -> int:
     return int(text)
 
 
+def with_replica_groups(mechanisms: Sequence[Mechanism], groups: int | None,
+                        survivor_stall_s: float | None) -> tuple[Mechanism, ...]:
+    """The REPLICA_GROUPS mechanism planned with `groups` groups and that stall (each: its own if None)."""
+    if groups is not None and groups < 2:
+        raise PlanError(f"--replica-groups {groups}: expected 2 or more (1 is plain FSDP: every other mechanism)")
+    if not any(m.name == REPLICA_GROUPS for m in mechanisms) and (groups or survivor_stall_s):
+        raise PlanError(f"--replica-groups and --survivor-stall-s plan the {REPLICA_GROUPS} mechanism: give "
+                        f"--recovery-s {REPLICA_GROUPS}=SECONDS or a bench result that measured it")
+    planned = []
+    for m in mechanisms:
+        if m.name == REPLICA_GROUPS:
+            stall = survivor_stall_s or m.survivor_stall_s
+            if not stall:
+                raise PlanError(f"--recovery-s {REPLICA_GROUPS}: give the other groups' stall per failure "
+                                "with --survivor-stall-s SECONDS")
+            m = Mechanism(m.name, m.recovery_s, groups or max(m.groups, BENCH_REPLICA_GROUPS), stall)
+        planned.append(m)
+    return tuple(planned)
+
+
 def mechanism_arg(text: str) -> Mechanism:
     name, sep, seconds = text.rpartition("=")
     if sep and not re.fullmatch(r"[A-Za-z][\w-]*", name):
@@ -251,10 +298,18 @@ def from_bench(path: Path, save_mode: str) -> tuple[float, tuple[Mechanism, ...]
     if not isinstance(recovery, dict) or not recovery:
         raise PlanError(f"{path}: recovery: expected an object of mechanisms, e.g. "
                         '{"injob": {"median_recovery_s": 17}}')
-    return save, tuple(
-        Mechanism(name, positive(_lookup(data, path, "recovery", name, "median_recovery_s"),
-                                 f"{path}: recovery.{name}.median_recovery_s"))
-        for name in recovery if name not in NOT_FAILURES)
+    return save, tuple(_bench_mechanism(data, path, name) for name in recovery if name not in NOT_FAILURES)
+
+
+def _bench_mechanism(data: Any, path: Path, name: str) -> Mechanism:
+    """A measured mechanism; a replica-group one (bench.mechanisms: two groups) with its survivors' stall."""
+    recovery = positive(_lookup(data, path, "recovery", name, "median_recovery_s"),
+                        f"{path}: recovery.{name}.median_recovery_s")
+    stall = data["recovery"][name].get("median_survivor_stall_s")
+    if stall is None:
+        return Mechanism(name, recovery)
+    return Mechanism(name, recovery, BENCH_REPLICA_GROUPS,
+                     positive(stall, f"{path}: recovery.{name}.median_survivor_stall_s"))
 
 
 def _lookup(data: Any, path: Path, *keys: str) -> Any:
