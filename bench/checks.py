@@ -13,6 +13,7 @@ from typing import Callable
 from bench.floor import FloorResult
 from bench.mechanisms import BOTH_BESIDE_INJOB, COLLECTIVE_TIMEOUT_S, MechanismResult
 from bench.peer import PeerResult
+from bench.projection import SURVIVORS_SCENARIO, Projection
 from bench.rollback import RollbackResult
 from bench.stall import StallResult, leaves_no_cpu_spare
 
@@ -24,8 +25,12 @@ TARGET_ASYNC_EFFICIENCY = 0.85  # every CPU busy training
 TARGET_ASYNC_EFFICIENCY_SPARE_CPU = 0.95  # one CPU spare for the writer
 RANK_CPU_RATIO = 0.10  # CPU time an async save charges the training rank / a sync save's
 # Steps lost per fault, at most: in-memory rollback loses the step in flight; a drain commits the step reached;
-# peer state resumes at the newest completed step (the node is lost mid-step).
-MAX_STEPS_LOST = {"inprocess": 1, "drain": 0, "peer_state": 0}
+# peer state resumes at the newest completed step (the node is lost mid-step); a replica group heals from a
+# live group's committed step.
+MAX_STEPS_LOST = {"inprocess": 1, "drain": 0, "peer_state": 0, "replica_groups": 0}
+# The other replica groups' longest stall across a lost node of another group: here, and projected on EKS.
+SURVIVOR_STALL_S = 3.0
+SURVIVOR_STALL_EKS_S = 10.0
 ROLLBACK_COST = 0.05  # of the step time
 SAME_COST = 1.5  # node 0 vs another node: at most this ratio either way
 SPARE_VS_INJOB = 1.5
@@ -162,6 +167,11 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
                              why("partition")))
     for both, injob_row in ((b, i) for b, i in BOTH_BESIDE_INJOB.items() if b in mechanisms and i in mechanisms):
         checks.append(_both_check(both, injob_row, recovery, why(both, injob_row)))
+    if "replica_groups" in mechanisms:
+        stall = recovery["replica_groups"].median_survivor_stall_s if "replica_groups" in recovery else None
+        checks.append(_check("replica_groups other groups' longest stall across a fault (median)", stall, "s",
+                             f"<= {SURVIVOR_STALL_S:g} s", ISSUE, lambda v: v <= SURVIVOR_STALL_S,
+                             why("replica_groups")))
     for name, most in ((n, m) for n, m in MAX_STEPS_LOST.items() if n in mechanisms):
         checks.append(_check(f"{name} steps lost per fault (max)",
                              float(recovery[name].max_steps_lost) if name in recovery else None, "steps",
@@ -172,6 +182,15 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
                              f"{'~' if baseline else '<= '}{reference:g} s", REFERENCE,
                              None if baseline else (lambda v, r=reference: v <= r), why(name)))
     return checks
+
+
+def projection_checks(projections: tuple[Projection, ...], mechanisms: tuple[str, ...]) -> list[Check]:
+    """The projected figures that have a target: the other groups' stall on EKS (replica groups)."""
+    if "replica_groups" not in mechanisms:
+        return []
+    stall = next((p.total_s for p in projections if p.scenario == SURVIVORS_SCENARIO), None)
+    return [_check("replica_groups other groups' stall, projected on EKS", stall, "s", f"<= {SURVIVOR_STALL_EKS_S:g} s",
+                   ISSUE, lambda v: v <= SURVIVOR_STALL_EKS_S, "needs the replica_groups run")]
 
 
 def _both_check(both: str, injob_row: str, recovery: dict[str, MechanismResult], missing: str) -> Check:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.local.cluster import Cluster, build_config, parse_args
+from training.local.cluster import build_clusters, build_config, parse_args, run_clusters
 from training.local.netns import VirtualNetwork
 
 
@@ -20,19 +20,21 @@ class ClusterSpec:
     spares: int = 0  # hot spare nodes
     replacement_delay_s: float = 0.0  # a lost node's replacement starts this much later
     netns: bool = False  # each node on its own emulated machine (training.local.netns)
+    replica_groups: int = 1  # groups of nodes / replica_groups nodes each, under one Lighthouse
 
 
 def run_cluster(spec: ClusterSpec) -> int:
-    """Run to completion; returns the controller's status (0: every node finished)."""
+    """Run to completion; returns the controller's status (0: every node, of every replica group, finished)."""
     args = parse_args(["--nodes", str(spec.nodes), "--nproc-per-node", str(spec.nproc_per_node),
                        "--steps", str(spec.steps), "--run-dir", str(spec.run_dir), "--faults", ",".join(spec.faults),
                        "--node-retries", str(spec.node_retries), "--spares", str(spec.spares),
-                       *(["--netns"] if spec.netns else []), *spec.overrides])
+                       "--replacement-delay", str(spec.replacement_delay_s),
+                       "--replica-groups", str(spec.replica_groups), *(["--netns"] if spec.netns else []),
+                       *spec.overrides])
     cfg, config_path = build_config(args)
     network = VirtualNetwork() if spec.netns else None
     try:
-        return Cluster(cfg, config_path, spec.nodes, spec.nproc_per_node, spec.node_retries, spec.spares,
-                       spec.replacement_delay_s, network).run()
+        return run_clusters(*build_clusters(cfg, config_path, args, network))
     finally:
         if network is not None:
             network.close()

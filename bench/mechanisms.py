@@ -8,6 +8,7 @@ goodput. summarize refuses a run whose faults another restart kind handled: it m
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import shutil
 import statistics
@@ -17,10 +18,13 @@ from typing import Any
 
 from bench.cluster import ClusterSpec, run_cluster
 from bench.profile import Profile
+from training.contract.events import read_events
 from training.contract.faults import KINDS
 from training.contract.launcher import REJOIN_POLLS_S
+from training.contract.replica_groups import check_torchft
 from training.local.cluster import WORKERS_STOP_TIMEOUT_S
 from training.local.netns import unavailable_reason as netns_unavailable_reason
+from training.local.replica_groups import group_run_dir
 from training.models.tiny import write_tiny_model
 from training.report.goodput import GoodputReport, ReportError, report_run
 
@@ -41,6 +45,16 @@ class Mechanism:
     # a restart_kind that may have handled a fault instead: whichever of two restarts comes first
     alternative_restart_kind: str | None = None
     hf_family: str | None = None  # train this family's tiny Hugging Face model instead of the profile's preset
+    replica_groups: int = 1  # R >= 2: the faults strike the last group; the others' stall is measured
+
+    def fault_schedule(self, p: Profile) -> tuple[list[int], int]:
+        """The steps its faults strike at, and the run's steps: a spare's replacement must be on standby
+        before the next fault, a replica group healed before its next fault and the other groups' end."""
+        if self.replica_groups > 1:
+            faults = p.fault_steps(p.group_fault_spacing)
+            return faults, faults[-1] + p.group_fault_spacing
+        faults = p.fault_steps(p.spare_fault_spacing if self.spares else p.fault_spacing)
+        return faults, faults[-1] + p.tail_steps
 
 
 MECHANISMS = (
@@ -73,6 +87,9 @@ MECHANISMS = (
     Mechanism("partition_both", "node cut off, hot spare takes over, restart=both", "both", "partition", True,
               "injob", spares=1, netns=True, alternative_restart_kind="node"),
     Mechanism("hang_both", "rank hangs, restart=both", "both", "hang", True, "inprocess"),
+    # each group one node: the lost node is its whole group, replaced; the other group trains on
+    Mechanism("replica_groups", "node lost, replica groups (the other group trains on)", "injob", "node-loss", True,
+              "node", replica_groups=2, alternative_restart_kind="injob"),
 )
 # The restart=both rows and the injob rows they are compared with (bench.checks)
 BOTH_BESIDE_INJOB = {"node_zero_both": "node_zero", "partition_both": "partition", "hang_both": "hang"}
@@ -106,6 +123,10 @@ class MechanismResult:
     restart_kinds: tuple[str, ...]
     run_dir: str
     per_fault: tuple[dict[str, Any], ...]
+    # replica groups: the other groups' longest time between two steps across each fault (median, max); the
+    # figures above are the faulted group's, the goodputs every group's mean (each holds as many GPUs)
+    median_survivor_stall_s: float | None = None
+    max_survivor_stall_s: float | None = None
 
 
 class Unavailable(Exception):
@@ -119,15 +140,21 @@ def unavailable_reason(m: Mechanism) -> str | None:
         return f"training.contract.faults.KINDS has no {m.fault!r} fault kind"
     if m.netns:
         return netns_unavailable_reason()
+    if m.replica_groups > 1:
+        return check_torchft()
     return None
 
 
 def fault_specs(m: Mechanism, profile: Profile) -> tuple[str, ...]:
+    """The faults, on the last node or rank (of the last replica group) unless fault_on_host says 0."""
+    nodes = profile.nodes // m.replica_groups
     if "node" in KINDS[m.fault].keys and not m.spares:
-        target = f"node={0 if m.fault_on_host else profile.nodes - 1}"
+        target = f"node={0 if m.fault_on_host else nodes - 1}"
     else:
-        target = f"rank={0 if m.fault_on_host else profile.world - 1}"
-    return tuple(f"{m.fault}@{step}:{target}" for step in profile.fault_steps(spare=m.spares > 0))
+        target = f"rank={0 if m.fault_on_host else nodes * profile.nproc_per_node - 1}"
+    if m.replica_groups > 1:
+        target += f":group={m.replica_groups - 1}"
+    return tuple(f"{m.fault}@{step}:{target}" for step in m.fault_schedule(profile)[0])
 
 
 def model_overrides(m: Mechanism, profile: Profile, run_dir: Path) -> tuple[str, ...]:
@@ -148,12 +175,12 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
                *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "both" else ()))
     return ClusterSpec(
         run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node,
-        steps=profile.steps(spare=m.spares > 0),
+        steps=m.fault_schedule(profile)[1],
         overrides=(*BASE_OVERRIDES, *model_overrides(m, profile, run_dir), f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
         faults=fault_specs(m, profile), node_retries=retries, spares=m.spares, netns=m.netns,
-        replacement_delay_s=REPLACEMENT_DELAY_S if m.spares else 0.0)
+        replacement_delay_s=REPLACEMENT_DELAY_S if m.spares else 0.0, replica_groups=m.replica_groups)
 
 
 def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:
@@ -162,11 +189,38 @@ def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> Mechanis
         raise Unavailable(reason)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_cluster(cluster_spec(m, profile, run_dir))
+    if m.replica_groups > 1:
+        return summarize_groups(m, [group_run_dir(run_dir, g) for g in range(m.replica_groups)])
     try:
         _, report = report_run(run_dir)
     except ReportError as err:
         raise Unavailable(f"the run left no report: {err}") from None
     return summarize(m, report, str(run_dir))
+
+
+def summarize_groups(m: Mechanism, groups: list[Path]) -> MechanismResult:
+    """The faulted (last) group's recovery, the others' stall across each of its faults."""
+    try:
+        reports = [report_run(g)[1] for g in groups]
+    except ReportError as err:
+        raise Unavailable(f"a replica group left no report: {err}") from None
+    faulted = summarize(m, reports[-1], str(groups[-1]))
+    fired = [e["t"] for e in read_events(groups[-1]) if e["event"] == "fault_injected"]
+    stalls = [max(stall_across(read_events(g), t) for g in groups[:-1]) for t in fired]
+    if None in stalls:
+        raise Unavailable(f"a surviving group did not train across every fault ({groups[0]})")
+    return dataclasses.replace(
+        faulted, run_dir=str(groups[-1].parent),
+        training_goodput=statistics.mean(r.training_goodput for r in reports),
+        infra_goodput=statistics.mean(r.infra_goodput for r in reports),
+        median_survivor_stall_s=statistics.median(stalls), max_survivor_stall_s=max(stalls))
+
+
+def stall_across(events: list[dict[str, Any]], t: float) -> float | None:
+    """The time between a group's last step before `t` and its first after (None: it trained on neither side)."""
+    times = [e["t"] for e in events if e["event"] == "step"]
+    before, after = [x for x in times if x <= t], [x for x in times if x > t]
+    return after[0] - before[-1] if before and after else None
 
 
 def summarize(m: Mechanism, report: GoodputReport, run_dir: str) -> MechanismResult:

@@ -6,15 +6,19 @@ What the local cluster measures and EKS adds to it: every scenario ends with the
 every node's workers on p5 (`gpu_restart_s`, the AWS post's figure), plus what the scenario costs
 here beyond a plain in-job restart (the rendezvous with a spare, waiting for a replaced pod,
 restarting every launcher): the local recovery of that mechanism minus the local in-job recovery.
+With replica groups, the other groups' stall is projected too: on EKS a lost node sends no TCP reset,
+so their cross-group all-reduce with it ends at torchft's timeout, then costs what it cost here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from bench.mechanisms import MechanismResult
+from training.contract.config import ParallelConfig
 from training.contract.k8s_delays import KubernetesDelays
 
 REFERENCE_PLAIN_RESTART_S = 270.0  # the AWS post, plain Kubernetes restart on 2-8 p5 nodes
+SURVIVORS_SCENARIO = "replica groups: the other groups' stall while the lost node's group recovers"
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,8 @@ class Projection:
         return sum(seconds for _, seconds in self.parts)
 
 
-def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[Projection, ...]:
+def project(d: KubernetesDelays, recovery: dict[str, MechanismResult],
+            parallel: ParallelConfig = ParallelConfig()) -> tuple[Projection, ...]:
     """The scenarios whose local mechanism was measured (and the in-job restart it is compared to)."""
     if "injob" not in recovery:
         return ()
@@ -64,6 +69,21 @@ def project(d: KubernetesDelays, recovery: dict[str, MechanismResult]) -> tuple[
           d.node_boot_join_s), pull, restart)),
         ("plain Kubernetes restart (no ft_launcher restarts), spare node", "k8s_restart",
          (detect, evict, pull, restart)),
+        ("replica groups, hot spare: the lost node's group back in the quorum, healed from a live group",
+         "replica_groups", (detect, restart)),
     )
-    return tuple(Projection(label, name, (*parts, local_extra(name)))
-                 for label, name, parts in scenarios if name in recovery)
+    projections = tuple(Projection(label, name, (*parts, local_extra(name)))
+                        for label, name, parts in scenarios if name in recovery)
+    return projections + _survivors(recovery, parallel)
+
+
+def _survivors(recovery: dict[str, MechanismResult], parallel: ParallelConfig) -> tuple[Projection, ...]:
+    """The other groups' stall: the all-reduce with the silent node times out, then the quorum re-forms."""
+    stall = recovery["replica_groups"].median_survivor_stall_s if "replica_groups" in recovery else None
+    if stall is None:
+        return ()
+    return (Projection(SURVIVORS_SCENARIO, "replica_groups", (
+        ("their all-reduce with the lost node times out (parallel.step_timeout_s: no TCP reset on EKS)",
+         parallel.step_timeout_s),
+        ("the rest of their stall, measured here (the quorum without its group, the step run again)", stall))),)
+

@@ -24,7 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from bench.checks import peer_checks, recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
+from bench.checks import (peer_checks, projection_checks, recovery_checks, rollback_checks, spare_cpu_checks,
+                          stall_checks)
 from bench.floor import FloorResult, measure_floor
 from bench.mechanisms import MECHANISMS, MechanismResult, Unavailable, measure_mechanism
 from bench.plot import plot_result
@@ -132,7 +133,7 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
                                           unavailable)
     recovery: dict[str, MechanismResult] = {}
     for m in (m for m in MECHANISMS if m.name in p.mechanisms):
-        say(f"{m.label}: {p.faults} faults at steps {p.fault_steps(spare=m.spares > 0)}, {p.nodes} node(s) x "
+        say(f"{m.label}: {p.faults} faults at steps {m.fault_schedule(p)[0]}, {p.nodes} node(s) x "
             f"{p.nproc_per_node} rank(s)")
         try:
             recovery[m.name] = measure_mechanism(m, p, runs / m.name)
@@ -151,16 +152,18 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
         say(f"peer state at {', '.join(p.peer_presets)} state: copy, send, restore")
         peer_sizes = _attempt(PEER_SIZES, lambda: measure_peer_sizes(p.peer_presets), unavailable) or ()
     machine = Machine.here(p.device)
+    projections = project(EKS, recovery)
     checks = (*stall_checks(stall, unavailable.get("checkpoint", "not measured"), cpus),
               *spare_cpu_checks(stall_spare, unavailable.get(SPARE_CPU, "not measured"), cpus,
                                 run=spare_world is not None),
               *recovery_checks(recovery, unavailable, floor, p.mechanisms),
+              *projection_checks(projections, p.mechanisms),
               *rollback_checks(rollback, unavailable.get(ROLLBACK, "not measured")),
               *(peer_checks(peer, unavailable.get(PEER, "not measured")) if "peer_state" in p.mechanisms else ()))
     return BenchResult(date=date, profile=p, machine=machine, elapsed_s=time.monotonic() - started,
                        checkpoint=stall, checkpoint_spare_cpu=stall_spare, floor=floor, recovery=recovery,
                        rollback=rollback, peer=peer, unavailable=unavailable, checks=checks,
-                       projections=project(EKS, recovery), delays=EKS, peer_sizes=peer_sizes)
+                       projections=projections, delays=EKS, peer_sizes=peer_sizes)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

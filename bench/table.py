@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from bench.checks import REFERENCE_RECOVERY_S, Check
-from bench.mechanisms import MECHANISMS
+from bench.mechanisms import MECHANISMS, MechanismResult
 from bench.profile import FULL, QUICK
 from bench.projection import REFERENCE_PLAIN_RESTART_S
 from bench.results import PEER, PEER_SIZES, ROLLBACK, SPARE_CPU, BenchResult
@@ -72,7 +72,8 @@ def recovery_table(r: BenchResult) -> list[str]:
     lines = [f"Recovery and goodput per mechanism: one run each, {r.profile.faults} deterministic faults, medians "
              f"over the faults; floor of this machine (fresh Python + import torch + join group): {floor}", "",
              *_header("mechanism", "faults recovered", "detection", "recovery", "reference recovery",
-                      "steps lost (median/max)", "time lost", "training goodput", "infra goodput", "wall")]
+                      "steps lost (median/max)", "time lost", "other groups' stall (median/max)", "training goodput",
+                      "infra goodput", "wall")]
     for m in MECHANISMS:
         if m.name not in r.profile.mechanisms:
             continue
@@ -81,13 +82,21 @@ def recovery_table(r: BenchResult) -> list[str]:
         res = r.recovery.get(m.name)
         if res is None:
             lines.append(_row(m.label, f"not available: {r.unavailable.get(m.name, 'not run')}", "", "", ref_text,
-                              "", "", "", "", ""))
+                              "", "", "", "", "", ""))
             continue
         lines.append(_row(m.label, f"{res.recovered}/{res.faults}", _fmt(res.median_detection_s, "s"),
                           _fmt(res.median_recovery_s, "s"), ref_text,
                           f"{res.median_steps_lost:g}/{res.max_steps_lost}", _fmt(res.median_time_lost_s, "s"),
-                          _fmt(res.training_goodput, "%"), _fmt(res.infra_goodput, "%"), _fmt(res.wall_s, "s")))
+                          _survivor_stall(res), _fmt(res.training_goodput, "%"), _fmt(res.infra_goodput, "%"),
+                          _fmt(res.wall_s, "s")))
     return lines
+
+
+def _survivor_stall(res: MechanismResult) -> str:
+    """With replica groups, the other groups' longest wait between two steps across a fault; else "-"."""
+    if res.median_survivor_stall_s is None or res.max_survivor_stall_s is None:
+        return "-"
+    return f"{res.median_survivor_stall_s:.2f}/{res.max_survivor_stall_s:.2f} s"
 
 
 def rollback_table(r: BenchResult) -> list[str]:

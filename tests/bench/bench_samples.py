@@ -5,7 +5,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from bench.checks import peer_checks, recovery_checks, rollback_checks, spare_cpu_checks, stall_checks
+from bench.checks import (peer_checks, projection_checks, recovery_checks, rollback_checks, spare_cpu_checks,
+                          stall_checks)
 from bench.floor import FloorResult
 from bench.mechanisms import MechanismResult
 from bench.peer import PeerResult
@@ -65,17 +66,21 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
                         async_setup_s=1.2)
     recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "hot_spare": mechanism(10.0),
                 "peer_state": mechanism(9.0, steps_lost=0), "drain": mechanism(4.0, steps_lost=0),
-                "k8s_restart": mechanism(13.0)}
+                "k8s_restart": mechanism(13.0),
+                "replica_groups": replace(mechanism(8.0, steps_lost=0), median_survivor_stall_s=1.2,
+                                          max_survivor_stall_s=1.5)}
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
     spare = replace(stall, state_bytes=128 << 20, world_size=1, sync_blocking_per_save_s=(1.5, 1.5),
                     sync_blocking_s=1.5, efficiency_sync=0.6, efficiency_async=0.9)
     rollback = RollbackResult(save_s=0.0012, step_s=0.03, cost_ratio=0.04, steps=38, copy_bytes=128 << 20,
                               copy_s=0.025, copy_gbps=5.37)
+    projections = project(EKS, recovery)
     checks = (*stall_checks(stall, "", cpus=2), *spare_cpu_checks(spare, "", 2, run=True),
-              *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms), *rollback_checks(rollback, ""),
+              *recovery_checks(recovery, unavailable, floor, QUICK.mechanisms),
+              *projection_checks(projections, QUICK.mechanisms), *rollback_checks(rollback, ""),
               *peer_checks(PEER, ""))
     machine = Machine(cpus=2, load_avg_1m=1.0, python="3.11", torch="2.13.0", nvrx="0.4.1", device="x86_64")
     return BenchResult(date="2026-11-30_000000_quick", profile=QUICK, machine=machine, elapsed_s=100.0,
                        checkpoint=stall, checkpoint_spare_cpu=spare, floor=floor, recovery=recovery,
                        rollback=rollback, peer=PEER, unavailable=unavailable, checks=checks,
-                       projections=project(EKS, recovery), peer_sizes=PEER_SIZES)
+                       projections=projections, peer_sizes=PEER_SIZES)

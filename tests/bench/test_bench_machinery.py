@@ -55,7 +55,10 @@ def test_each_mechanism_gets_its_fault_on_the_right_rank_or_node() -> None:
                      "hang": ("hang@15:rank=3", "hang@55:rank=3"),
                      "node_zero_both": ("node-loss@15:node=0", "node-loss@55:node=0"),
                      "partition_both": ("partition@15:rank=3", "partition@265:rank=3"),
-                     "hang_both": ("hang@15:rank=3", "hang@55:rank=3")}
+                     "hang_both": ("hang@15:rank=3", "hang@55:rank=3"),
+                     # a group of one node each: the faulted group's node, healed past the other's steps
+                     # before its next fault
+                     "replica_groups": ("node-loss@15:node=0:group=1", "node-loss@265:node=0:group=1")}
 
 
 def test_the_hugging_face_row_trains_a_tiny_model_it_writes_beside_the_run(tmp_path: Path) -> None:

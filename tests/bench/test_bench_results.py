@@ -176,9 +176,11 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA
     assert set(data["recovery"]) == {"injob", "node_replacement", "hot_spare", "peer_state", "drain",
-                                     "k8s_restart"}  # unavailable ones stay out
+                                     "k8s_restart", "replica_groups"}  # unavailable ones stay out
     assert [p["mechanism"] for p in data["projections"]] == ["hot_spare", "peer_state", "node_replacement",
-                                                              "node_replacement", "node_replacement", "k8s_restart"]
+                                                              "node_replacement", "node_replacement", "k8s_restart",
+                                                              "replica_groups", "replica_groups"]
+    assert data["recovery"]["replica_groups"]["median_survivor_stall_s"] == 1.2
     assert data["peer"]["cost_ratio"] == 0.03 and data["peer"]["bytes_per_rank"] == 4 << 20
     assert [(s["preset"], s["send_s"]) for s in data["peer_sizes"]] == [("tiny", 0.01), ("small", 2.0)]
     assert data["delays"]["toleration_s"] == 30
@@ -187,7 +189,9 @@ def test_json_has_the_keys_plan_reads_and_plan_runs_from_it(tmp_path: Path, caps
     assert data["rollback"]["cost_ratio"] == 0.04 and data["rollback"]["copy_gbps"] == 5.37
     save, mechanisms = plan.from_bench(path, "async")
     assert save == 0.1 and {m.name: m.recovery_s for m in mechanisms} == {  # a drain is no failure to plan for
-        "injob": 7.0, "node_replacement": 20.0, "hot_spare": 10.0, "peer_state": 9.0, "k8s_restart": 13.0}
+        "injob": 7.0, "node_replacement": 20.0, "hot_spare": 10.0, "peer_state": 9.0, "k8s_restart": 13.0,
+        "replica_groups": 8.0}
+    assert [(m.groups, m.survivor_stall_s) for m in mechanisms if m.name == "replica_groups"] == [(2, 1.2)]
     assert plan_main(["--nodes", "32", "--node-mtbf-hours", "2000", "--from-bench", str(path)]) == 0
     assert "k8s_restart" in capsys.readouterr().out
 
@@ -198,7 +202,13 @@ def test_markdown_and_png(tmp_path: Path) -> None:
     assert "| in-process restart | not available: training/train/inprocess.py does not exist |" in text
     assert "| plain Kubernetes restart (every pod replaced) | 2/2 |" in text
     assert "| node lost (SIGKILL), replaced | 2/2 | 1.00 s | 20.00 s | - | 4/4 |" in text
-    assert "| node drained (SIGTERM), replaced | 2/2 | 1.00 s | 4.00 s | - | 0/0 |" in text
+    assert "| node drained (SIGTERM), replaced | 2/2 | 1.00 s | 4.00 s | - | 0/0 | 4.00 s | - |" in text
+    assert ("| node lost, replica groups (the other group trains on) | 2/2 | 1.00 s | 8.00 s | - | 0/0 | 8.00 s | "
+            "1.20/1.50 s | 50.0% |") in text
+    assert ("| replica_groups other groups' longest stall across a fault (median) | 1.20 s | <= 3 s | target | PASS |"
+            in text)
+    # on EKS no TCP reset ends the all-reduce with the lost node: torchft's timeout does
+    assert "| replica_groups other groups' stall, projected on EKS | 11.20 s | <= 10 s | target | MISS |" in text
     assert "| drain steps lost per fault (max) | 0 steps | <= 0 | target | PASS |" in text
     assert "Quick mode: 2 faults per mechanism" in text
     assert "| sync | 2.00 s | 2.00, 2.00 | 0.50 s | - (the rank writes) | 0.20 s | 50.0% |" in text

@@ -1,10 +1,13 @@
 """The EKS projection of a lost node: sums of named delays and local measurements, a spare first."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from bench.projection import project
+from bench.projection import SURVIVORS_SCENARIO, project
 from bench_samples import mechanism
+from training.contract.config import ParallelConfig
 from training.contract.k8s_delays import EKS, KubernetesDelays
 
 
@@ -55,3 +58,18 @@ def test_scenarios_whose_runs_are_missing_are_left_out() -> None:
 def test_delays_are_never_negative() -> None:
     with pytest.raises(ValueError, match=r"toleration_s=-1 is not allowed: 0 or more seconds"):
         KubernetesDelays(toleration_s=-1)
+
+
+def test_replica_groups_survivors_wait_out_torchfts_timeout_on_eks() -> None:
+    """No TCP reset from a lost node on EKS: the other groups' all-reduce with it ends at torchft's timeout."""
+    groups = replace(mechanism(9.0, steps_lost=0), median_survivor_stall_s=1.2, max_survivor_stall_s=1.5)
+    recovery = {"injob": mechanism(3.0), "replica_groups": groups}
+    survivors, = (p for p in project(EKS, recovery) if p.scenario == SURVIVORS_SCENARIO)
+    assert survivors.total_s == pytest.approx(ParallelConfig().step_timeout_s + 1.2)
+    quicker, = (p for p in project(EKS, recovery, ParallelConfig(step_timeout_s=5.0))
+                if p.scenario == SURVIVORS_SCENARIO)
+    assert quicker.total_s == pytest.approx(6.2)
+    lost_group = next(p for p in project(EKS, recovery) if p.scenario.startswith("replica groups, hot spare"))
+    assert lost_group.total_s == pytest.approx(EKS.lost_peer_detection_s + EKS.gpu_restart_s + 6.0)
+    assert all(p.scenario != SURVIVORS_SCENARIO
+               for p in project(EKS, {**recovery, "replica_groups": mechanism(9.0)}))  # no stall measured

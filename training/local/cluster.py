@@ -766,28 +766,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_delay:
         os.environ[SAVE_DELAY_ENV] = str(args.save_delay)  # every rank's environment (Cluster.env)
     groups = cfg.parallel.replica_groups
-    lighthouse = None
-    if groups == 1:
-        clusters = [Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
-                            args.replacement_delay, network)]
+    clusters, lighthouse = build_clusters(cfg, config_path, args, network)
+    _stop_on_signals(clusters)
+    if lighthouse is None:
         shape, where = f"{args.nodes} node(s)", f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/"
     else:
-        port = free_port()
-        command = lighthouse_command(cfg.parallel.lighthouse_options(), port, str(Path(sys.executable).parent))
-        lighthouse = Lighthouse(command, port, Path(cfg.run_dir) / "lighthouse.log")
-        address = f"http://{network.host_address if network else '127.0.0.1'}:{port}"
-        clusters = [Cluster(*write_group_config(cfg, g), args.nodes // groups, args.nproc_per_node, args.node_retries,
-                            args.spares, args.replacement_delay, network, replica_group=g, lighthouse=address)
-                    for g in range(groups)]
         shape = f"{groups} replica groups of {args.nodes // groups} node(s)"
         where = f"run directories {cfg.run_dir}/group<g>, logs in their logs/; the Lighthouse's log {lighthouse.log_path}"
-    _stop_on_signals(clusters)
     spares = f" + {args.spares} spare(s){' each' if groups > 1 else ''}" if args.spares else ""
     clusters[0].say(f"{shape}{spares} x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, checkpoints "
                     f"{cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; {where}")
     started = time.monotonic()
     try:
-        status = clusters[0].run() if lighthouse is None else run_groups(clusters, lighthouse)
+        status = run_clusters(clusters, lighthouse)
     except LighthouseError as err:
         print(f"training.local: {err}", file=sys.stderr)
         return 1
@@ -807,6 +798,27 @@ def main(argv: list[str] | None = None) -> int:
         if cluster.failure is not None:  # the last line says why, below the report
             cluster.say(f"the job failed: {cluster.failure}")
     return status
+
+
+def build_clusters(cfg: TrainConfig, config_path: Path, args: argparse.Namespace,
+                   network: VirtualNetwork | None) -> tuple[list[Cluster], Lighthouse | None]:
+    """The Job's controller, or with replica groups one per group and the Lighthouse they share."""
+    groups = cfg.parallel.replica_groups
+    if groups == 1:
+        return [Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
+                        args.replacement_delay, network)], None
+    port = free_port()
+    command = lighthouse_command(cfg.parallel.lighthouse_options(), port, str(Path(sys.executable).parent))
+    lighthouse = Lighthouse(command, port, Path(cfg.run_dir) / "lighthouse.log")
+    address = f"http://{network.host_address if network else '127.0.0.1'}:{port}"
+    return [Cluster(*write_group_config(cfg, g), args.nodes // groups, args.nproc_per_node, args.node_retries,
+                    args.spares, args.replacement_delay, network, replica_group=g, lighthouse=address)
+            for g in range(groups)], lighthouse
+
+
+def run_clusters(clusters: list[Cluster], lighthouse: Lighthouse | None) -> int:
+    """To the end: 0 when every node (of every group) finished, 1 on failure, 130 when stopped."""
+    return clusters[0].run() if lighthouse is None else run_groups(clusters, lighthouse)
 
 
 def _stop_on_signals(clusters: list[Cluster]) -> None:
