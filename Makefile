@@ -65,8 +65,9 @@ synth: setup
 	rm -rf cdk.out
 	npx cdk synth --quiet
 
+# make manifests MANIFESTS_ARGS="--train-config k8s/train-replicas.yaml": replica groups (docs/replica-groups.md)
 manifests: setup
-	$(PY) k8s/main.py
+	$(PY) k8s/main.py $(MANIFESTS_ARGS)
 
 demo: $(VENV)/.installed
 	$(PY) -m training.local --demo

@@ -21,10 +21,9 @@ from bench.profile import Profile
 from training.contract.events import read_events
 from training.contract.faults import KINDS
 from training.contract.launcher import REJOIN_POLLS_S
-from training.contract.replica_groups import check_torchft
+from training.contract.replica_groups import check_torchft, group_run_dir
 from training.local.cluster import WORKERS_STOP_TIMEOUT_S
 from training.local.netns import unavailable_reason as netns_unavailable_reason
-from training.local.replica_groups import group_run_dir
 from training.models.tiny import write_tiny_model
 from training.report.goodput import GoodputReport, ReportError, report_run
 

@@ -21,6 +21,7 @@ from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_fa
 from training.contract.k8s_delays import EKS
 from training.contract.launcher import LAUNCHER_EXIT_MARGIN_S
 from training.contract.model_source import ModelSourceError, model_shape
+from training.contract.replica_groups import LIGHTHOUSE_PORT
 from training.contract.shapes import ModelShape
 
 # A pod's hostname is "<job>-<index>" (at most 63), the chaos CronJob "<job>-chaos" (at most 52) and
@@ -29,6 +30,9 @@ _JOB_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _CRON = re.compile(r"^(@(hourly|daily|weekly|monthly|yearly)|(\S+\s+){4}\S+)$")
 CLUSTER_DOMAIN = "cluster.local"  # the EKS default
 MAX_NODE_FAILURE_TOLERATION_S = 300
+# The kernel's hostname (utsname nodename), which a pod with setHostnameAsFQDN gets its FQDN as: a longer one
+# fails the pod's start (Kubernetes docs, "DNS for Services and Pods", "Pod's setHostnameAsFQDN field").
+MAX_HOSTNAME = 64
 
 
 class JobConfigError(ValueError):
@@ -75,6 +79,10 @@ class JobConfig:
     # A Hugging Face model's directory lies on FSx, which is not mounted where the chart renders: a local copy
     # of it (its config.json is enough) sizes what the chart checks (peer state's /dev/shm). None: model.path.
     model_dir: str | None = None
+    # With parallel.replica_groups R >= 2 the chart renders one Job per group (JobConfig.group): a group's
+    # JobConfig names its index and the set of groups it belongs to. None: a Job of every node, or the set.
+    replica_group: int | None = None
+    group_set: str | None = None
 
     def __post_init__(self) -> None:
         if self.nodes is None:
@@ -107,8 +115,50 @@ class JobConfig:
 
     @property
     def pods(self) -> int:
-        """The Job's indexes: every training node's pod and every hot spare's."""
-        return self.nodes + self.spares
+        """The Job's indexes, every training node's pod and every hot spare's; of a set of replica groups,
+        every group's (each has `spares` of its own)."""
+        return self.nodes + self.spares * (self.replica_groups if self.is_group_set else 1)
+
+    @property
+    def replica_groups(self) -> int:
+        return self.train.parallel.replica_groups
+
+    @property
+    def is_group_set(self) -> bool:
+        """Several replica groups, each rendered as a Job of its own (JobConfig.group)."""
+        return self.replica_groups > 1 and self.replica_group is None
+
+    def group(self, g: int) -> "JobConfig":
+        """Replica group g's Job: nodes / R of the nodes, `spares` of its own, its own run directory
+        (TrainConfig.for_group) and rendezvous store, named `<name>-g<g>`."""
+        return replace(self, name=f"{self.name}-g{g}", nodes=self.nodes // self.replica_groups,
+                       train=self.train.for_group(g), replica_group=g, group_set=self.name)
+
+    @property
+    def groups(self) -> tuple["JobConfig", ...]:
+        """Every Job the chart renders: each replica group's, or this one."""
+        return tuple(self.group(g) for g in range(self.replica_groups)) if self.is_group_set else (self,)
+
+    @property
+    def set_name(self) -> str:
+        """The name of the set of replica groups (this Job's own without groups): the Lighthouse's prefix."""
+        return self.group_set or self.name
+
+    @property
+    def lighthouse_name(self) -> str:
+        """The Lighthouse's Deployment and Service, one for every replica group."""
+        return f"{self.set_name}-lighthouse"
+
+    @property
+    def lighthouse_endpoint(self) -> str:
+        """The address torchft's Managers reach the Lighthouse at (training.contract.replica_groups.LIGHTHOUSE_ENV)."""
+        return f"http://{self.lighthouse_name}.{self.namespace}.svc.{CLUSTER_DOMAIN}:{LIGHTHOUSE_PORT}"
+
+    @property
+    def pod_fqdn_length(self) -> int:
+        """The longest pod FQDN, `<name>-<index>.<service>.<namespace>.svc.<domain>`: with replica groups the
+        kernel hostname (setHostnameAsFQDN), at most 64 characters."""
+        return len(f"{self.name}-{self.pods - 1}.{self.service_name}.{self.namespace}.svc.{CLUSTER_DOMAIN}")
 
     @property
     def lost_pod_replaced_s(self) -> float:
@@ -163,8 +213,10 @@ class JobConfig:
 
     @property
     def capacity(self) -> Capacity:
-        """The config at its size: the model, these nodes, the FSx that cdk.json (or -c) provisions
-        (training.contract.capacity)."""
+        """The config at its size: the model, these nodes (a replica group's: each shards the model over its
+        own), the FSx that cdk.json (or -c) provisions (training.contract.capacity)."""
+        if self.is_group_set:
+            return self.group(0).capacity
         node = NodeSpec(self.instance.name, self.instance.gpus, self.instance.gpu_peak_bf16_tflops,
                         self.instance.efa_line_rate_gbs, self.shm_gib * GIB)
         return capacity_of(ModelFootprint.from_shape(self.model_shape, self.train.training.seq_len), node, self.nodes,
@@ -238,6 +290,9 @@ def _validate(j: JobConfig) -> None:
                              "the pods of the extra indexes could never be scheduled")
     if j.spares < 0:
         raise JobConfigError(f"spares={j.spares} is not allowed: 0 or more hot spare pods")
+    if j.is_group_set:
+        _validate_group_set(j)
+        return
     if j.pods > j.platform.gpu_nodes_max:
         raise JobConfigError(f"nodes={j.nodes} + spares={j.spares} = {j.pods} exceeds gpuNodesMax="
                              f"{j.platform.gpu_nodes_max}: every pod needs a GPU node of its own; allowed: "
@@ -256,6 +311,10 @@ def _validate(j: JobConfig) -> None:
                              f"FSx, a directory below {CHECKPOINT_MOUNT_PATH} (e.g. where the S3 import puts it)")
     _validate_faults(j)
     _validate_global_batch(j)
+    if j.replica_group is not None and j.pod_fqdn_length > MAX_HOSTNAME:
+        raise JobConfigError(f"job name {j.set_name!r} in namespace {j.namespace!r} is too long for replica groups: "
+                             f"a pod's hostname is its FQDN ({j.name}-{j.pods - 1}.{j.service_name}.{j.namespace}.svc."
+                             f"{CLUSTER_DOMAIN}, {j.pod_fqdn_length} characters), at most {MAX_HOSTNAME}")
     if j.backoff_limit_per_index < 0:
         raise JobConfigError(f"backoff_limit_per_index={j.backoff_limit_per_index} is not allowed: 0 or more")
     if j.ttl_seconds_after_finished < 0:
@@ -305,6 +364,32 @@ def _validate(j: JobConfig) -> None:
             raise JobConfigError(f"fault_injection.grace_period_s={fi.grace_period_s} is not allowed: 1 or more")
 
 
+def _validate_group_set(j: JobConfig) -> None:
+    """A set of replica groups: whole groups of nodes, names that fit every group's, and each group valid as
+    a Job of its own (all are alike: group 0 is checked)."""
+    groups, last = j.replica_groups, f"{j.name}-g{j.replica_groups - 1}"
+    if j.nodes % groups:
+        allowed = [n for n in range(groups, j.platform.gpu_nodes_max + 1, groups)]
+        raise JobConfigError(f"nodes={j.nodes} is not allowed with parallel.replica_groups={groups}: each group is "
+                             f"whole nodes, the same number each; allowed nodes: {allowed or 'none up to gpuNodesMax'}")
+    if not _JOB_NAME.match(last):
+        raise JobConfigError(f"job name {j.name!r} is too long for {groups} replica groups: each group's Job is "
+                             f"<name>-g<g> ({last!r}), at most 40 characters")
+    if j.pods > j.platform.gpu_nodes_max:
+        raise JobConfigError(f"nodes={j.nodes} + {groups} replica groups x spares={j.spares} = {j.pods} exceeds "
+                             f"gpuNodesMax={j.platform.gpu_nodes_max}: each group has its own hot spares, and every "
+                             f"pod needs a GPU node of its own; allowed: at most "
+                             f"{(j.platform.gpu_nodes_max - j.nodes) // groups} spares per group with these nodes")
+    if j.fault_injection is not None:
+        raise JobConfigError(f"--fault-injection is not rendered with parallel.replica_groups={groups} yet: its drill "
+                             "evicts a pod of one Job; use the faults key with group=G (docs/faults.md)")
+    try:
+        j.group(0)
+    except JobConfigError as err:
+        raise JobConfigError(f"each of {groups} replica groups ({j.nodes // groups} of the {j.nodes} nodes): {err}"
+                             ) from None
+
+
 def _validate_faults(j: JobConfig) -> None:
     try:
         specs = parse_faults(j.train.faults, groups=j.train.parallel.replica_groups)
@@ -320,6 +405,12 @@ def _validate_faults(j: JobConfig) -> None:
 def _validate_global_batch(j: JobConfig) -> None:
     """The training nodes' GPUs must reach training.global_batch_size: say which node counts can."""
     t, gpus = j.train.training, j.instance.gpus
+    if j.replica_group is not None:
+        try:
+            j.train.rows_per_step(j.nodes * gpus)
+        except TrainConfigError as err:
+            raise JobConfigError(f"nodes={j.nodes} x {gpus} GPUs per group: {err}") from None
+        return
     try:
         t.accumulation_steps(j.nodes * gpus)
     except TrainConfigError as err:

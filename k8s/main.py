@@ -137,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink()
     app.synth()
     print(f"infra outputs: {job.infra.source}")
-    print(f"job {job.name}: {job.nodes} x {job.instance.name} + {job.spares} spare, restart={job.restart_mode}, "
-          f"fault injection {'on' if fault_injection else 'off'}")
+    shape = (f"{job.replica_groups} replica groups of {job.nodes // job.replica_groups} x {job.instance.name} + "
+             f"{job.spares} spare each, one Lighthouse" if job.is_group_set
+             else f"{job.nodes} x {job.instance.name} + {job.spares} spare")
+    print(f"job {job.name}: {shape}, restart={job.restart_mode}, fault injection {'on' if fault_injection else 'off'}")
     c = job.capacity
     print(f"capacity (projected, `python -m training.plan --nodes {job.nodes} --config ...` for all of it): "
           f"{c.state_bytes / 1e9:.1f} GB per save to FSx {c.fsx.describe()} in {c.save_s:.0f} s, interval "
@@ -151,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
 def _write_report_job(job: JobConfig, outdir: Path) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     build_report_app(job, outdir).synth()
-    name, ns = report_job_name(job), job.namespace
-    print(f"wrote {outdir / 'report.k8s.yaml'}: the report of {job.train.run_dir}")
-    print(f"  kubectl delete job -n {ns} {name} --ignore-not-found && kubectl apply -f {outdir}/\n"
-          f"  kubectl logs -n {ns} -f job/{name}\n"
-          f"  kubectl cp -n {ns} $(kubectl get pod -n {ns} -l job-name={name} -o name | cut -d/ -f2):"
-          f"{timeline_path(job)} timeline.png")
+    ns, names = job.namespace, " ".join(report_job_name(group) for group in job.groups)
+    print(f"wrote {outdir / 'report.k8s.yaml'}: the report of {', '.join(g.train.run_dir for g in job.groups)}")
+    print(f"  kubectl delete job -n {ns} {names} --ignore-not-found && kubectl apply -f {outdir}/")
+    for group in job.groups:
+        name = report_job_name(group)
+        print(f"  kubectl logs -n {ns} -f job/{name}\n"
+              f"  kubectl cp -n {ns} $(kubectl get pod -n {ns} -l job-name={name} -o name | cut -d/ -f2):"
+              f"{timeline_path(group)} {'timeline.png' if len(job.groups) == 1 else f'timeline-{group.name}.png'}")
     return 0
 
 

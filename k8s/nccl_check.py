@@ -1,21 +1,10 @@
 """The NCCL/EFA preflight's verdict on nccl-tests runs across the GPU nodes, one per collective.
 
-Runs inside the preflight MPIJob's launcher (standard library only: the chart ships this file in a
-ConfigMap): `python3 nccl_check.py --instance-type p5.48xlarge --nodes 2 --floor all_reduce=300
---floor all_gather=240 … --timeout-s 900 [--node-names "mpirun … cat FILE"] -- mpirun … {collective}_perf …`
-runs the command once per --floor, in order, with `{collective}` replaced by the collective's name, streams
-each run's output and exits 1, naming the collective, the node and the figure, when
-- a node's NCCL did not log the EFA transport (`NET/OFI`, aws-ofi-nccl's lines at NCCL_DEBUG=INFO),
-  e.g. it fell back to TCP sockets (`NET/Socket`, `Using network Socket`);
-- the bus bandwidth at the largest message size is below the collective's floor for the instance type
-  (infra.instances, min_busbw_gbs);
-- a run did not finish within --timeout-s (a hang: aws-ofi-nccl 1.18.0 hung on broadcast while all-reduce
-  passed); its processes are killed and the next collective runs;
-- fewer nodes took part than the Job's size, the results had wrong values, or mpirun failed.
-FSDP2 moves its bytes with all-gather and reduce-scatter, so those are checked besides all-reduce.
-NCCL and nccl-tests name hosts by the pod's hostname; --node-names runs a command that prints
-"<hostname> <node name>" per worker (each worker wrote its Kubernetes node name at start), so a failure
-names the node to cordon, with its pod.
+It runs in the preflight MPIJob's launcher, on the standard library only (the chart ships it in a
+ConfigMap). It runs the command once per `--floor` collective and exits 1, naming the collective, the
+node and the figure, when EFA was not used, the bus bandwidth is below the floor, a run hung, or a node
+was missing. FSDP2 moves its bytes with all-gather and reduce-scatter, so those are checked beside
+all-reduce. Each verdict and its floor: docs/deploying.md.
 """
 from __future__ import annotations
 

@@ -75,12 +75,22 @@ def _report_job_spec(job: JobConfig) -> dict:
     }
 
 
+def _report_job(scope: Construct, job: JobConfig) -> None:
+    api_object(scope, "job", api_version="batch/v1", kind="Job", name=report_job_name(job),
+               namespace=job.namespace, annotations=checkov_skips(IMAGE_CHECKOV_SKIPS),
+               body={"spec": _report_job_spec(job)})
+    # It serves nothing and connects to nothing (FSx is the node's kernel client): no traffic at all.
+    network_policy(scope, "network-policy", job, report_job_name(job), _pod_labels(job))
+
+
 class ReportChart(Chart):
+    """The report Job of the run, or with replica groups one per group (each has its own run directory)."""
+
     def __init__(self, scope: Construct, id: str, job: JobConfig) -> None:
         super().__init__(scope, id, labels={"app.kubernetes.io/name": job.name,
                                             "app.kubernetes.io/part-of": job.infra.cluster_name})
-        api_object(self, "job", api_version="batch/v1", kind="Job", name=report_job_name(job),
-                   namespace=job.namespace, annotations=checkov_skips(IMAGE_CHECKOV_SKIPS),
-                   body={"spec": _report_job_spec(job)})
-        # It serves nothing and connects to nothing (FSx is the node's kernel client): no traffic at all.
-        network_policy(self, "network-policy", job, report_job_name(job), _pod_labels(job))
+        if not job.is_group_set:
+            _report_job(self, job)
+            return
+        for group in job.groups:
+            _report_job(Construct(self, f"group{group.replica_group}"), group)

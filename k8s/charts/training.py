@@ -1,5 +1,6 @@
 """The training run: the rendezvous store (Deployment and Service), a headless Service, config maps,
-and the Indexed Job (one ft_launcher pod per node, training or standing by)."""
+and the Indexed Job (one ft_launcher pod per node, training or standing by). With replica groups, those
+for every group (JobConfig.group) and one torchft Lighthouse (Deployment and Service) that they share."""
 from __future__ import annotations
 
 import hashlib
@@ -20,10 +21,15 @@ from k8s.job_config import JobConfig
 from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH, container_command, launcher_args, nvrx_ft_config
 from training.contract.job_rules import JOB_RULES, DisruptionRule, ExitRule
 from training.contract.launcher import DRAIN_MARKER_ENV, FIRST_ATTEMPT_NCCL_DEBUG_ENV, store_command
+from training.contract.replica_groups import LIGHTHOUSE_ENV, LIGHTHOUSE_PORT, REPLICA_GROUP_ENV, lighthouse_command
 
 CONTAINER = "trainer"
 STORE_COMPONENT = "rendezvous"  # the store's app.kubernetes.io/component label, container and port name
 CONFIG_COMPONENT = "config"
+LIGHTHOUSE_COMPONENT = "lighthouse"
+# Every replica group's training pods carry it, valued the set's name: what they may talk to across groups
+# (the cross-group all-reduce, a heal's state transfer).
+REPLICA_SET_LABEL = "platform.training/replica-groups"
 METRICS_PATH = "/metrics"  # the ConfigMaps' app.kubernetes.io/component label: how old ones are found
 # The pod's scratch (JIT and library caches: HOME points here): an emptyDir, which lives under the
 # kubelet's root, on these nodes already the instance-store NVMe RAID0 (nodeadm localStorage RAID0). A
@@ -60,6 +66,10 @@ FSX_OWNER_CHECKOV_SKIPS = dict.fromkeys(
     "the fsx-owner init container alone runs as root with CHOWN and FOWNER: it gives the Job's "
     "directory on FSx to the training user (Lustre has no uid mount option, the CSI driver no fsGroup)")
 JOB_CHECKOV_SKIPS = {**IMAGE_CHECKOV_SKIPS, **FSX_OWNER_CHECKOV_SKIPS}
+LIGHTHOUSE_CHECKOV_SKIPS = {
+    "CKV_K8S_11": "a CPU limit would only throttle the Lighthouse while every group waits for its quorum",
+    **IMAGE_CHECKOV_SKIPS,
+}
 STORE_CHECKOV_SKIPS = {
     "CKV_K8S_11": "a CPU limit would only throttle the store during a rendezvous round, "
                   "while every launcher waits on it",
@@ -95,7 +105,19 @@ def _config_files(job: JobConfig) -> tuple[_ConfigFile, ...]:
 
 
 def _pod_labels(job: JobConfig) -> dict[str, str]:
-    return {"app.kubernetes.io/name": job.name, "app.kubernetes.io/component": CONTAINER}
+    labels = {"app.kubernetes.io/name": job.name, "app.kubernetes.io/component": CONTAINER}
+    return labels if job.replica_group is None else {**labels, REPLICA_SET_LABEL: job.set_name}
+
+
+def _peer_labels(job: JobConfig) -> dict[str, str]:
+    """The training pods this Job's talk to on any port: its own, with replica groups every group's."""
+    if job.replica_group is None:
+        return _pod_labels(job)
+    return {REPLICA_SET_LABEL: job.set_name, "app.kubernetes.io/component": CONTAINER}
+
+
+def _lighthouse_labels(job: JobConfig) -> dict[str, str]:
+    return {"app.kubernetes.io/name": job.set_name, "app.kubernetes.io/component": LIGHTHOUSE_COMPONENT}
 
 
 def _store_labels(job: JobConfig) -> dict[str, str]:
@@ -146,6 +168,8 @@ def _training_env(job: JobConfig) -> list[dict[str, str]]:
         "HOME": SCRATCH_MOUNT_PATH,
     }
     env |= efa_env(job)
+    if job.replica_group is not None:  # read by training.train.replica_groups; torchft's Manager on group rank 0
+        env |= {REPLICA_GROUP_ENV: str(job.replica_group), LIGHTHOUSE_ENV: job.lighthouse_endpoint}
     if job.inprocess:
         env |= {
             # NVRx in-process restart requirements (inprocess usage guide):
@@ -243,9 +267,14 @@ def _pod_spec(job: JobConfig) -> dict:
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", f"touch {DRAIN_MARKER_PATH}"]}}},
     }
+    # torchft advertises socket.gethostname() to the other groups for its Manager and a heal's HTTP transfer
+    # (torchft 0.2.0 manager.py, checkpointing/http_transport.py): with replica groups the hostname is the
+    # pod's FQDN, which resolves in every pod (Kubernetes docs, "Pod's setHostnameAsFQDN field").
+    fqdn = {"setHostnameAsFQDN": True} if job.replica_group is not None else {}
     return {
         "restartPolicy": "Never",  # the Job replaces failed pods (podFailurePolicy needs Never)
         "subdomain": job.service_name,
+        **fqdn,
         "serviceAccountName": SERVICE_ACCOUNT,
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": job.grace_period_s,
@@ -365,7 +394,7 @@ def _store_deployment_spec(job: JobConfig) -> dict:
     }
 
 
-def _rendezvous_store(chart: Chart, job: JobConfig) -> None:
+def _rendezvous_store(chart: Construct, job: JobConfig) -> None:
     """The store's Deployment, the Service the launchers reach it by (JobConfig.rendezvous_endpoint),
     and ingress to it on the rendezvous port from the training pods only: the c10d store has no
     authentication and every launcher unpickles its rendezvous state. It connects to nothing."""
@@ -379,14 +408,17 @@ def _rendezvous_store(chart: Chart, job: JobConfig) -> None:
                    ingress=[{"from": [pods(_pod_labels(job))], "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}])
 
 
-def _training_network_policy(chart: Chart, job: JobConfig) -> None:
+def _training_network_policy(chart: Construct, job: JobConfig) -> None:
     """The training pods talk among themselves on any port (the ranks' c10d store, gloo and NCCL
-    bootstrap sockets, peer state), reach the store on the rendezvous port (the launchers' rendezvous, and
-    with restart=both the in-process Wrapper's coordination: training.train.coordination) and DNS, and
-    let the Prometheus server in on the metrics port; nothing else in or out."""
+    bootstrap sockets, peer state; with replica groups every group's pods, for the cross-group all-reduce
+    and a heal), reach the store on the rendezvous port (the launchers' rendezvous, and with restart=both
+    the in-process Wrapper's coordination: training.train.coordination), the Lighthouse with replica groups,
+    and DNS, and let the Prometheus server in on the metrics port; nothing else in or out."""
     labels = _pod_labels(job)
-    rules = among_themselves(labels, egress=({"to": [pods(_store_labels(job))],
-                                              "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]},))
+    egress = [{"to": [pods(_store_labels(job))], "ports": [{"protocol": "TCP", "port": RENDEZVOUS_PORT}]}]
+    if job.replica_group is not None:
+        egress.append({"to": [pods(_lighthouse_labels(job))], "ports": [{"protocol": "TCP", "port": LIGHTHOUSE_PORT}]})
+    rules = among_themselves(_peer_labels(job), egress=tuple(egress))
     if job.train.metrics.port:
         rules["ingress"].append({
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}},
@@ -395,25 +427,75 @@ def _training_network_policy(chart: Chart, job: JobConfig) -> None:
     network_policy(chart, "network-policy", job, job.name, labels, **rules)
 
 
+def _lighthouse(chart: Chart, job: JobConfig) -> None:
+    """torchft's Lighthouse for every replica group: a Deployment on the system nodes, like the stores, its
+    Service, and ingress from the training pods on its port only. Restarted, it has lost the quorum: every
+    group waits parallel.quorum_timeout_s, fails and restarts in-job (docs/replica-groups.md)."""
+    ns, labels, port = job.namespace, _lighthouse_labels(job), {"port": LIGHTHOUSE_COMPONENT}
+    container = {
+        "name": LIGHTHOUSE_COMPONENT,
+        "image": job.infra.image_uri,  # torchft_lighthouse is the image's torchft console script
+        "imagePullPolicy": "IfNotPresent",
+        # on the pod's IPv4 address: EKS gives pods IPv4 addresses in an IPv4 cluster (infra.cluster)
+        "command": lighthouse_command(job.train.parallel.lighthouse_options(), LIGHTHOUSE_PORT, host="0.0.0.0"),
+        "ports": [{"name": LIGHTHOUSE_COMPONENT, "containerPort": LIGHTHOUSE_PORT}],
+        # its console script imports torchft, and with it torch: the Python process is the cost
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "readinessProbe": {"tcpSocket": port, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": port, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    spec = {
+        "automountServiceAccountToken": False,  # it never calls the Kubernetes API
+        "nodeSelector": {SYSTEM_NODE_LABEL: "true"},
+        "tolerations": _node_failure_tolerations(job),
+        "securityContext": dict(TRAINING_POD_SECURITY_CONTEXT),
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],  # Python's tempfile probe
+    }
+    api_object(chart, "lighthouse", api_version="apps/v1", kind="Deployment", name=job.lighthouse_name, namespace=ns,
+               annotations=checkov_skips(LIGHTHOUSE_CHECKOV_SKIPS), body={"spec": {
+                   "replicas": 1, "strategy": {"type": "Recreate"},  # never two quorums
+                   "selector": {"matchLabels": labels},
+                   "template": {"metadata": {"labels": labels}, "spec": spec}}})
+    api_object(chart, "lighthouse-service", api_version="v1", kind="Service", name=job.lighthouse_name, namespace=ns,
+               body={"spec": {"type": "ClusterIP", "selector": labels, "ports": [
+                   {"name": LIGHTHOUSE_COMPONENT, "port": LIGHTHOUSE_PORT, "targetPort": LIGHTHOUSE_COMPONENT}]}})
+    network_policy(chart, "lighthouse-network-policy", job, job.lighthouse_name, labels,
+                   ingress=[{"from": [pods(_peer_labels(job.group(0)))],
+                             "ports": [{"protocol": "TCP", "port": LIGHTHOUSE_PORT}]}])
+
+
+def _training_job(scope: Construct, job: JobConfig) -> None:
+    """One Job's objects: its store, headless Service, config maps, network policy and the Job."""
+    ns = job.namespace
+    _rendezvous_store(scope, job)
+    # Headless: the DNS names <job>-<index>.<service> that are the pods' FQDNs, which ft_launcher
+    # hands its ranks as MASTER_ADDR (rank 0's, with a free port of its own); no ports, no load
+    # balancing.
+    api_object(scope, "service", api_version="v1", kind="Service", name=job.service_name, namespace=ns, body={
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # names resolve from the pod's start
+            "selector": {"batch.kubernetes.io/job-name": job.name},
+        }})
+    for f in _config_files(job):
+        api_object(scope, f.volume, api_version="v1", kind="ConfigMap", name=f.config_map, namespace=ns,
+                   labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
+                   body={"immutable": True, "data": f.data})
+    _training_network_policy(scope, job)
+    api_object(scope, "job", api_version="batch/v1", kind="Job", name=job.name, namespace=ns,
+               annotations=checkov_skips(JOB_CHECKOV_SKIPS), body={"spec": _job_spec(job)})
+
+
 class TrainingChart(Chart):
     def __init__(self, scope: Construct, id: str, job: JobConfig) -> None:
         super().__init__(scope, id, labels={"app.kubernetes.io/name": job.name,
                                             "app.kubernetes.io/part-of": job.infra.cluster_name})
-        ns = job.namespace
-        _rendezvous_store(self, job)
-        # Headless: the DNS names <job>-<index>.<service> that are the pods' FQDNs, which ft_launcher
-        # hands its ranks as MASTER_ADDR (rank 0's, with a free port of its own); no ports, no load
-        # balancing.
-        api_object(self, "service", api_version="v1", kind="Service", name=job.service_name, namespace=ns, body={
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,  # names resolve from the pod's start
-                "selector": {"batch.kubernetes.io/job-name": job.name},
-            }})
-        for f in _config_files(job):
-            api_object(self, f.volume, api_version="v1", kind="ConfigMap", name=f.config_map, namespace=ns,
-                       labels={"app.kubernetes.io/component": CONFIG_COMPONENT},
-                       body={"immutable": True, "data": f.data})
-        _training_network_policy(self, job)
-        api_object(self, "job", api_version="batch/v1", kind="Job", name=job.name, namespace=ns,
-                   annotations=checkov_skips(JOB_CHECKOV_SKIPS), body={"spec": _job_spec(job)})
+        if not job.is_group_set:
+            _training_job(self, job)
+            return
+        _lighthouse(self, job)
+        for group in job.groups:
+            _training_job(Construct(self, f"group{group.replica_group}"), group)

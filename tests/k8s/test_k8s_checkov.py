@@ -32,6 +32,8 @@ def test_checkov_passes_with_reasoned_skips_only(render, tmp_path):
     r = render("--fault-injection", "--set", "fault_tolerance.restart=both")
     report_job = render("--report")  # `--report` writes apart from the training manifests; scanned with them
     shutil.copy(report_job.outdir / "report.k8s.yaml", r.outdir)
+    replicas = render("--train-config", str(REPO / "k8s" / "train-replicas.yaml"))  # the replica groups' Jobs
+    shutil.copy(replicas.outdir / "training.k8s.yaml", r.outdir / "training-replicas.k8s.yaml")
     proc = subprocess.run([str(CHECKOV), "--directory", str(r.outdir), "--framework", "kubernetes",
                            "--skip-download", "--output", "json"],  # --skip-download: offline, no API calls
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -43,9 +45,10 @@ def test_checkov_passes_with_reasoned_skips_only(render, tmp_path):
     assert summary["parsing_errors"] == 0
     checked = {c["resource"] for kind in ("passed_checks", "skipped_checks") for c in results[kind]}
     workloads = {"Job.training.fsdp-train", "Deployment.training.fsdp-train-rendezvous",
-                 "CronJob.training.fsdp-train-chaos", "Job.training.fsdp-train-report"}
+                 "CronJob.training.fsdp-train-chaos", "Job.training.fsdp-train-report", "Job.training.fsdp-train-g1",
+                 "Deployment.training.fsdp-train-lighthouse", "Deployment.training.fsdp-train-g1-rendezvous"}
     assert workloads <= checked  # the workloads were scanned
 
     skipped = {(c["resource"], c["check_id"]): c["check_result"]["suppress_comment"] for c in results["skipped_checks"]}
-    assert skipped == _annotated_skips(r) | _annotated_skips(report_job)
+    assert skipped == _annotated_skips(r) | _annotated_skips(report_job) | _annotated_skips(replicas)
     assert all(len(reason) > 20 for reason in skipped.values())

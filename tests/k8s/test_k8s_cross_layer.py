@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import aws_cdk as cdk
@@ -20,6 +21,8 @@ from k8s.outputs import REQUIRED_KEYS
 from k8s.charts.training import PROMETHEUS_SERVER
 from k8s_render import fitting
 from security_groups import ALL, NodeGroup, SecurityGroups
+
+REPLICAS = str(Path(__file__).resolve().parents[2] / "k8s" / "train-replicas.yaml")
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/train:1.0"  # a given imageUri is output as is
 _HUGEPAGES_2MI_PER_GIB = 512
@@ -204,6 +207,8 @@ def _rendered(config: PlatformConfig, outputs: dict, render) -> list[dict]:
     instance has EFA, the NCCL preflight."""
     context = {"gpuInstanceType": config.gpu_instance_type, "imageUri": IMAGE}
     runs = [(), ("--report",)] + ([("--preflight",)] if INSTANCE_TYPES[config.gpu_instance_type].efa_interfaces else [])
+    if config.gpu_instance_type == PlatformConfig().gpu_instance_type:  # the replica groups' Jobs
+        runs.append(("--train-config", REPLICAS))
     return [o for args in runs for o in render(*fitting(config.gpu_instance_type), *args, context=context,
                                                outputs=outputs).objects()]
 
@@ -253,6 +258,9 @@ def test_every_pod_reaches_what_it_needs_through_the_security_groups(synthesized
     assert ("Job/fsdp-train", "Deployment/fsdp-train-rendezvous", "tcp", 29500) in flows
     assert ("Job/fsdp-train", "Job/fsdp-train", ALL, None) in flows
     assert ("prometheus-server", "Job/fsdp-train", "tcp", 9464) in flows
+    if config.gpu_instance_type == PlatformConfig().gpu_instance_type:
+        assert ("Job/fsdp-train-g0", "Deployment/fsdp-train-lighthouse", "tcp", 29510) in flows
+        assert ("Job/fsdp-train-g0", "Job/fsdp-train-g1", ALL, None) in flows
 
     # EFA: NCCL's OS-bypass traffic needs a group on every EFA interface that lets all traffic in from and out to
     # itself (EC2 user guide, "Get started with EFA and NCCL for ML workloads", "Prepare an EFA-enabled security group").

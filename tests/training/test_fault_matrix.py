@@ -1,4 +1,4 @@
-"""The fault matrix (training/train/faults.py) in the local cluster: one run per fault kind, each checked
+"""The fault matrix (training.train.faults) in the local cluster: one run per fault kind, each checked
 for recovery (run completed, the fault fired once, resumed where promised, the goodput report gives
 a finite recovery time) and for exact resume (final model and optimizer bitwise equal to an
 uninterrupted run); a persistent fault ends the job after its restart budget. First, the spec

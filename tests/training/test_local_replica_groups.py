@@ -11,7 +11,8 @@ import pytest
 from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
 from training.local import cluster as local
-from training.local.replica_groups import group_run_dir, longest_stall
+from training.contract.replica_groups import group_run_dir
+from training.local.replica_groups import longest_stall
 from training.report.goodput import build_report
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training_helpers import completed, run_local, samples_by_step

@@ -211,11 +211,16 @@ class Schedule:
 
     @classmethod
     def from_config(cls, config: TrainConfig, gpus: int, interval: int | None = None) -> "Schedule":
-        """The config's schedule on `gpus` GPUs (a step's share of training.global_batch_size depends on
-        them); `interval` in place of its checkpoint.interval."""
+        """The config's schedule on `gpus` GPUs, a replica group's with parallel.replica_groups >= 2 (a step's
+        share of training.global_batch_size depends on them); `interval` in place of its checkpoint.interval."""
         ckpt, peer, t = config.checkpoint, config.peer_state, config.training
+        groups = config.parallel.replica_groups
+        # with replica groups a rank trains one micro-batch per row of its group's share, the largest share
+        # being ceil(rows / groups) rows (training.contract.replica_groups.share_of)
+        micro_batches = (t.global_batch(gpus) // gpus // t.batch_size if groups == 1
+                         else -(-config.rows_per_step(gpus) // groups))
         return cls(interval or ckpt.interval, ckpt.keep, ckpt.mode, config.fault_tolerance.drain_timeout_s,
-                   peer.enabled, peer.replicas, peer.interval, t.global_batch(gpus) // gpus * t.seq_len)
+                   peer.enabled, peer.replicas, peer.interval, micro_batches * t.batch_size * t.seq_len)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,14 @@ import shutil
 import sys
 import textwrap
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
 
 from training.contract.exit_codes import CONFIG_ERROR
-from training.contract.replica_groups import split_problem
+from training.contract.replica_groups import group_run_dir, split_problem
 from training.contract.shapes import PRESETS
 
 ModelPreset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the shapes table is the one list
@@ -315,6 +315,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    def for_group(self, group: int) -> "TrainConfig":
+        """Replica group `group`'s config: its own run directory, and its own checkpoint directory (inside
+        its run directory when the given one is inside the run's, else under the given one)."""
+        run_dir, checkpoint = group_run_dir(self.run_dir, group), self.checkpoint
+        if checkpoint.dir:
+            given = Path(checkpoint.dir)
+            where = (run_dir / given.relative_to(self.run_dir) if given.is_relative_to(self.run_dir)
+                     else group_run_dir(given, group))
+            checkpoint = replace(checkpoint, dir=str(where))
+        return replace(self, run_dir=str(run_dir), checkpoint=checkpoint)
 
     def rows_per_step(self, group_world_size: int) -> int:
         """Rows of micro-batches in every step (a row: one micro-batch per rank of a group; training.contract.

@@ -23,6 +23,7 @@ REPLICA_GROUP_ENV = "TRAINING_REPLICA_GROUP"
 # The Lighthouse's address (http://host:port): the variable torchft's Manager reads on a group's rank 0
 # (torchft 0.2.0 manager.py: `os.environ["TORCHFT_LIGHTHOUSE"]`).
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's default --bind port (its --help)
 TORCHFT_VERSION = "0.2.0"  # requirements.txt and training/requirements-image.txt pin it
 
 
@@ -31,10 +32,16 @@ def replica_group() -> int:
     return int(os.environ.get(REPLICA_GROUP_ENV, 0))
 
 
-def lighthouse_command(options: dict[str, int], port: int, bin_dir: str) -> list[str]:
-    """torchft's own Lighthouse server (its `torchft_lighthouse` console script) on every address at `port`,
-    with `options` (ParallelConfig.lighthouse_options) as its flags."""
-    return [str(Path(bin_dir) / "torchft_lighthouse"), f"--bind=[::]:{port}",
+def group_run_dir(run_dir: str | Path, group: int) -> Path:
+    """Replica group `group`'s own run directory (events, logs, report, checkpoints) in the run's."""
+    return Path(run_dir) / f"group{group}"
+
+
+def lighthouse_command(options: dict[str, int], port: int, bin_dir: str = "", host: str = "[::]") -> list[str]:
+    """torchft's own Lighthouse server (its `torchft_lighthouse` console script, from PATH unless `bin_dir`
+    names its directory) on `host` (default: every address) at `port`, with `options`
+    (ParallelConfig.lighthouse_options) as its flags."""
+    return [os.path.join(bin_dir, "torchft_lighthouse"), f"--bind={host}:{port}",
             *(f"--{key}={value}" for key, value in options.items())]
 
 

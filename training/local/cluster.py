@@ -43,7 +43,7 @@ from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, 
 from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
-from training.local.replica_groups import Lighthouse, LighthouseError, group_config, run_groups, stall_summary
+from training.local.replica_groups import Lighthouse, LighthouseError, run_groups, stall_summary
 from training.pod.launch import exit_code
 from training.pod.prefork import die_with_parent
 from training.report.cli import write_report
@@ -694,7 +694,7 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
 
 def write_group_config(cfg: TrainConfig, group: int) -> tuple[TrainConfig, Path]:
     """Group `group`'s config, written to its own run directory."""
-    group_cfg = group_config(cfg, group)
+    group_cfg = cfg.for_group(group)
     path = Path(group_cfg.run_dir) / "config.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(group_cfg.to_yaml())

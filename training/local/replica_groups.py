@@ -7,7 +7,6 @@ restarts it. What it costs: each group writes its own checkpoints, so FSx-style 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from typing import Protocol
 
 import psutil
 
-from training.contract.config import TrainConfig
+from training.contract.replica_groups import group_run_dir
 from training.contract.events import read_events
 from training.pod.prefork import die_with_parent
 
@@ -35,17 +34,6 @@ class GroupJob(Protocol):
 
 class LighthouseError(RuntimeError):
     """The Lighthouse did not come up: the run cannot start."""
-
-
-def group_run_dir(run_dir: str | Path, group: int) -> Path:
-    return Path(run_dir) / f"group{group}"
-
-
-def group_config(cfg: TrainConfig, group: int) -> TrainConfig:
-    """Group `group`'s config: its own run directory, and its own checkpoint directory under the one given."""
-    checkpoint = (dataclasses.replace(cfg.checkpoint, dir=str(Path(cfg.checkpoint.dir) / f"group{group}"))
-                  if cfg.checkpoint.dir else cfg.checkpoint)
-    return dataclasses.replace(cfg, run_dir=str(group_run_dir(cfg.run_dir, group)), checkpoint=checkpoint)
 
 
 @dataclass
