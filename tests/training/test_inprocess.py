@@ -20,11 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperIterationStore
 from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.config import RESTART_MODES, FaultToleranceConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
-from training.contract.launcher import (HANG_FLOOR_MARGIN_S, STORE_ENDPOINT_ENV, launcher_ft_args,
+from training.contract.launcher import (HANG_FLOOR_MARGIN_S, STORE_ENDPOINT_ENV, free_port, launcher_ft_args,
                                        section_timeout_floor)
 from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream
@@ -33,6 +34,7 @@ from training.report.goodput import build_report
 from training.train.coordination import Coordination, WrapperStore
 from training.train.hang_watch import HangWatch
 from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
+from training.train.lost_ranks import LostRanks
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
 from training.train.rollback import KEEP, MemoryRollback, copy_into
@@ -249,6 +251,56 @@ def test_a_deterministic_setup_failure_ends_the_wrapper_after_its_budget(tmp_pat
     assert "No space left on device" in outcome
     kinds = [e["restart_kind"] for e in events_named(tmp_path, "attempt_start")]
     assert kinds == ["fresh", "inprocess", "inprocess"]  # iteration 3 is refused before it starts
+
+
+def _lost_node_barrier(alive_late: set[int]):
+    """A world of 4 after a fault: ranks 0-1 survive and arrive at the restart barrier; of ranks 2-3,
+    `alive_late` still heartbeats and arrives itself 1 s later; nothing arrives for the others (their node took
+    its monitor processes with it), whose heartbeats are 10 s old. Returns the ranks the survivors arrived
+    for and the terminated ranks."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    connect = lambda: WrapperStore("127.0.0.1", port, "training/r/cycle1/wrapper")  # noqa: E731
+    store = WrapperIterationStore(1, connect())
+    for rank in range(4):
+        store.send_heartbeat(rank)
+    store.set(store.HEARTBEAT.format(rank=2), str(time.time() - 10))  # gone
+    store.set(store.HEARTBEAT.format(rank=3), str(time.time() - (0 if 3 in alive_late else 10)))
+    watchers = [LostRanks(connect, timedelta(seconds=2), timedelta(seconds=20), 0.05) for _ in (0, 1)]
+
+    def survivor(rank):
+        with ThreadPoolExecutor(1) as watch:
+            arrived_for = watch.submit(watchers[rank].watch, 1, 4)
+            WrapperIterationStore(1, connect()).iteration_barrier(ranks=[rank], rendezvous_count=4,
+                                                                  timeout=timedelta(seconds=10))
+            return arrived_for.result()
+
+    def late(rank):
+        time.sleep(1.0)
+        WrapperIterationStore(1, connect()).iteration_barrier(ranks=[rank], rendezvous_count=4,
+                                                              timeout=timedelta(seconds=10))
+        return set()
+    with ThreadPoolExecutor(4) as pool:
+        results = [pool.submit(survivor, r) for r in (0, 1)] + [pool.submit(late, r) for r in alive_late]
+        arrived_for = set().union(*(f.result() for f in results))  # a BarrierTimeout raises here
+    return arrived_for, store.get_terminated_ranks()
+
+
+def test_the_survivors_barrier_opens_for_a_node_lost_with_its_monitor_processes():
+    """Without LostRanks the survivors wait at the barrier for ranks nobody arrives for, until its timeout."""
+    arrived_for, terminated = _lost_node_barrier(alive_late=set())
+    assert arrived_for == terminated == {2, 3}  # the world shrinks: RestartBudget hands over to the launcher
+
+
+def test_a_slow_rank_that_still_heartbeats_is_not_taken_for_lost():
+    arrived_for, terminated = _lost_node_barrier(alive_late={3})
+    assert arrived_for == terminated == {2}
+
+
+def test_the_lost_ranks_watch_never_raises_into_the_wrapper():
+    def refuse():
+        raise ConnectionRefusedError("store gone")
+    assert LostRanks(refuse, timedelta(seconds=2), timedelta(seconds=1), 0.05).watch(1, 4) == set()
 
 
 def test_launcher_restarts_what_the_wrapper_cannot_handle_in_every_mode():

@@ -36,6 +36,7 @@ from training.train.distributed import choose_device, default_launcher_env
 from training.train.drain import DrainSignal, Drained
 from training.train.gloo_abort import ProcessGroupAbort
 from training.train.hang_watch import HangReport, HangWatch
+from training.train.lost_ranks import LostRanks
 from training.train.rollback import MemoryRollback
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,11 @@ LAST_CALL_WAIT = 0.1  # after the first fault, for other ranks' reports before a
 # monitor thread's interrupt (it arrives within an interval plus the last-call wait).
 PEER_ABORT_WAIT = 3 * (MONITOR_THREAD_INTERVAL + LAST_CALL_WAIT)
 TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeout
-# A rank's monitor process heartbeats into the store; a peer's monitor that sees its heartbeat this stale marks
-# every stale rank terminated, which ends the restart's barrier at once and shrinks the world, so that the
-# Wrapper hands a lost or cut-off node to the launcher (NVRx 0.7.0 inprocess/sibling_monitor.py SiblingMonitor,
-# wrap.py's iteration barrier). The monitor is a process of its own, not slowed by training; the timeout
-# leaves four missed beats of room, and is what a lost node costs beyond an injob restart, where the rank dies
-# with its collective at once (the hard timeout made it cost a minute and a half by default).
+# A rank's monitor process heartbeats into the store; a peer's monitor that sees its heartbeat this stale
+# records it UNRESPONSIVE (NVRx 0.7.0 inprocess/sibling_monitor.py), which restarts the survivors, and LostRanks
+# then arrives at the restart barrier for it: the world shrinks and the Wrapper hands a lost or cut-off node to
+# the launcher. The monitor is a process of its own, not slowed by training; the timeout leaves four missed
+# beats of room, and is what a lost node costs beyond an injob restart, where the rank dies with its collective.
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 2.0
 BARRIER_MARGIN = 30.0  # barrier_timeout's room for slow ranks
@@ -180,9 +180,12 @@ def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port:
     hard = timedelta(seconds=ft.inprocess_hard_timeout)
     barrier = barrier_timeout(cfg)
     logs = Path(cfg.run_dir).resolve() / "logs"
+    store = coordination.wrapper_store()
     return dict(
-        **coordination.wrapper_store(),
+        **store,
         initialize=initialize,
+        finalize=LostRanks(lambda: store["store_factory"](**store["store_kwargs"]),
+                           timedelta(seconds=HEARTBEAT_TIMEOUT), barrier, HEARTBEAT_INTERVAL),
         abort=ProcessGroupAbort({master_port, coordination.port}, on_cuda),
         health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,  # no NVML/CUDA on CPU
         soft_timeout=timedelta(seconds=ft.inprocess_soft_timeout),
