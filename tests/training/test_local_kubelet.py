@@ -1,5 +1,5 @@
 """The local controller plays the kubelet and the Job (training.local.cluster), in-process, with fake nodes:
-what counts against a node's retries, and how Ctrl-C stops a node's pod."""
+what counts against a node's retries, how Ctrl-C stops a node's pod, and what a cut-off node's log counts for."""
 from __future__ import annotations
 
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 
 from training.contract.config import load_train_config
 from training.contract.exit_codes import INCOMPLETE
+from training.contract.events import read_events
 from training.contract.faults import lost_marker
 from training.local import cluster as local_cluster
 from training.local.cluster import Cluster
@@ -96,3 +97,32 @@ def test_ctrl_c_signals_each_pods_pid_1_only_then_kills_what_is_left_after_the_g
     assert leaves.read_text() == "TERM\n"
     assert controller.nodes[0].proc.returncode == INCOMPLETE  # its PID 1 ended on its own within the grace
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+_NVRX_TIMEOUT = ("2026-12-04 21:05:49,172 [INFO] [vm] [workload:2(0) infra:?(?)] rank_monitor_server.py:379 "
+                 "Section 'step' has been open for 8.08 seconds. Timeout is 3.27 seconds.\n")
+
+
+def test_a_cut_off_nodes_own_timeouts_are_no_fault_and_its_evicted_pod_logs_apart(controller, monkeypatch):
+    """A cut-off node's NVRx sees its peers stop and says so, but nothing it logs reaches the cluster; after the
+    eviction its old processes run on beside the replacement. Neither is a new fault: the survivors' detection
+    and the eviction are, and the replacement's log starts empty."""
+    survivor, victim = controller.nodes
+    _sleeping(survivor)
+    _sleeping(victim)
+    monkeypatch.setattr(controller, "start", lambda node: None)  # the replacement pod is not started here
+    controller.unreachable.append(local_cluster.Unreachable(None, victim.index, time.monotonic(), float("inf"),
+                                                            hung=True))
+    victim.log_path.parent.mkdir(parents=True, exist_ok=True)
+    victim.log_path.write_text(_NVRX_TIMEOUT)  # logged while cut off
+    assert controller.tick() is None  # read, then evicted (--replacement-delay 0)
+    evicted_log = victim.log_path.with_name(f"{victim.log_path.stem}.evicted1.log")
+    with evicted_log.open("a") as old_pod:
+        old_pod.write(_NVRX_TIMEOUT)  # the old pod, still running cut off
+    controller.read_output(victim, detect=True)
+    controller.events.close()
+    detected = [e for e in read_events(controller.run_dir) if e["event"] == "fault_detected"]
+    assert [e["detail"] for e in detected] == [
+        f"node {victim.index} unreachable for 0 s: its pod is replaced on another machine; the old pod's processes "
+        "stay stopped on the hung machine"]
+    assert evicted_log.read_text() == _NVRX_TIMEOUT * 2 and not victim.log_path.exists()

@@ -166,6 +166,7 @@ class Cluster:
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"  # with --netns: the host's end
         self.unreachable: list[Unreachable] = []  # nodes that do not report: cut off (partition) or hung (node-hang)
+        self.detected_at = -float("inf")  # monotonic time of the last fault_detected this controller emitted
         self.new_rendezvous()
         self.store: psutil.Popen | None = None
         # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
@@ -277,7 +278,7 @@ class Cluster:
             return 130
         for node in self.nodes:
             node.refresh_descendants()
-            self.read_output(node, detect=True)
+            self.read_output(node, detect=not self.cut_off(node))  # what a cut-off node sees reaches nobody
         self.serve_drains()
         self.serve_hangs()
         self.serve_partitions()
@@ -355,8 +356,8 @@ class Cluster:
             if node.proc is None or node.proc.poll() is not None or node.drain_deadline is not None:
                 continue
             grace = drain_grace_period_s(self.cfg.fault_tolerance)
-            self.events.emit("fault_detected", kind="drain", rank=None, by="controller",
-                             detail=f"drain of node {node.index}: SIGTERM to its launcher, SIGKILL after {grace:.0f} s")
+            self.detect("drain", "controller", f"drain of node {node.index}: SIGTERM to its launcher, SIGKILL after "
+                                               f"{grace:.0f} s")
             self.say(f"draining node {node.index}: SIGTERM to its launcher (grace period {grace:.0f} s)")
             node.drain_deadline = time.monotonic() + grace
             self.drain_marker(node).parent.mkdir(parents=True, exist_ok=True)
@@ -417,18 +418,25 @@ class Cluster:
             detail = (f"node {node.index} stopped responding (every process of its pod is stopped): its kubelet "
                       f"stops reporting; marked out of service after {self.replacement_delay_s:g} s, its pod is "
                       "deleted (PodGC) and replaced")
-            self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+            self.detect("node", "controller", detail)
             self.say(detail)
 
     def evict(self, node: Node, partition: Unreachable, unreachable_s: float) -> None:
         """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
         node.refresh_descendants()
-        partition.evicted = Node(node.index, node.log_path, proc=node.proc, descendants=node.descendants)
-        node.proc, node.descendants, node.active = None, [], False
+        self.read_output(node, detect=False)
+        # the old pod keeps writing to its log (its open file, renamed); its replacement gets a new one
+        earlier = len(list(node.log_path.parent.glob(f"{node.log_path.stem}.evicted*.log")))
+        evicted_log = node.log_path.with_name(f"{node.log_path.stem}.evicted{earlier + 1}.log")
+        if node.log_path.exists():
+            node.log_path.rename(evicted_log)
+        partition.evicted = Node(node.index, evicted_log, proc=node.proc, descendants=node.descendants)
+        node.proc, node.descendants, node.active, node._log_offset, node._partial = None, [], False, 0, ""
         left = "stay stopped on the hung machine" if partition.hung else "run on, cut off"
         detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
                   f"machine; the old pod's processes {left}")
-        self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+        if self.detected_at < partition.since:  # else Kubernetes catches up with a fault training handled
+            self.detect("node", "controller", detail)
         self.say(detail)
         # a disruption, which the Job's rules replace uncounted
         decision = decide(PodEnd(None, disrupted=True, retries_used=node.retries), self.node_retries,
@@ -461,7 +469,7 @@ class Cluster:
         else:
             detail = f"launcher of node {node.index} exited with code {rc}"
         if not drained:  # a drain's was recorded as it began
-            self.events.emit("fault_detected", kind="node", rank=None, by="controller", detail=detail)
+            self.detect("node", "controller", detail)
         kill_processes(node.descendants)
         return detail
 
@@ -566,8 +574,12 @@ class Cluster:
             for pattern, kind, party in _DETECTIONS if detect else ():
                 m = pattern.search(line)
                 if m:
-                    self.events.emit("fault_detected", kind=kind, rank=None, by=f"{party} (node {node.index})",
-                                     detail=f"local rank {m.group('local_rank')}: {m.group('what')}")
+                    self.detect(kind, f"{party} (node {node.index})", f"local rank {m.group('local_rank')}: {m.group('what')}")
+
+    def detect(self, kind: str, by: str, detail: str) -> None:
+        """Record a fault the controller saw (the report measures detection from it)."""
+        self.detected_at = time.monotonic()
+        self.events.emit("fault_detected", kind=kind, rank=None, by=by, detail=detail)
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [{self.name}] {message}", flush=True)
