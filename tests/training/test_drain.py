@@ -115,7 +115,7 @@ def _sigterm_between_two_iterations(marker: Path, run_dir: Path) -> None:
     def train(cfg, iteration):
         print(f"iteration {iteration.number}: drain flag {iteration.drain_signal.flag}", flush=True)
 
-    inprocess_module.make_wrapper = lambda cfg, coordination, budget: Restarting  # this rank's own module
+    inprocess_module.make_wrapper = lambda cfg, coordination, budget, lost_ranks: Restarting  # this rank's own module
     inprocess_module.run_inprocess(load_train_config(None, [f"run_dir={run_dir}", "fault_tolerance.restart=both"]),
                                    train)
     print("left the Wrapper", flush=True)

@@ -10,6 +10,7 @@ import gc
 import inspect
 import math
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,8 @@ from training.models.spec import model_spec
 from training.report.goodput import build_report
 from training.train.coordination import Coordination, WrapperStore
 from training.train.hang_watch import HangWatch
-from training.train.inprocess import FaultLog, RestartBudget, _peer_lost, make_wrapper, wrapper_kwargs
+from training.train.inprocess import (FaultLog, RestartBudget, _peer_lost, lost_ranks_watch, make_wrapper,
+                                      wrapper_kwargs)
 from training.train.lost_ranks import LostRanks
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
@@ -63,13 +65,15 @@ OFF_NODE = Coordination("store.ns", 29400, "training/r/cycle3-node0:29500", None
 
 
 def test_wrapper_kwargs_fit_the_installed_signature():
-    kwargs = wrapper_kwargs(_cfg(), coordination=OFF_NODE, master_port=29500, on_cuda=False, initialize=_budget())
+    kwargs = wrapper_kwargs(_cfg(), coordination=OFF_NODE, master_port=29500, on_cuda=False, initialize=_budget(),
+                            finalize=lost_ranks_watch(_cfg(), OFF_NODE))
     assert set(kwargs) <= set(inspect.signature(inprocess.Wrapper.__init__).parameters)
     assert kwargs["store_factory"] is WrapperStore
     assert kwargs["store_kwargs"] == {"host": "store.ns", "port": 29400, "host_rank": None,
                                       "prefix": "training/r/cycle3-node0:29500/wrapper"}
     assert kwargs["abort"].keep_ports == {29500, 29400}  # the launcher's and the coordination store survive
     assert kwargs["health_check"] is None  # no CUDA/NVML check on a CPU machine
+    assert isinstance(kwargs["finalize"], LostRanks)  # a lost node's ranks are arrived for at the restart barrier
     # the monitor process must poll faster than progress is reported (else it skips its timeout checks)
     assert kwargs["monitor_process_interval"] < kwargs["progress_watchdog_interval"] < kwargs["soft_timeout"]
     assert kwargs["soft_timeout"] == timedelta(seconds=60) and kwargs["hard_timeout"] == timedelta(seconds=90)
@@ -88,7 +92,8 @@ def test_make_wrapper_hides_local_rank_on_cpu(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    make_wrapper(_cfg(f"run_dir={tmp_path}"), OFF_NODE, _budget(), wrapper_cls=Wrapper070)
+    cfg = _cfg(f"run_dir={tmp_path}")
+    make_wrapper(cfg, OFF_NODE, _budget(), lost_ranks_watch(cfg, OFF_NODE), wrapper_cls=Wrapper070)
     assert seen["local_rank"] is None  # 0.7.0 would add NVML GPU checks to every restart
     assert seen["pidfile"].endswith("logs/inprocess_monitor_rank{rank}.pid")
     assert os.environ["LOCAL_RANK"] == "1"  # restored
@@ -295,6 +300,18 @@ def test_the_survivors_barrier_opens_for_a_node_lost_with_its_monitor_processes(
 def test_a_slow_rank_that_still_heartbeats_is_not_taken_for_lost():
     arrived_for, terminated = _lost_node_barrier(alive_late={3})
     assert arrived_for == terminated == {2}
+
+
+def test_the_lost_ranks_watch_ends_before_the_next_iteration_runs():
+    """The next iteration forks its checkpoint writer: no thread of the last one may be inside a store request."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    watcher = LostRanks(lambda: WrapperStore("127.0.0.1", port, "w"), timedelta(seconds=2), timedelta(seconds=60), 1.0)
+    watcher(SimpleNamespace(iteration=1, world_size=4))  # nobody at the barrier: it would poll for a minute
+    started = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - started < 2.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("lost-ranks")]
 
 
 def test_the_lost_ranks_watch_never_raises_into_the_wrapper():

@@ -173,19 +173,24 @@ def barrier_timeout(cfg: TrainConfig) -> timedelta:
     return timedelta(seconds=cfg.fault_tolerance.inprocess_hard_timeout + BARRIER_MARGIN)
 
 
+def lost_ranks_watch(cfg: TrainConfig, coordination: Coordination) -> LostRanks:
+    """The Wrapper's finalize: arrives at its restart barrier for the ranks of a lost node."""
+    store = coordination.wrapper_store()
+    return LostRanks(lambda: store["store_factory"](**store["store_kwargs"]), timedelta(seconds=HEARTBEAT_TIMEOUT),
+                     barrier_timeout(cfg), HEARTBEAT_INTERVAL)
+
+
 def wrapper_kwargs(cfg: TrainConfig, *, coordination: Coordination, master_port: int, on_cuda: bool,
-                   initialize: inprocess.initialize.Initialize) -> dict[str, Any]:
+                   initialize: inprocess.initialize.Initialize, finalize: LostRanks) -> dict[str, Any]:
     """The Wrapper's kwargs for this config; its store in `coordination`."""
     ft = cfg.fault_tolerance
     hard = timedelta(seconds=ft.inprocess_hard_timeout)
     barrier = barrier_timeout(cfg)
     logs = Path(cfg.run_dir).resolve() / "logs"
-    store = coordination.wrapper_store()
     return dict(
-        **store,
+        **coordination.wrapper_store(),
         initialize=initialize,
-        finalize=LostRanks(lambda: store["store_factory"](**store["store_kwargs"]),
-                           timedelta(seconds=HEARTBEAT_TIMEOUT), barrier, HEARTBEAT_INTERVAL),
+        finalize=finalize,
         abort=ProcessGroupAbort({master_port, coordination.port}, on_cuda),
         health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,  # no NVML/CUDA on CPU
         soft_timeout=timedelta(seconds=ft.inprocess_soft_timeout),
@@ -215,10 +220,10 @@ def _hidden_env(name: str, hide: bool) -> Iterator[None]:
 
 
 def make_wrapper(cfg: TrainConfig, coordination: Coordination, initialize: inprocess.initialize.Initialize,
-                 wrapper_cls: type = inprocess.Wrapper) -> Any:
+                 finalize: LostRanks, wrapper_cls: type = inprocess.Wrapper) -> Any:
     on_cuda = choose_device(cfg.training.device).type == "cuda"
     kwargs = wrapper_kwargs(cfg, coordination=coordination, master_port=int(os.environ["MASTER_PORT"]),
-                            on_cuda=on_cuda, initialize=initialize)
+                            on_cuda=on_cuda, initialize=initialize, finalize=finalize)
     Path(cfg.run_dir, "logs").mkdir(parents=True, exist_ok=True)
     # with LOCAL_RANK set, NVRx 0.7.0 adds NVML GPU/NIC health checks to every restart, which fail without a GPU
     with _hidden_env("LOCAL_RANK", hide=not on_cuda):
@@ -318,13 +323,15 @@ def run_inprocess(cfg: TrainConfig, train: Callable[[TrainConfig, Iteration], No
     rollback = MemoryRollback()
     budget = RestartBudget(cfg.fault_tolerance.inprocess_max_restarts, world_size, faults,
                            dist.PrefixStore("budget", app_store), barrier_timeout(cfg))
-    wrapper = make_wrapper(cfg, coordination, budget)
+    lost_ranks = lost_ranks_watch(cfg, coordination)
+    wrapper = make_wrapper(cfg, coordination, budget, lost_ranks)
 
     drain_signal = DrainSignal(cfg.fault_tolerance.drain_timeout_s)
     hang_watch = HangWatch()
 
     @wrapper
     def wrapped(call_wrapper: Optional[inprocess.CallWrapper] = None) -> Drained | None:
+        lost_ranks.stop()  # the last iteration's watch of its restart barrier
         n = call_wrapper.iteration
         try:
             with hang_watch.watching(_hang_reporter(call_wrapper)):

@@ -6,8 +6,8 @@ restart to the launcher. A lost node takes those monitor processes with it, so t
 barrier timeout (the hard timeout plus a margin: two minutes by default). This finalize hook, on each survivor,
 marks terminated and arrives for every rank not at the barrier whose monitor's heartbeat is stale, the test
 NVRx's sibling monitors apply (NVRx 0.7.0 inprocess/sibling_monitor.py). Cost: a thread per survivor while the
-barrier is open, four store requests per poll; a live rank taken for lost (its monitor silent for the heartbeat
-timeout) costs an in-job restart where an in-process one would do.
+barrier is open (joined as the next iteration starts), four store requests per poll; a live rank taken for
+lost (its monitor silent for the heartbeat timeout) costs an in-job restart where an in-process one would do.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from nvidia_resiliency_ext.inprocess.store import StoreMixin
 log = logging.getLogger(__name__)
 
 # The key of NVRx 0.7.0's iteration barrier that lists the ranks arrived (inprocess/store.py, reentrant_barrier).
+JOIN_TIMEOUT_S = 5.0  # a store request in flight as the watch is stopped
 ARRIVED_KEY = f"{StoreMixin.BARRIER_PREFIX}:reentrant_barrier:{StoreMixin.ITERATION_BARRIER}:arrived"
 
 
@@ -43,10 +44,22 @@ class LostRanks(inprocess.finalize.Finalize):
         self._connect, self._stale_s = connect, heartbeat_timeout.total_seconds()
         self._watch_s, self._interval = watch_for.total_seconds(), interval
         self._base: dist.Store | None = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def __call__(self, state: inprocess.FrozenState) -> None:
-        threading.Thread(target=self.watch, args=(state.iteration, state.world_size), daemon=True,
-                         name=f"lost-ranks-{state.iteration}").start()
+        self._stopped.clear()
+        self._thread = threading.Thread(target=self.watch, args=(state.iteration, state.world_size), daemon=True,
+                                        name=f"lost-ranks-{state.iteration}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the watch before the next iteration runs: its setup forks (the checkpoint writer), and a thread
+        inside a store request at a fork leaves the child its locks held."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(JOIN_TIMEOUT_S)
+            self._thread = None
 
     def watch(self, iteration: int, world_size: int) -> set[int]:
         """Until the barrier of `iteration` opens (or watch_for passes): arrive for each lost rank. Returns
@@ -68,7 +81,8 @@ class LostRanks(inprocess.finalize.Finalize):
                     store.record_terminated_ranks(sorted(lost))
                     store.iteration_barrier(ranks=sorted(lost), rendezvous_count=world_size, timeout=timedelta(0))
                     arrived_for |= lost
-                time.sleep(self._interval)
+                if self._stopped.wait(self._interval):
+                    break
         except Exception as e:  # noqa: BLE001
             log.warning("watching the restart barrier for lost ranks failed (%s); the barrier's timeout decides", e)
         return arrived_for
