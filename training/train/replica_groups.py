@@ -1,30 +1,11 @@
 """HSDP across replica groups on torchft 0.2.0: FSDP2 shards the model within a group (its own process group,
-rendezvous and store), torchft's Manager joins the groups every step through a Lighthouse. A group that fails
-leaves the quorum; the others discard at most the step in flight and train on with its rows of the batch; a
-group that comes back heals from a live group's state over torchft's checkpoint transport (HTTP).
-
-One step, as the Trainer drives it (`begin_step`, then train_step's `reduce` and `commit`):
-  quorum  Manager.start_quorum, synchronous (use_async_quorum=False): the live groups are known before any
-          sample is read, and a group behind the others (restarted: step 0) receives a live group's state
-          there, the same group rank's shards (torchft manager.py `_async_quorum`: recv_checkpoint from
-          recover_src_replica_rank; `start_quorum` applies it at once when the quorum is not async)
-  share   this group's rows of the step's global batch (training.contract.replica_groups)
-  reduce  after the group's own backward and reduce-scatter, one flat buffer of this rank's gradient shards
-          (and its loss), scaled by the group's share of the samples, summed over the groups
-          (Manager.allreduce, SUM): the mean gradient of the whole global batch, as one group would have it
-  commit  Manager.should_commit: a step whose all-reduce failed (a group died in it) commits nowhere and is
-          run again from the same samples; so no group's parameters move on a partial sum.
-
-Why not FSDP2's `set_all_reduce_hook` (torchft's fsdp_test.py): it runs inside each reduce-scatter, so a group
-runs as many cross-group collectives as it has reduce-scatters, which depends on its rows (gradient_reduce=
-micro_batch) and is none for a group with no rows; every quorum member must join the same collectives.
-What it costs: the cross-group sum waits for the end of backward instead of overlapping it, and one copy of
-the gradient shards per step (4 bytes per parameter / group world size).
-
-A group whose manager still heartbeats but never asks for a quorum (a hung rank 0) stalls the quorum of the
-others when R = 2: the Lighthouse forms none with half or fewer of the heartbeating groups (torchft
-src/lighthouse.rs `quorum_compute`: "need at least half of ... healthy workers"). The Manager is created just
-before the first quorum for that reason.
+rendezvous and store); torchft's Manager sums the groups' gradients every step through a Lighthouse. A group
+that fails leaves the quorum; the others discard at most the step in flight and train on with its rows of the
+batch; a group that comes back heals from a live group's state over torchft's HTTP transport. Why one flat
+all-reduce after backward, not FSDP2's all-reduce hook: every quorum member must join the same collectives,
+whatever its rows. Cost: the cross-group sum does not overlap backward, and one copy of the gradient shards
+per step. A step's phases (quorum, share, reduce, commit) and what a hung rank 0 does: docs/replica-groups.md,
+"How a step runs".
 """
 from __future__ import annotations
 
