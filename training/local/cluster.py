@@ -126,6 +126,16 @@ class Node:
         self.descendants += [p for p in current if p.pid not in known]
         self.descendants = [p for p in self.descendants if p.is_running()]
 
+    def hand_over_log(self) -> Path:
+        """Rename the log to `<stem>.evicted<k>.log` for the evicted pod, whose processes keep writing to the open
+        file, and read the replacement's new log from its start. Returns the evicted pod's log."""
+        earlier = len(list(self.log_path.parent.glob(f"{self.log_path.stem}.evicted*.log")))
+        evicted = self.log_path.with_name(f"{self.log_path.stem}.evicted{earlier + 1}.log")
+        if self.log_path.exists():
+            self.log_path.rename(evicted)
+        self._log_offset, self._partial = 0, ""
+        return evicted
+
     def new_output_lines(self) -> list[str]:
         if not self.log_path.exists():
             return []
@@ -425,13 +435,8 @@ class Cluster:
         """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
         node.refresh_descendants()
         self.read_output(node, detect=False)
-        # the old pod keeps writing to its log (its open file, renamed); its replacement gets a new one
-        earlier = len(list(node.log_path.parent.glob(f"{node.log_path.stem}.evicted*.log")))
-        evicted_log = node.log_path.with_name(f"{node.log_path.stem}.evicted{earlier + 1}.log")
-        if node.log_path.exists():
-            node.log_path.rename(evicted_log)
-        partition.evicted = Node(node.index, evicted_log, proc=node.proc, descendants=node.descendants)
-        node.proc, node.descendants, node.active, node._log_offset, node._partial = None, [], False, 0, ""
+        partition.evicted = Node(node.index, node.hand_over_log(), proc=node.proc, descendants=node.descendants)
+        node.proc, node.descendants, node.active = None, [], False
         left = "stay stopped on the hung machine" if partition.hung else "run on, cut off"
         detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
                   f"machine; the old pod's processes {left}")

@@ -24,8 +24,8 @@ from nvidia_resiliency_ext.inprocess.store import StoreMixin
 
 log = logging.getLogger(__name__)
 
-# The key of NVRx 0.7.0's iteration barrier that lists the ranks arrived (inprocess/store.py, reentrant_barrier).
 JOIN_TIMEOUT_S = 5.0  # a store request in flight as the watch is stopped
+# The key of NVRx 0.7.0's iteration barrier that lists the ranks arrived (inprocess/store.py, reentrant_barrier).
 ARRIVED_KEY = f"{StoreMixin.BARRIER_PREFIX}:reentrant_barrier:{StoreMixin.ITERATION_BARRIER}:arrived"
 
 
@@ -91,7 +91,7 @@ class LostRanks(inprocess.finalize.Finalize):
     def absent(store: WrapperIterationStore, world_size: int) -> list[int]:
         """The ranks not at the barrier yet."""
         store.append(ARRIVED_KEY, "")  # get() would wait for a missing key
-        arrived = {int(r) for r in store.get(ARRIVED_KEY).decode().split(",") if r.strip()}
+        arrived = {int(r) for r in store.get_packed(ARRIVED_KEY, ",") if r.strip()}
         return [rank for rank in range(world_size) if rank not in arrived]
 
     def stale(self, store: WrapperIterationStore, ranks: list[int]) -> set[int]:
