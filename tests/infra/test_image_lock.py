@@ -3,7 +3,11 @@ requirement of every locked package is either locked with a hash or held by the 
 Needs the package registry (index pages and metadata only)."""
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import re
+import sys
+from pathlib import Path
 
 from infra.image_lock import resolve, resolve_image_lock
 from infra.image_versions import BASE_IMAGES, BASE_PYTHON_PACKAGES, BasePythonPackages
@@ -38,3 +42,28 @@ def test_a_requirement_neither_locked_nor_provided_stops_the_resolution(repo_roo
     assert not resolution.ok
     assert "In --require-hashes mode, all requirements must have their versions pinned" in resolution.pip_output
     assert "typing_extensions>=4.16.0" in resolution.pip_output
+
+
+def _imported_distributions(package: Path) -> set[str]:
+    """The distributions that the modules under `package` import, by the top-level names their imports use."""
+    modules = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    providers = importlib.metadata.packages_distributions()
+    local = modules - set(sys.stdlib_module_names) - {package.name}
+    unknown = sorted(m for m in local if m not in providers)
+    assert not unknown, f"imported by {package.name}/ but installed by no distribution here: {unknown}"
+    return {_pep503(dist) for m in local for dist in providers[m]}
+
+
+def test_every_distribution_the_training_package_imports_is_in_the_image(repo_root):
+    # a package the venv has but the image lacks fails in the pods only (model.source=huggingface needed
+    # transformers and safetensors, which the lock once left out)
+    locked = _locked((repo_root / "training" / "requirements-image.txt").read_text())
+    base = {_pep503(name) for name in BASE_PYTHON_PACKAGES["25.10"].packages}
+    missing = sorted(_imported_distributions(repo_root / "training") - locked.keys() - base)
+    assert not missing, f"the training package imports {missing}, which training/requirements-image.txt does not lock"
