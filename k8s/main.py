@@ -33,6 +33,7 @@ from k8s.charts.training import TrainingChart  # noqa: E402
 from k8s.job_config import FaultInjectionConfig, JobConfig, JobConfigError  # noqa: E402
 from k8s.outputs import OutputsError, load_infra_outputs  # noqa: E402
 from training.contract.config import TrainConfigError, load_train_config  # noqa: E402
+from training.contract.faults import DESTRUCTIVE_KINDS  # noqa: E402
 
 
 def load_platform(cdk_json: Path, overrides: list[str]) -> PlatformConfig:
@@ -90,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="hot spare pods (standby GPU nodes) beyond --nodes; default: the platform's, gpuNodesSpare "
                         "(unset: 1 where gpuNodesMax leaves room)")
     p.add_argument("--grace-period", type=int,
-                   help="pod termination grace seconds; default: checkpoint section timeout + launcher exit margin")
+                   help="pod termination grace seconds; default: ft_launcher's --term-timeout (the drain's time) + "
+                        "launcher exit margin")
     p.add_argument("--node-failure-toleration", type=int, default=JobConfig.node_failure_toleration_s,
                    help="seconds a pod stays on an unreachable or not-ready node before it is evicted "
                         "and replaced (default: %(default)s)")
@@ -104,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "of the Job) instead of the training; needs the MPI Operator")
     p.add_argument("--allow-destructive-faults", action="store_true",
                    help="the chaos switch: let the fault kinds that destroy checkpoints or take a node down "
-                        "(corrupt-ckpt, disk-full, node-hang, node-loss, partition) fire in the pods; without it the pods "
+                        f"({', '.join(sorted(DESTRUCTIVE_KINDS))}) fire in the pods; without it the pods "
                         "refuse them, from the training config and from TRAINING_FAULTS alike")
     p.add_argument("--fault-schedule", default=FaultInjectionConfig.schedule)
     p.add_argument("--fault-target-index", type=int, help="job index whose pod is evicted; default: any, at random")
