@@ -1,18 +1,10 @@
 """Peer state at more than one size (training.train.peer_state): what one rank's copy costs as its state grows,
 measured, not scaled from the tiny model.
 
-Two processes, one per emulated node (one rank each, gloo over loopback, node memory in /dev/shm as a pod's),
-hold the optimizer-ready state of a preset sharded over both: for each of the model's parameters an fp32 shard
-and AdamW's two fp32 moments, shaped like the preset's. Each saves PEER_SAVES times with PeerState; then
-node 1 is lost and a spare with empty memory restores in its place.
-
-  copy      PeerState.save on the training thread: the state into node memory (medians over the saves after
-            each slot's first, which lays it out; each save after the previous copy reached the partner)
-  send      the replication thread, beside training: CRC-32, commit, the exchange with the partner node and
-            its acknowledgement (medians over the same saves)
-  restore   PeerState.restore on the spare: its shard fetched from node 0's memory, checked and loaded
-  CRC-32    the checksum of one rank's copy alone (peer_state.checksum, zlib; the send and the restore each take
-            one): its rate is the capacity model's CRC32_GBS (training.contract.capacity)
+Two processes, one per emulated node (`measure_peer_size`), hold a preset's optimizer-ready state sharded over
+both (`_ShardState`), save it PEER_SAVES times with PeerState, then lose node 1 and restore on a spare
+(`_worker`). `PeerSize` holds what one rank's copy, send, restore and CRC-32 took; the CRC-32's rate is the
+capacity model's CRC32_GBS (training.contract.capacity).
 """
 from __future__ import annotations
 
@@ -37,6 +29,16 @@ NODES = 2
 
 @dataclass(frozen=True)
 class PeerSize:
+    """One preset's figures, in seconds:
+
+      copy_s      PeerState.save on the training thread: the state into node memory (medians over the saves after
+                  each slot's first, which lays it out; each save after the previous copy reached the partner)
+      send_s      the replication thread, beside training: CRC-32, commit, the exchange with the partner node and
+                  its acknowledgement (medians over the same saves)
+      restore_s   PeerState.restore on the spare: its shard fetched from node 0's memory, checked and loaded
+      checksum_s  the CRC-32 of one rank's copy alone (peer_state.checksum, zlib; the send and the restore each
+                  take one): its rate (`checksum_gbs`) is the capacity model's CRC32_GBS (training.contract.capacity)
+    """
     preset: str
     bytes_per_rank: int  # one rank's copy: its shard of the parameters and both AdamW moments, fp32
     copy_s: float
@@ -54,7 +56,8 @@ def state_bytes_per_rank(preset: str) -> int:
 
 
 class _ShardState:
-    """A rank's share of the preset's optimizer-ready state, as a Stateful."""
+    """A rank's share of the preset's optimizer-ready state, as a Stateful: for each of the model's parameters
+    an fp32 shard and AdamW's two fp32 moments, shaped like the preset's."""
 
     def __init__(self, preset: str, rank: int) -> None:
         import torch
@@ -73,6 +76,8 @@ class _ShardState:
 
 
 def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) -> None:
+    """One emulated node: one rank, gloo over loopback, node memory under `roots[rank]`. Saves PEER_SAVES times
+    with PeerState; then node 1 is lost and a spare with empty memory restores in its place."""
     import torch.distributed as dist
 
     from training.train.peer_state import OWN, NodeMemory, PeerState, checksum
@@ -110,6 +115,7 @@ def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) 
 
 
 def measure_peer_size(preset: str) -> PeerSize:
+    """Two processes, one per emulated node, with node memory in /dev/shm as a pod's."""
     import torch.multiprocessing as mp
 
     shm = Path("/dev/shm")

@@ -1,18 +1,10 @@
 """`make bench`: checkpoint stall, recovery per mechanism and goodput under faults, in one run.
 
-    python -m bench.run [--quick] [--gpu] [--results-dir bench/results] [--runs-dir DIR]
-
-Runs, in this order, on the local emulated cluster (training.local): the floor of this machine,
-the checkpoint stall (sync vs async; in the full CPU profile, where its ranks keep every CPU busy,
-again on one rank fewer, leaving a CPU to the background writer as a GPU host's idle cores do),
-one fault run per recovery mechanism, and the in-memory rollback's cost per step (from the
-in-process run) and host copy bandwidth, peer state's copy, send and restore at the tiny and the small
-preset's state (bench.peer_sizes); then projects a lost p5 node on EKS from those runs and
-Kubernetes' delays (bench.projection, labelled a projection). Writes
-<results-dir>/<date>.json (`python -m training.plan --from-bench` reads it), <date>.md (the printed tables)
-and <date>.png. A part that cannot be measured is reported as "not available: <reason>", the rest
-still runs. --quick: 2 faults per mechanism, 256 MiB of state, one rank per node (about 3 minutes on 2 cores).
---gpu: the one-GPU profile that bench/gpu.sh runs (needs CUDA).
+Measures on the local emulated cluster (training.local) the figures `python -m training.plan --from-bench`
+plans from, and projects from them a lost p5 node on EKS (bench.projection). `run_bench` says what runs, in
+order; `main` says what it writes. A part that cannot be measured is reported as "not available: <reason>",
+and the rest still runs. Cost: the full CPU profile keeps every CPU busy; --quick takes about 3 minutes on
+2 cores.
 """
 from __future__ import annotations
 
@@ -113,6 +105,12 @@ def run_peer(recovery: dict[str, MechanismResult], unavailable: dict[str, str]) 
 
 
 def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
+    """Profile `p`'s parts, in this order: the floor of this machine; the checkpoint stall (sync vs async; in
+    the full CPU profile, where its ranks keep every CPU busy, again on one rank fewer, leaving a CPU to the
+    background writer as a GPU host's idle cores do); one fault run per recovery mechanism; the in-memory
+    rollback's cost per step (from the in-process run) and host copy bandwidth; peer state's copy, send and
+    restore at the tiny and the small preset's state (bench.peer_sizes). Then a lost p5 node on EKS is
+    projected from those runs and Kubernetes' delays (bench.projection, labelled a projection)."""
     started = time.monotonic()
     cpus = os.cpu_count() or 1
     unavailable: dict[str, str] = {}
@@ -167,6 +165,7 @@ def run_bench(p: Profile, runs: Path, date: str) -> BenchResult:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """`python -m bench.run [--quick] [--gpu] [--results-dir bench/results] [--runs-dir DIR]`."""
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="2 faults per mechanism, 256 MiB state, 1 rank per node (about 3 min)")
@@ -177,6 +176,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the profile the flags pick (--quick: 2 faults per mechanism, 256 MiB of state, one rank per node;
+    --gpu: the one-GPU profile that bench/gpu.sh runs, needs CUDA) and writes <results-dir>/<date>.json
+    (`python -m training.plan --from-bench` reads it), <date>.md (the printed tables) and <date>.png."""
     args = parse_args(argv)
     profile = GPU if args.gpu else QUICK if args.quick else FULL
     if profile.device == "cuda":

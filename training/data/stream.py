@@ -1,18 +1,10 @@
 """A deterministic, resumable token stream.
 
-Sample `i` is a pure function of (source, seed, i): from a pre-tokenized file (sample i is the
-window of `seq_len + 1` tokens at i * seq_len, wrapping around the file) or synthetic (a noisy
-affine recurrence over the vocabulary, learnable so the loss drops). The position
-(`consumed_samples`, part of the checkpoint) counts samples in that global order, whatever the
-world size: an optimizer step of G = W·A·B samples (W ranks, A micro-batches of B each) holds samples
-[consumed, consumed + G), of which rank `r` reads the contiguous A·B from consumed + r·A·B, micro-batch
-by micro-batch. So a run resumed at another world size continues at the same sample, neither skipping
-nor repeating one, and with the same G (training.global_batch_size) its steps hold the same samples.
-With replica groups (`share`), the live groups split each step's samples by rows, and the position moves
-only once a step committed (`advance`): a step run again holds the same samples.
-
-A token file (`token_file`) is read through its sidecar: the loader takes the width from it, and
-refuses a model whose vocabulary is smaller than the tokenizer's.
+Sample `i` is a pure function of (source, seed, i): from a pre-tokenized file or synthetic
+(`TokenStream.sample`). The position (`consumed_samples`, part of the checkpoint) counts samples in the
+order of their index, whatever the world size, so a run resumed at another world size continues at the same
+sample, neither skipping nor repeating one, and with the same global batch size
+(training.global_batch_size) its steps hold the same samples (`TokenStream.next_step`, `TokenStream.share`).
 """
 from __future__ import annotations
 
@@ -37,6 +29,9 @@ class Batch:
 
 
 class TokenStream:
+    """One rank's view of the stream. A token file (training.data.token_file) is read through its sidecar:
+    the loader takes the width from it, and refuses a model whose vocabulary is smaller than the tokenizer's."""
+
     def __init__(self, *, seq_len: int, batch_size: int, rank: int, world_size: int, vocab_size: int,
                  seed: int, accumulation_steps: int = 1, path: str | None = None, dtype: str | None = None) -> None:
         self.seq_len, self.batch_size, self.accumulation_steps = seq_len, batch_size, accumulation_steps
@@ -50,6 +45,8 @@ class TokenStream:
                 raise ValueError(f"{path}: {len(self._tokens)} tokens, need at least seq_len+1 = {seq_len + 1}")
 
     def sample(self, index: int) -> np.ndarray:
+        """Sample `index`: from a token file, the window of `seq_len + 1` tokens at index * seq_len, wrapping
+        around the file; synthetic, a noisy affine recurrence over the vocabulary, learnable so the loss drops."""
         n = self.seq_len + 1
         if self._tokens is not None:
             start = (index * self.seq_len) % (len(self._tokens) - n + 1)
@@ -68,25 +65,29 @@ class TokenStream:
 
     @property
     def global_batch_size(self) -> int:
+        """G = W·A·B: the samples of one optimizer step (W ranks, A micro-batches of B samples each)."""
         return self.world_size * self.accumulation_steps * self.batch_size
 
     def next_step(self) -> list[Batch]:
-        """This rank's micro-batches of the next optimizer step, the position moved past the step."""
+        """This rank's micro-batches of the next optimizer step, the position moved past the step. The step
+        holds samples [consumed, consumed + G), of which rank `r` reads the contiguous A·B from
+        consumed + r·A·B, micro-batch by micro-batch."""
         batches = self.share(0, self.accumulation_steps)
         self.advance()
         return batches
 
     def share(self, first_row: int, rows: int) -> list[Batch]:
         """This rank's micro-batches of the next step when its replica group trains `rows` of the step's rows
-        from `first_row` on (a row: one micro-batch per rank; training.contract.replica_groups). The
-        group's samples are contiguous, and each rank's within them; the position does not move, so a step
-        that does not commit is run again from the same samples."""
+        from `first_row` on (a row: one micro-batch per rank; training.contract.replica_groups): the live
+        groups split each step's samples by rows. The group's samples are contiguous, and each rank's within
+        them; the position does not move, so a step that does not commit is run again from the same samples."""
         first = self.consumed_samples + (first_row * self.world_size + self.rank * rows) * self.batch_size
         return [self._batch(range(start, start + self.batch_size))
                 for start in range(first, first + rows * self.batch_size, self.batch_size)]
 
     def advance(self) -> None:
-        """Past the step: every row of it was trained, by whichever groups were live."""
+        """Past the step: every row of it was trained, by whichever groups were live. With replica groups it
+        is called only once the step committed, so a step run again holds the same samples."""
         self.consumed_samples += self.global_batch_size
 
     def _batch(self, indices: range) -> Batch:

@@ -5,13 +5,9 @@ hub's layout (5 GB shards and their index, as transformers' save_pretrained writ
 one tensor per expert) and the source's tokenizer files. `AutoModelForCausalLM.from_pretrained(DIR)` loads
 it. A preset exports as a LlamaForCausalLM.
 
-The run's config comes from its event log (run_start), so the exported model is the one that ran; its
-final state and checkpoints are looked up under RUN_DIR as given (a run directory copied elsewhere exports
-as well), checkpoints in a checkpoint.dir of their own where the config put them, and a Hugging Face
-model's directory (config.json, tokenizer files) at model.path unless --model-dir names where it is now.
-The tool reads the model's tensors only (not the optimizer's) into one process, in float32: an 8B model
-takes 32 GB of memory; --dtype bfloat16 converts one tensor at a time (a tensor more at its peak: for Mixtral
-a layer's fused experts) and halves what is written.
+The run's config comes from its event log (`run_config`), so the exported model is the one that ran. Cost:
+the model's tensors are read into one process, in float32 (`load_model_state`: an 8B model takes 32 GB of
+memory); --dtype bfloat16 halves what is written (`write_hf`).
 """
 from __future__ import annotations
 
@@ -43,7 +39,8 @@ class ExportError(ValueError):
 
 
 def run_config(run_dir: Path) -> TrainConfig:
-    """The config the run last started with (its newest run_start event)."""
+    """The config the run last started with (its newest run_start event), so the exported model is the one
+    that ran."""
     try:
         starts = [e for e in read_events(run_dir) if e["event"] == "run_start"]
     except FileNotFoundError:
@@ -80,7 +77,8 @@ def source_checkpoint(cfg: TrainConfig, checkpoint: Path | None) -> Path:
 
 
 def load_model_state(spec: ModelSpec, checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors from a DCP checkpoint (the trainer's "model" entry), whole, in one process."""
+    """The model's tensors from a DCP checkpoint (the trainer's "model" entry), whole, in one process: the
+    model's only (not the optimizer's), in float32, so an 8B model takes 32 GB of memory."""
     model = spec.build("meta")
     state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in untied_state(model, model.state_dict()).items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -91,7 +89,9 @@ def load_model_state(spec: ModelSpec, checkpoint: Path) -> dict[str, torch.Tenso
 
 def write_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out: Path, dtype: torch.dtype) -> None:
     """config.json, the safetensors shards (with their index when there are several) and the tokenizer
-    files, written into a temporary directory that is renamed to `out`: a stopped export leaves no half model."""
+    files, written into a temporary directory that is renamed to `out`: a stopped export leaves no half model.
+    A `dtype` other than float32 (--dtype bfloat16) is converted one tensor at a time (a tensor more at its
+    peak: for Mixtral a layer's fused experts) and halves what is written."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -118,10 +118,14 @@ def write_hf(spec: ModelSpec, state: dict[str, torch.Tensor], out: Path, dtype: 
 
 def export(run_dir: Path, out: Path, checkpoint: Path | None = None, dtype: str = "float32",
            model_dir: Path | None = None) -> Path:
+    """Export the run at `run_dir` into `out`; returns the checkpoint exported. The final state and checkpoints
+    are looked up under `run_dir` as given (a run directory copied elsewhere exports as well), checkpoints in a
+    checkpoint.dir of their own where the config put them, and a Hugging Face model's directory (config.json,
+    tokenizer files) at model.path unless `model_dir` (--model-dir) names where it is now."""
     if out.exists():
         raise ExportError(f"--out {out} exists: name a new directory")
     cfg = run_config(run_dir)
-    cfg = replace(cfg, run_dir=str(run_dir))  # where the run is now, not where it ran (module doc)
+    cfg = replace(cfg, run_dir=str(run_dir))  # where the run is now, not where it ran (docstring)
     if model_dir is not None:
         if cfg.model.source != "huggingface":
             raise ExportError(f"--model-dir {model_dir}: the run trained model.source={cfg.model.source}, "

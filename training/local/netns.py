@@ -1,16 +1,10 @@
 """Emulated machines with their own network, for the local cluster (`training.local --netns`).
 
-Each machine is a Linux network namespace whose interface (eth0, one end of a veth pair) hangs off
-a bridge in the host's namespace, with its own address in a private /24, its own hostname (a UTS
-namespace per node: `hostname` resolves to the machine's address, as in a pod, through
-/etc/netns/<ns>/hosts that `ip netns exec` mounts over /etc/hosts) and the host's file system. So the
-rendezvous, gloo and NVRx traffic between emulated nodes crosses a real (virtual) network, and a
-partition is a link taken down: established connections stall, as behind a dead switch port, rather
-than being reset. The host keeps the bridge's address (.1): the rendezvous store listens there, as the
-store pod does on a system node.
-
-Needs root (CAP_NET_ADMIN) and iproute2's `ip` and util-linux's `unshare`; `unavailable_reason()`
-says what is missing. Everything is removed by `close()`.
+Each machine is a Linux network namespace on a bridge in the host's namespace (`VirtualNetwork`), so the
+rendezvous, gloo and NVRx traffic between emulated nodes crosses a real (virtual) network, and a partition
+is a link taken down (`VirtualNetwork.set_link`): established connections stall, as behind a dead switch
+port, rather than being reset. Needs root (CAP_NET_ADMIN) and iproute2's `ip` and util-linux's `unshare`;
+`unavailable_reason()` says what is missing. Everything is removed by `VirtualNetwork.close()`.
 """
 from __future__ import annotations
 
@@ -77,7 +71,9 @@ def _free_subnet() -> ipaddress.IPv4Network:
 
 
 class VirtualNetwork:
-    """A bridge and the machines on it. Names carry a short tag so that runs side by side do not clash."""
+    """A bridge in the host's namespace and the machines on it, in a private /24. Names carry a short tag so
+    that runs side by side do not clash. The host keeps the bridge's address (.1): the rendezvous store
+    listens there, as the store pod does on a system node."""
 
     def __init__(self) -> None:
         reason = unavailable_reason()
@@ -99,7 +95,9 @@ class VirtualNetwork:
         _ip("link", "set", self.bridge, "up")
 
     def add_machine(self, hostname: str) -> Machine:
-        """A new machine on the bridge, its link up."""
+        """A new machine on the bridge, its link up: a network namespace whose interface (eth0, one end of a
+        veth pair) hangs off the bridge, with its own address in the private /24, its own hostname (`command`)
+        and the host's file system."""
         n = len(self.machines)
         machine = Machine(f"tl-{self.tag}-m{n}", hostname, str(next(self._addresses)), f"tl{self.tag}h{n}")
         self.machines.append(machine)
@@ -120,11 +118,15 @@ class VirtualNetwork:
 
     def command(self, machine: Machine, argv: list[str]) -> list[str]:
         """`argv` run on `machine`: in its network namespace, under its own hostname (exec all the way
-        down, so the process started is `argv`'s, with its pid)."""
+        down, so the process started is `argv`'s, with its pid). The hostname is a UTS namespace per node:
+        `hostname` resolves to the machine's address, as in a pod, through /etc/netns/<ns>/hosts that
+        `ip netns exec` mounts over /etc/hosts."""
         return ["ip", "netns", "exec", machine.namespace, "unshare", "--uts", "--",
                 "sh", "-c", 'hostname "$0" && exec "$@"', machine.hostname, *argv]
 
     def set_link(self, machine: Machine, up: bool) -> None:
+        """Take `machine`'s link up or down. Down is a partition: established connections stall, as behind a
+        dead switch port, rather than being reset."""
         _ip("link", "set", machine.host_link, "up" if up else "down")
 
     def close(self) -> None:

@@ -1,17 +1,9 @@
-"""Where a Hugging Face model's parameters lie in its safetensors files. Every family but Mixtral holds each
-parameter whole under its own name. Mixtral's hub checkpoints hold its router as
-`model.layers.N.block_sparse_moe.gate.weight` and one tensor per expert (`...block_sparse_moe.experts.E.w1.weight`,
-w2, w3), while transformers 5.23.0 builds each layer's experts fused: `mlp.experts.gate_up_proj`
-[experts, 2 x intermediate, hidden] holds expert E's w1 (gate) rows then its w3 (up) rows, and
-`mlp.experts.down_proj` [experts, hidden, intermediate] its w2. That is transformers' own conversion,
-`_build_checkpoint_conversion_mapping()["mixtral"]` in transformers/conversion_mapping.py:
-WeightRenaming(".block_sparse_moe.", ".mlp."), w1 and w3 stacked over the experts (MergeModulelist(dim=0))
-then concatenated (Concatenate(dim=1)) into gate_up_proj, w2 stacked into down_proj. `save_pretrained`
-reverses it (the hub's layout) unless `save_original_format=False`, which writes the fused parameters under
-their own names; both load here, and an export writes the hub's.
+"""Where a Hugging Face model's parameters lie in its safetensors files, so that a rank reads only the rows
+and columns inside its own shard, never more of a parameter than its shard (`Piece`, `read_pieces`).
 
-A `Piece` is one tensor of the files and its place in a parameter, so that a rank reads from each piece
-only the rows and columns inside its own shard, never more of a parameter than its shard.
+Every family but Mixtral holds each parameter whole under its own name. Mixtral's hub checkpoints hold one
+tensor per expert, while transformers builds each layer's experts fused (`hub_pieces`); both layouts load
+here (`file_layout`), and an export writes the hub's.
 """
 from __future__ import annotations
 
@@ -30,8 +22,9 @@ FUSED_EXPERTS = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<kind>gate_up_proj
 
 @dataclass(frozen=True)
 class Piece:
-    """The files' tensor `name` of `shape`: a whole parameter (expert None), or the rows
-    [first_row, first_row + shape[0]) of expert `expert` in a fused expert parameter."""
+    """One tensor of the files and its place in a parameter, so that a rank reads from each piece only the
+    rows and columns inside its own shard: the files' tensor `name` of `shape`, a whole parameter (expert
+    None), or the rows [first_row, first_row + shape[0]) of expert `expert` in a fused expert parameter."""
     name: str
     shape: tuple[int, ...]
     expert: int | None = None
@@ -49,7 +42,17 @@ class Piece:
 
 
 def hub_pieces(model_type: str, name: str, shape: Sequence[int]) -> list[Piece]:
-    """The pieces of parameter `name` in the hub's layout of `model_type`."""
+    """The pieces of parameter `name` in the hub's layout of `model_type`. Every family but Mixtral holds each
+    parameter whole under its own name.
+
+    Mixtral's hub checkpoints hold its router as `model.layers.N.block_sparse_moe.gate.weight` and one tensor
+    per expert (`...block_sparse_moe.experts.E.w1.weight`, w2, w3), while transformers 5.23.0 builds each
+    layer's experts fused: `mlp.experts.gate_up_proj` [experts, 2 x intermediate, hidden] holds expert E's w1
+    (gate) rows then its w3 (up) rows, and `mlp.experts.down_proj` [experts, hidden, intermediate] its w2. That
+    is transformers' own conversion, `_build_checkpoint_conversion_mapping()["mixtral"]` in
+    transformers/conversion_mapping.py: WeightRenaming(".block_sparse_moe.", ".mlp."), w1 and w3 stacked over
+    the experts (MergeModulelist(dim=0)) then concatenated (Concatenate(dim=1)) into gate_up_proj, w2 stacked
+    into down_proj."""
     shape = tuple(shape)
     if model_type != "mixtral":
         return [Piece(name, shape)]
@@ -68,7 +71,9 @@ def hub_pieces(model_type: str, name: str, shape: Sequence[int]) -> list[Piece]:
 def file_layout(model_type: str, shapes: Mapping[str, Sequence[int]],
                 in_files: Collection[str]) -> dict[str, list[Piece]]:
     """Each parameter's pieces in files holding the tensors `in_files`: the hub's layout, unless the files
-    hold Mixtral's fused expert parameters under their own names (save_original_format=False)."""
+    hold Mixtral's fused expert parameters under their own names (save_original_format=False). transformers'
+    `save_pretrained` writes the hub's layout unless `save_original_format=False`, which writes the fused
+    parameters under their own names; both load here, and an export writes the hub's."""
     own_names = any(FUSED_EXPERTS.match(name) and name in in_files for name in shapes)
     return {name: [Piece(name, tuple(shape))] if own_names else hub_pieces(model_type, name, shape)
             for name, shape in shapes.items()}

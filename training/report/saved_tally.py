@@ -2,16 +2,9 @@
 starts one) catches up from where it was saved and reads only the log's tail: without it, a catch-up read
 the whole log, seconds at millions of events (bench.event_log measures it).
 
-<run_dir>/metrics-tally.bin holds one JSON line (the format's version and byte order, each event file's
-offset at a line's end and a fingerprint of its bytes before that offset, the tally's figures) and then the
-raw bytes of the useful-step arrays after the floor: the steps up to the newest committed checkpoint are
-folded into their count and time (UsefulSteps.folded), so the file stays the size of a checkpoint interval,
-whatever the log's length. It is written whole (training.contract.files.replace_file) and trusted only if
-every file it names still holds the same bytes at its head and just before the offset; a log truncated,
-replaced or rewritten, a file of another format, or an unreadable one is ignored: the log is read whole, as
-without it. Files it does not name (new since) are read from their start. A resume below the floor (an older
-checkpoint than the newest, all of them damaged) raises BelowFloor as it is read: the caller reads the log
-whole again, once.
+The file (`save`) stays the size of a checkpoint interval, whatever the log's length. `load` trusts it only
+while the event files it names hold the same bytes; otherwise the log is read whole, as without it. Cost:
+the file is written whole at each save (training.contract.files.replace_file).
 """
 from __future__ import annotations
 
@@ -53,7 +46,12 @@ def fingerprint(path: Path, offset: int) -> str | None:
 
 
 def save(run_dir: str | Path, tally: RunTally, offsets: dict[str, int]) -> None:
-    """Save `tally`, which holds the event files up to `offsets` (name -> bytes, at a line's end)."""
+    """Save `tally`, which holds the event files up to `offsets` (name -> bytes, at a line's end), written whole
+    (training.contract.files.replace_file). <run_dir>/metrics-tally.bin holds one JSON line (the format's
+    version and byte order, each event file's offset at a line's end and a fingerprint of its bytes before that
+    offset, the tally's figures) and then the raw bytes of the useful-step arrays after the floor: the steps up
+    to the newest committed checkpoint are folded into their count and time (UsefulSteps.folded), so the file
+    stays the size of a checkpoint interval, whatever the log's length."""
     directory = events_dir(run_dir)
     useful = tally.useful.folded(tally.committed_step)
     # field by field: asdict would deep-copy the useful-steps arrays and the restart counts only to drop them
@@ -70,7 +68,13 @@ def save(run_dir: str | Path, tally: RunTally, offsets: dict[str, int]) -> None:
 
 
 def load(run_dir: str | Path) -> tuple[RunTally, dict[str, int]] | None:
-    """The saved tally and the offsets it holds the event files up to; None when there is none to trust."""
+    """The saved tally and the offsets it holds the event files up to; None when there is none to trust.
+
+    It is trusted only if every file it names still holds the same bytes at its head and just before the
+    offset; a log truncated, replaced or rewritten, a file of another format, or an unreadable one is ignored:
+    the log is read whole, as without it. Files it does not name (new since) are read from their start. A
+    resume below the floor (an older checkpoint than the newest, all of them damaged) raises BelowFloor as it
+    is read (training.report.tally): the caller reads the log whole again, once."""
     try:
         data = tally_path(run_dir).read_bytes()
         line, _, body = data.partition(b"\n")

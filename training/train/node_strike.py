@@ -1,17 +1,9 @@
-"""What strikes a node when a node fault (node-loss, node-hang) fires: a process of its own, started by a rank
-that may fire one ahead of time (its imports then cost the strike nothing) in a session of its own, so that
-the strike lands whatever the rank does meanwhile. A thread of the rank would die with it, and a rank dies
-quickly once another node's loss breaks a collective: two nodes lost in the same step would then lose one
-and leave the other's processes (and its peer-state copies) alive. Standard library and psutil only.
-
-    python -m training.train.node_strike     reads one strike as a JSON line on stdin; at EOF, leaves
-
-{"at": MONOTONIC, "signal": N, "top": PID, "rank": PID, "wait_for": [FILE, …], "marker": FILE}: at `at`
-(time.monotonic(), which every process on the machine shares), once every `wait_for` file exists (the fired
-records of the other node faults of the same step, so that faults meant together land together; at most
-WAIT_S), create `marker` (if not ""), then send the signal to the node's top process (unless it is PID 1:
-inside a container PID 1 ignores SIGKILL sent from its own PID namespace, SIGTERM stops it instead), then to
-every process under it, the firing rank last.
+"""What strikes a node when a node fault (node-loss, node-hang) fires: a process of its own, in a session of
+its own, so that the strike lands whatever the rank does meanwhile. A thread of the rank would die with it,
+and a rank dies quickly once another node's loss breaks a collective: two nodes lost in the same step would
+then lose one and leave the other's processes (and its peer-state copies) alive. A rank that may fire one
+starts it ahead of time, so its imports cost the strike nothing. It reads one `Strike` on stdin (`main`) and
+carries it out (`strike`). Standard library and psutil only.
 """
 from __future__ import annotations
 
@@ -31,6 +23,11 @@ WAIT_S = 10.0  # longest wait for the other node faults of the same step to fire
 
 def strike(at: float, sig: signal.Signals, top: psutil.Process, rank: psutil.Process | None,
            wait_for: list[str], marker: str = "") -> None:
+    """At `at` (time.monotonic(), which every process on the machine shares), once every `wait_for` file exists
+    (the fired records of the other node faults of the same step, so that faults meant together land together;
+    at most WAIT_S), create `marker` (if not ""), then send the signal to the node's top process (unless it is
+    PID 1: inside a container PID 1 ignores SIGKILL sent from its own PID namespace, SIGTERM stops it instead),
+    then to every process under it, the firing rank last."""
     time.sleep(max(0.0, at - time.monotonic()))
     deadline = time.monotonic() + WAIT_S
     while not all(os.path.exists(f) for f in wait_for) and time.monotonic() < deadline:
@@ -59,6 +56,8 @@ def strike(at: float, sig: signal.Signals, top: psutil.Process, rank: psutil.Pro
 
 @dataclass(frozen=True)
 class Strike:
+    """One strike, as the JSON line that `main` reads: {"at": MONOTONIC, "signal": N, "top": PID, "rank": PID,
+    "wait_for": [FILE, …], "marker": FILE}."""
     at: float  # time.monotonic() at which to strike
     signal: int  # SIGKILL (node-loss) or SIGSTOP (node-hang)
     top: int  # the node's outermost process
@@ -71,6 +70,7 @@ class Strike:
 
 
 def main() -> None:
+    """`python -m training.train.node_strike`: reads one strike as a JSON line on stdin; at EOF, leaves."""
     line = sys.stdin.readline()
     if not line:  # the rank ended without firing
         return

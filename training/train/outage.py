@@ -2,15 +2,10 @@
 of this process on the run and checkpoint directories fails with EIO, as an FSx client eviction or failover
 makes Lustre's calls fail until the client reconnects.
 
-No file system here can fail on demand (no device-mapper, no FUSE library), so the outage is played at
-the boundary of CPython's file calls: an audit hook (PEP 578: `open`, `os.rename`, `os.remove`, `os.mkdir`,
-`os.scandir` … raise it before their system call, and an exception it raises aborts the call) refuses every
-one on a path under those directories, and each descriptor already open on a file there (the event log's)
-is pointed at a hung-up terminal for the outage, whose writes fail with EIO, then reopened where it was. What
-it cannot reach: calls without an audit event (`os.stat`, so `Path.exists`), relative paths under a
-`dir_fd`, and other processes (the checkpoint writer: its save fails in the rank's hand-off instead, see
-FaultInjector.around_write; PID 1 and the controller see no outage). Cost: a Python call per audited
-event of the process once the first outage began (a comparison of the clock, once it is over).
+No file system here can fail on demand (no device-mapper, no FUSE library), so the outage is played at the
+boundary of CPython's file calls (`begin_outage`): an audit hook refuses them, and the descriptors already
+open there fail until it ends. Other processes see no outage. Cost: a Python call per audited event of the
+process once the first outage began (a comparison of the clock, once it is over).
 """
 from __future__ import annotations
 
@@ -50,6 +45,10 @@ _hook_added = False
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
+    """The audit hook (PEP 578: `open`, `os.rename`, `os.remove`, `os.mkdir`, `os.scandir` … raise it before
+    their system call, and an exception it raises aborts the call): refuses every one on a path under the
+    outage's roots. Calls without an audit event (`os.stat`, so `Path.exists`) and relative paths under a
+    `dir_fd` are not reached."""
     outage = _outage
     if outage is None or event not in _PATH_EVENTS or not args or time.monotonic() >= outage.until:
         return
@@ -68,7 +67,10 @@ def in_outage() -> bool:
 
 def begin_outage(roots: list[Path], seconds: float) -> threading.Timer:
     """Every file call of this process on `roots` fails with EIO for `seconds`; returns at once, with the
-    timer that ends the outage (joined once the swapped descriptors are back)."""
+    timer that ends the outage (joined once the swapped descriptors are back). Calls are refused by `_audit`,
+    descriptors already open are swapped (`_swap_open_files`). Other processes are not reached: the checkpoint
+    writer's save fails in the rank's hand-off instead (FaultInjector.around_write); PID 1 and the controller
+    see no outage."""
     global _outage, _hook_added
     if not _hook_added:
         sys.addaudithook(_audit)  # for the rest of the process: an audit hook cannot be removed
@@ -94,8 +96,10 @@ class _Swapped:
 
 
 def _swap_open_files(outage: _Outage) -> list[_Swapped]:
-    """Point each descriptor open on a regular file under `outage`'s roots at a hung-up terminal. Not standard
-    output and error: the local cluster writes them to the run directory, a pod's go to its container runtime."""
+    """Point each descriptor open on a regular file under `outage`'s roots (the event log's) at a hung-up
+    terminal, whose writes fail with EIO, for the outage; `_end_outage` reopens them where they were. Not
+    standard output and error: the local cluster writes them to the run directory, a pod's go to its container
+    runtime."""
     master, terminal = os.openpty()
     os.close(master)  # hung up: a write to `terminal` fails with EIO
     dead = os.readlink(f"/proc/self/fd/{terminal}")

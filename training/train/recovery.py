@@ -1,18 +1,11 @@
 """The recovery tiers behind one contract: where a restarted rank finds its training state.
 
-A tier loads the newest state it holds into the Stateful dict and says what it loaded (`Restored`),
-or leaves the dict untouched and returns None. `restore_first` asks the tiers in order, fastest
-first, and the first that restores wins:
-
-  memory  the host copy of the last step every rank completed, after an in-process restart
-          (training.train.rollback, through the Wrapper's Iteration)
-  peer    the copies in node memory of this and the partner nodes (training.train.peer_state),
-          if they hold every shard of a step no older than the newest checkpoint
-  disk    the newest loadable checkpoint, resharded to this world size (training.train.checkpoint)
-
-Every tier is collective and its answer the same on every rank, so every rank walks the list alike.
-A tier that had nothing to give hears which state was loaded instead (`superseded`) only once that
-load succeeded: a checkpoint that fails to load must not have cost the copies of the tiers before it.
+A tier loads the newest state it holds into the Stateful dict and says what it loaded (`Restored`), or
+leaves the dict untouched and returns None. `restore_first` asks the tiers fastest first (`InProcessTier`,
+`PeerTier`, `DiskTier`) and the first that restores wins. Every tier is collective and its answer the same
+on every rank, so every rank walks the list alike. Cost: a tier with nothing to give keeps its copies until
+another tier's load has succeeded (`RecoveryTier.superseded`): a checkpoint that fails to load must not
+have cost them.
 """
 from __future__ import annotations
 
@@ -50,6 +43,7 @@ _MEMORY_ORIGIN = {"memory": "process memory", "peer": "node memory"}
 
 
 class RecoveryTier(Protocol):
+    """One place a restarted rank may find its state. Collective: its answer is the same on every rank."""
     name: ClassVar[SourceKind]
 
     def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
@@ -59,14 +53,16 @@ class RecoveryTier(Protocol):
         ...
 
     def superseded(self, restored: Restored | None) -> None:
-        """After this tier returned None: a later tier's state was loaded (None: a fresh start)."""
+        """After this tier returned None: a later tier's state was loaded (None: a fresh start). Called
+        only once that load succeeded: a checkpoint that fails to load must not have cost this tier's copies."""
         ...
 
 
 @dataclass(frozen=True)
 class InProcessTier:
-    """After an in-process restart, the step kept in host memory (training.train.inprocess). Never
-    older than a checkpoint: every step is kept."""
+    """The `memory` tier, asked first: after an in-process restart, the host copy of the last step every
+    rank completed (training.train.rollback, through the Wrapper's Iteration; training.train.inprocess).
+    Never older than a checkpoint: every step is kept."""
     iteration: Iteration
     name: ClassVar[SourceKind] = "memory"
 
@@ -80,7 +76,8 @@ class InProcessTier:
 
 @dataclass(frozen=True)
 class PeerTier:
-    """The partner nodes' copies of every shard (training.train.peer_state)."""
+    """The `peer` tier, asked second: the copies in node memory of this and the partner nodes
+    (training.train.peer_state), if they hold every shard of a step no older than the newest checkpoint."""
     peer: PeerState
     name: ClassVar[SourceKind] = "peer"
 
@@ -94,8 +91,9 @@ class PeerTier:
 
 @dataclass(frozen=True)
 class DiskTier:
-    """The newest loadable checkpoint. With `allow_fresh_start` False, committed checkpoints of which
-    none loads raise FreshStartRefused rather than returning None."""
+    """The `disk` tier, asked last: the newest loadable checkpoint, resharded to this world size
+    (training.train.checkpoint). With `allow_fresh_start` False, committed checkpoints of which none loads
+    raise FreshStartRefused rather than returning None."""
     ckpt: CheckpointManager
     optional: frozenset[str]  # per-rank keys a checkpoint written at another world size may lack
     allow_fresh_start: bool

@@ -3,14 +3,8 @@
 Through the page cache, writing a shard costs the kernel its copy into new cache pages, their dirty
 accounting and the flusher's writeback; with O_DIRECT the kernel does none of these, and the write costs
 it next to nothing (bench.stall measures the writer's CPU time). Where no CPU is spare, that CPU time
-comes out of training whichever process spends it.
-
-O_DIRECT wants the memory, the file offset and the length of every write aligned to the device's logical
-block size (open(2), "O_DIRECT"). DirectFile gathers DCP's writes in an aligned buffer, writes whole
-buffers, and writes the unaligned tail of the file through the page cache after clearing O_DIRECT
-(fcntl(2) F_SETFL). Durability is unchanged: DCP fsyncs each file before the save returns, and the
-commit (`layout`) runs only after that. A file system that refuses O_DIRECT (EINVAL, e.g. tmpfs) gets
-a plain buffered file.
+comes out of training whichever process spends it. Durability is unchanged (`DirectFile`). Cost: a
+CHUNK-sized buffer per file being written.
 """
 from __future__ import annotations
 
@@ -31,6 +25,12 @@ CHUNK = 8 << 20  # bytes gathered before each direct write: large writes, a smal
 
 class DirectFile(io.RawIOBase):
     """A write-only file opened with O_DIRECT, written in CHUNK-sized aligned writes.
+
+    O_DIRECT wants the memory, the file offset and the length of every write aligned to the device's logical
+    block size (open(2), "O_DIRECT"). DCP's writes are gathered in an aligned buffer, whole buffers are
+    written, and the unaligned tail of the file goes through the page cache after clearing O_DIRECT (fcntl(2)
+    F_SETFL). Durability is unchanged: DCP fsyncs each file before the save returns, and the commit
+    (`layout`) runs only after that.
 
     DCP asks for the file descriptor only to fsync it after its last write, so `fileno()` first writes
     out the buffered tail; a write after that is refused."""
@@ -104,7 +104,8 @@ class DirectFile(io.RawIOBase):
 
 
 def open_direct(path: Path) -> io.RawIOBase:
-    """`path` opened for writing around the page cache, or through it where its file system refuses."""
+    """`path` opened for writing around the page cache, or through it where its file system refuses O_DIRECT
+    (EINVAL, e.g. tmpfs): a plain buffered file."""
     try:
         return DirectFile(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644))
     except OSError as err:

@@ -1,17 +1,10 @@
 """What the staging buffers of async saves cost the process in shared memory and file descriptors, and the
 checks that turn a shortage into one clear error instead of a dead rank or saves that fail forever.
 
-Each buffer is a file in /dev/shm (tmpfs) held by an open descriptor. A tmpfs page first written through
-a mapping while the file system is full raises SIGBUS in the rank; torch's shared-memory allocator reserves
-the pages first (posix_fallocate in ATen's MapAllocator, torch 2.13: "unable to allocate shared memory(shm)
-... No space left on device"), so a full /dev/shm fails the allocation, and `new_shared_buffer` turns that
-into a line that says which file system is full, by how much, and what to change.
-
-A save hands the writer process one descriptor per buffer (training.train.checkpoint.shm_channel), and the
-writer holds up to two per buffer while it receives one (the previous save's mapping and the new one):
-`raise_fd_limit` lifts RLIMIT_NOFILE's soft limit (often 1024) to the hard limit, and
-`check_fd_budget` refuses a state with more buffers than the hard limit allows, before any is made. Small
-tensors take no buffer (staging.BY_VALUE_BYTES): they travel inside the request.
+Each buffer is a file in /dev/shm (tmpfs) held by an open descriptor. A full /dev/shm fails the buffer's
+allocation with a line that says which file system is full, by how much, and what to change
+(`new_shared_buffer`). A state with more buffers than the descriptor limit allows is refused before any is
+made (`check_fd_budget`). Small tensors take no buffer (staging.BY_VALUE_BYTES): they travel inside the request.
 """
 from __future__ import annotations
 
@@ -32,8 +25,8 @@ class StagingBudgetError(RuntimeError):
 
 
 def raise_fd_limit() -> int:
-    """Lift this process's RLIMIT_NOFILE soft limit to its hard limit (setrlimit(2): an unprivileged
-    process may); children forked after it inherit it. Returns the limit now in force."""
+    """Lift this process's RLIMIT_NOFILE soft limit (often 1024) to its hard limit (setrlimit(2): an
+    unprivileged process may); children forked after it inherit it. Returns the limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -41,7 +34,10 @@ def raise_fd_limit() -> int:
 
 
 def check_fd_budget(buffers: int) -> None:
-    """Refuse, in one line, a state whose `buffers` staging buffers the writer process cannot receive."""
+    """Refuse, in one line, a state whose `buffers` staging buffers the writer process cannot receive, before
+    any is made. A save hands the writer process one descriptor per buffer
+    (training.train.checkpoint.shm_channel), and the writer holds up to two per buffer while it receives one
+    (the previous save's mapping and the new one); the soft limit is first lifted (`raise_fd_limit`)."""
     limit = raise_fd_limit()
     needed = WRITER_FDS_PER_BUFFER * buffers + FD_RESERVE
     if needed > limit:
@@ -52,8 +48,11 @@ def check_fd_budget(buffers: int) -> None:
 
 
 def new_shared_buffer(nbytes: int, directory: str = SHM_DIR) -> torch.UntypedStorage:
-    """A shared-memory storage of `nbytes`, its pages reserved (the module's docstring), or StagingBudgetError
-    naming the file system that is full."""
+    """A shared-memory storage of `nbytes`, its pages reserved, or StagingBudgetError naming the file system
+    that is full, by how much, and what to change. A tmpfs page first written through a mapping while the file
+    system is full raises SIGBUS in the rank; torch's shared-memory allocator reserves the pages first
+    (posix_fallocate in ATen's MapAllocator, torch 2.13: "unable to allocate shared memory(shm) ... No space
+    left on device"), so a full /dev/shm fails the allocation here instead."""
     try:
         return torch.UntypedStorage._new_shared(nbytes, device="cpu")
     except RuntimeError as err:

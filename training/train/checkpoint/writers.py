@@ -1,17 +1,10 @@
 """The DCP writers a CheckpointManager saves through, and the fault-injection hook into them.
 
-Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode: the state is staged (copied), then
-written in the background while training goes on. On CPU that is torch's `dcp.async_save` (own gloo group,
-so its collectives never interleave with the training group's): the copy is made in a staging thread while
-the training thread runs on until it changes the state (`staging`), its background thread plans and
-coordinates, and each rank's shard write runs in a writer process (`writer_process`); on CUDA with NVRx
-installed, NVRx's FileSystemWriterAsync + AsyncCallsQueue, which stage synchronously.
-
-Fault injection (training.train.faults) reaches a save through `write_hook(step, write)`: it wraps each
-rank's write of its shards inside DCP, in the training process (in async mode, in the background thread,
-`write` waiting for the writer process), so an injected error fails the save on every rank as a real one
-would, and an injected crash kills the rank. NVRx's CUDA async writer writes in its own worker process
-and is not hooked. The local cluster's --save-delay holds each hooked write back the same way.
+Sync mode: `dcp.save` through `file_writer`, on every rank. Async mode (`make_async_writer`): the state is
+staged (copied), then written in the background while training goes on. Cost: a staged copy of the state
+besides the live one. Fault injection (training.train.faults) reaches a save through a `WriteHook` around
+each rank's write of its shards, so an injected error fails the save on every rank as a real one would, and
+an injected crash kills the rank. NVRx's CUDA async writer (`_NvrxAsyncWriter`) is not hooked.
 """
 from __future__ import annotations
 
@@ -42,7 +35,9 @@ from training.train.checkpoint.writer_process import Replaced, WriteRequest, Wri
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# hook(step, write) -> write(): called on each rank as it writes its shards of the save of `step`
+# hook(step, write) -> write(): called on each rank as it writes its shards of the save of `step`. It wraps that
+# write inside DCP, in the training process (in async mode, in the background thread, `write` waiting for the
+# writer process); the local cluster's --save-delay holds each hooked write back the same way.
 WriteHook = Callable[[int, Callable[[], T]], T]
 
 
@@ -159,7 +154,12 @@ class AsyncWriter(Protocol):
 
 
 class _TorchAsyncWriter:
-    """dcp.async_save: staging into shared memory in the stager's thread, the write in the writer process.
+    """dcp.async_save, async mode on CPU: staging into shared memory in the stager's thread, the write in the
+    writer process. `process_group` is a gloo group of its own (the CheckpointManager's), so its collectives
+    never interleave with the training group's. The copy is made in a staging thread while the training
+    thread runs on until it changes the state (`staging`), the save's background thread plans and
+    coordinates, and each rank's shard write runs in a writer process (`writer_process`); the WriteHook wraps
+    its hand-off, in the background thread.
 
     The stager is kept for the writer's life: it reuses its staging buffers from one save to the
     next (a stager per save, dcp's default, allocates and page-faults the whole state every time),
@@ -226,10 +226,11 @@ class _TorchAsyncWriter:
 
 
 class _NvrxAsyncWriter:
-    """NVRx async checkpointing (CUDA only: it stages with CUDA copies). Planning is collective
-    and synchronous; the write runs in NVRx's persistent worker process; finalization (gather of
-    write results, .metadata on the coordinator) runs on every rank in `done`, which NVRx makes a
-    collective: every rank must call `poll()`/`wait()` at the same steps, as the train loop does.
+    """NVRx async checkpointing (CUDA only: it stages with CUDA copies), async mode on CUDA with NVRx installed:
+    FileSystemWriterAsync + AsyncCallsQueue, which stage synchronously. Planning is collective and
+    synchronous; the write runs in NVRx's persistent worker process, which no WriteHook reaches;
+    finalization (gather of write results, .metadata on the coordinator) runs on every rank in `done`, which
+    NVRx makes a collective: every rank must call `poll()`/`wait()` at the same steps, as the train loop does.
 
     NVRx's queue never checks that its worker lives: a worker killed mid-write (the OOM killer) leaves its
     call unfinished for ever, so a poll says "not done" at every step and a blocking wait loops without end
@@ -324,6 +325,8 @@ class _NvrxAsyncWriter:
 
 def make_async_writer(device: torch.device, process_group: dist.ProcessGroup | None, write_hook: WriteHook | None,
                       deadlines: WriterDeadlines, report: ReplacementReport) -> AsyncWriter:
+    """Async mode's writer: NVRx's on CUDA where it is importable (not hooked: fault injection does not reach
+    it), else dcp.async_save's."""
     if device.type == "cuda":
         try:
             writer = _NvrxAsyncWriter(process_group, report)
