@@ -35,6 +35,7 @@ from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
 from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
 from training.contract.flops import flops_per_token
 from training.contract.job_failure import JobMustFail, request_job_failure
+from training.contract.launcher import replica_step_floor
 from training.contract.model_source import ModelSourceError, check_model_source
 from training.contract.replica_groups import Share, check_torchft, replica_group
 from training.data.stream import Batch, TokenStream
@@ -297,7 +298,8 @@ class Trainer:
         self.cfg, self.restart = cfg, restart
         # first: the setup section covers process start-up
         self.monitor = RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode,
-                                   watch=restart.hang_watch if restart is not None else None)
+                                   watch=restart.hang_watch if restart is not None else None,
+                                   step_floor=replica_step_floor(cfg.parallel))
         if restart is not None:  # the process's, watching between the Wrapper's iterations too
             self.drain_signal = restart.drain_signal
         else:
