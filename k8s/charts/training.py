@@ -429,8 +429,8 @@ def _training_network_policy(chart: Construct, job: JobConfig) -> None:
 
 def _lighthouse(chart: Chart, job: JobConfig) -> None:
     """torchft's Lighthouse for every replica group: a Deployment on the system nodes, like the stores, its
-    Service, and ingress from the training pods on its port only. Restarted, it has lost the quorum: every
-    group waits parallel.quorum_timeout_s, fails and restarts in-job (docs/replica-groups.md)."""
+    Service, and ingress from the training pods on its port only. Restarted within parallel.quorum_timeout_s,
+    it restarts no group: their ManagerServers ask it again for a quorum every second."""
     ns, labels, port = job.namespace, _lighthouse_labels(job), {"port": LIGHTHOUSE_COMPONENT}
     container = {
         "name": LIGHTHOUSE_COMPONENT,

@@ -1,7 +1,8 @@
 """`python -m training.local --replica-groups R`: each group a Job of its own under one torchft Lighthouse.
-One composed run: a lost node in one group, a crashed rank in the other later. What a user is promised: the
-other group trains on through each fault, the failed group heals from its live state, no completed step is
-lost, every sample is trained once, and both groups end with the same state, bit for bit."""
+One composed run: a lost node in one group, the Lighthouse killed, a crashed rank in the other group. What a
+user is promised: the other group trains on through each fault, the failed group heals from its live state, a
+restarted Lighthouse restarts no group, no completed step is lost, every sample is trained once, and both
+groups end with the same state, bit for bit."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,12 +20,16 @@ from training_helpers import completed, run_local, samples_by_step
 
 STEPS, GLOBAL_BATCH = 300, 16  # 16: a row of 4 sequences per rank of a group, one row per group
 # the crash lands once the lost node's group is back: its restart takes ~70 of these steps here
-NODE_LOSS, CRASH = 40, 200
-STALL_BOUND_S = 6.0  # heartbeat_timeout_s (1 s) plus re-forming the quorum's process group, on 2 busy cores
+NODE_LOSS, LIGHTHOUSE_LOSS, CRASH = 40, 130, 200
+STEP_TIMEOUT_S = 3  # parallel.step_timeout_s: what a restarted Lighthouse's reused quorum id can cost a step
+# heartbeat_timeout_s (1 s) plus re-forming the quorum's process group after a group's fault; a restarted
+# Lighthouse: the poll (1 s), then a step that may wait out STEP_TIMEOUT_S; on 2 busy cores
+STALL_BOUND_S = 6.0
 
 
 SHAPE = ("--nproc-per-node", "1", "--steps", str(STEPS), f"training.global_batch_size={GLOBAL_BATCH}",
-         "checkpoint.mode=off", "checkpoint.save_final=true", "logging.sample_log=true")
+         "checkpoint.mode=off", "checkpoint.save_final=true", "logging.sample_log=true",
+         f"parallel.step_timeout_s={STEP_TIMEOUT_S}")
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +57,17 @@ def _died_in(events: list[dict]) -> set[int]:
 def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tmp_path, uninterrupted):
     run = completed(run_local(
         tmp_path / "run", "--nodes", "4", "--replica-groups", "2", *SHAPE,
-        "--faults", f"node-loss@{NODE_LOSS}:node=1:group=1,exception@{CRASH}:rank=0:group=0", timeout=400))
+        "--faults", f"node-loss@{NODE_LOSS}:node=1:group=1,lighthouse-loss@{LIGHTHOUSE_LOSS}:group=0,"
+                    f"exception@{CRASH}:rank=0:group=0", timeout=400))
     groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
     events = [read_events(g) for g in groups]
 
     # each fault fired once, in its own group; that group healed from the other's live state, not from step 0
     fired = [[e["kind"] for e in group if e["event"] == "fault_injected"] for group in events]
-    assert fired == [["exception"], ["node-loss"]], fired
+    assert fired == [["lighthouse-loss", "exception"], ["node-loss"]], fired
+    assert "the Lighthouse exited with code -9; starting it again" in run.output
+    # the restarted Lighthouse restarted no group: each resumed at its start and after its own fault only
+    assert [sum(e["event"] == "resume" for e in group) for group in events] == [2, 2]
     for group, fault_step in zip(events, (CRASH, NODE_LOSS)):
         heals = [e for e in group if e["event"] == "quorum" and e.get("healed_from_step") is not None
                  and e["step"] >= fault_step]
@@ -69,7 +78,7 @@ def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tm
     for directory, group in zip(groups, events):
         stall, before = longest_stall(directory)
         assert stall < STALL_BOUND_S, f"{directory.name} stalled {stall:.2f} s before step {before}"
-        assert [f.steps_lost for f in build_report(group).faults] == [0], run.output[-3000:]
+        assert all(f.steps_lost == 0 for f in build_report(group).faults), run.output[-3000:]
     assert "group 0: " in run.output and "group 1: " in run.output  # the controller's stall summary
 
     # every step's loss is the uninterrupted run's, whichever groups were live (float tolerance: the sum splits)

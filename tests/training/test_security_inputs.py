@@ -13,8 +13,8 @@ from training.contract.faults import (DESTRUCTIVE_KINDS, ENV_VAR, POD_ENV, Fault
                                       parse_faults)
 from training.report.cli import write_report
 
-DESTRUCTIVE = ["corrupt-ckpt@5", "disk-full@5", "fs-eio@5:duration=5", "node-hang@5:node=0", "node-loss@5:node=0",
-               "partition@5:node=0"]
+DESTRUCTIVE = ["corrupt-ckpt@5", "disk-full@5", "fs-eio@5:duration=5", "lighthouse-loss@5", "node-hang@5:node=0",
+               "node-loss@5:node=0", "partition@5:node=0"]
 
 
 def test_every_destructive_kind_is_refused_in_a_pod_without_the_switch(monkeypatch):

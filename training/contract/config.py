@@ -259,7 +259,9 @@ class ParallelConfig:
                                        "(torchft's default: 60 s).")
     quorum_timeout_s: float = _doc(30.0, "R >= 2: how long a group waits for the Lighthouse's quorum before its "
                                          "ranks fail (an in-job restart follows): longer than a step and a "
-                                         "checkpoint save of the slowest group (torchft's default: 60 s).")
+                                         "checkpoint save of the slowest group, and than a restart of the "
+                                         "Lighthouse, which is asked again every second meanwhile (torchft's "
+                                         "default: 60 s).")
     heartbeat_timeout_s: float = _doc(1.0, "R >= 2, the Lighthouse's: a group whose manager has not heartbeaten "
                                            "(every 0.1 s) for this long is dead and leaves the quorum; the other "
                                            "groups' longest stall after a group dies (torchft's default: 5 s).")

@@ -20,7 +20,8 @@ ENV_VAR = "TRAINING_FAULTS"
 # Kinds that destroy data (checkpoints) or take a node's pod or network down. In a pod they need the
 # config's chaos switch (allow_destructive_faults, in the Job's immutable ConfigMap): TRAINING_FAULTS, an
 # environment variable, cannot turn them on by itself. The local cluster and tests run outside a pod.
-DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "fs-eio", "node-hang", "node-loss", "partition"})
+DESTRUCTIVE_KINDS = frozenset({"corrupt-ckpt", "disk-full", "fs-eio", "lighthouse-loss", "node-hang", "node-loss",
+                               "partition"})
 POD_ENV = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container
 
 
@@ -81,6 +82,8 @@ KINDS: dict[str, FaultKind] = {
                            when="write"),
     "fs-eio": FaultKind("the rank's file calls on the run directory fail with EIO for `duration` seconds; training "
                         "goes on", _RANK | {"duration"}),
+    "lighthouse-loss": FaultKind("the replica groups' Lighthouse is SIGKILLed; its Deployment starts it again",
+                                 _RANK),
 }
 
 
@@ -186,6 +189,11 @@ def controller_requests_dir(run_dir: str | os.PathLike, kind: str) -> Path:
 def partitioned_marker(run_dir: str | os.PathLike, node: int) -> Path:
     """Written by the controller once the node's link is down."""
     return Path(run_dir) / "faults" / "partitioned" / f"node{node}"
+
+
+def lighthouse_lost_marker(run_dir: str | os.PathLike) -> Path:
+    """Written by the local controller once it killed the Lighthouse a rank of this run directory asked it to."""
+    return Path(run_dir) / "faults" / "lighthouse-lost"
 
 
 def lost_marker(run_dir: str | os.PathLike, node: int) -> Path:

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import psutil
 
+from training.contract.faults import controller_requests_dir, lighthouse_lost_marker
 from training.contract.replica_groups import group_run_dir
 from training.contract.events import read_events
 from training.pod.prefork import die_with_parent
@@ -26,6 +27,8 @@ LIGHTHOUSE_READY_S = 10.0  # torchft_lighthouse listens within milliseconds; lon
 
 class GroupJob(Protocol):
     """What run_groups drives of a group's controller (training.local.cluster.Cluster)."""
+    run_dir: Path
+
     def begin(self) -> None: ...
     def tick(self) -> int | None: ...
     def end(self, status: int | None) -> None: ...
@@ -61,6 +64,7 @@ class Lighthouse:
         return None if self.proc is None else self.proc.poll()
 
     def stop(self) -> None:
+        """SIGKILL, as a lost system node or an OOM kill does (`run_groups` starts it again), or at the end."""
         if self.proc is not None:
             with contextlib.suppress(psutil.Error):
                 self.proc.kill()
@@ -82,6 +86,7 @@ def run_groups(clusters: list[GroupJob], lighthouse: Lighthouse) -> int:
         for cluster in clusters:
             cluster.begin()
         while len(statuses) < len(clusters):
+            _kill_on_request(clusters, lighthouse)
             if (rc := lighthouse.exited()) is not None:
                 lighthouse.restarts += 1
                 clusters[0].say(f"the Lighthouse exited with code {rc}; starting it again, as its Deployment does")
@@ -97,6 +102,21 @@ def run_groups(clusters: list[GroupJob], lighthouse: Lighthouse) -> int:
                 cluster.end(None)
         lighthouse.stop()
     return 130 if 130 in statuses.values() else max(statuses.values())
+
+
+def _kill_on_request(clusters: list[GroupJob], lighthouse: Lighthouse) -> None:
+    """A rank's `lighthouse-loss` fault (training.train.faults) asks for the Lighthouse to be killed."""
+    for cluster in clusters:
+        requests = sorted(controller_requests_dir(cluster.run_dir, "lighthouse-loss").glob("node*"))
+        if not requests:
+            continue
+        cluster.say("fault: killing the Lighthouse (SIGKILL)")
+        lighthouse.stop()
+        for request in requests:
+            request.unlink()
+        marker = lighthouse_lost_marker(cluster.run_dir)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
 
 
 def longest_stall(run_dir: Path) -> tuple[float, int] | None:

@@ -23,7 +23,7 @@ from training.report.tally import UsefulSteps
 
 Event = dict[str, Any]
 RESTARTS = ("restart", "attempt_start")
-OUTLIVED = ("disk-full", "fs-eio")  # injected fault kinds that training outlives without a restart
+OUTLIVED = ("disk-full", "fs-eio", "lighthouse-loss")  # injected fault kinds that training outlives without a restart
 
 
 class ReportError(Exception):

@@ -25,8 +25,8 @@ from typing import Callable, NoReturn, TypeVar
 import psutil
 
 from training.contract.events import EventLog
-from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, lost_marker, node_index,
-                                      partitioned_marker)
+from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, lighthouse_lost_marker,
+                                      lost_marker, node_index, partitioned_marker)
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training.contract.replica_groups import replica_group
 from training.train.checkpoint.layout import committed_checkpoints
@@ -122,17 +122,16 @@ def _ask_controller(spec: FaultSpec, ctx: FireContext, done_marker: str | None, 
     """Ask whoever plays Kubernetes or the network (training.local's controller) to act on this node,
     and wait until it says it did (`done_marker` exists), so the fault lands at this step or the next,
     as a fault should, not some polls later."""
-    node = _target_node(spec)
     requests = controller_requests_dir(ctx.run_dir, spec.kind)
     requests.mkdir(parents=True, exist_ok=True)
-    (requests / f"node{node}").write_text(str(spec.duration or ""))
-    log.warning("fault %s: asked for node %s to be %s", spec.text, node, what)
+    (requests / f"node{_target_node(spec)}").write_text(str(spec.duration or ""))
+    log.warning("fault %s: asked for %s", spec.text, what)
     deadline = time.monotonic() + CONTROLLER_WAIT_S
     while done_marker is not None and not os.path.exists(done_marker) and time.monotonic() < deadline:
         time.sleep(0.01)
     if done_marker is None or not os.path.exists(done_marker):
-        log.warning("fault %s: node %s was not %s within %.0f s (only %s does that)",
-                    spec.text, node, what, CONTROLLER_WAIT_S, who)
+        log.warning("fault %s: no sign of %s within %.0f s (only %s does that)", spec.text, what,
+                    CONTROLLER_WAIT_S, who)
 
 
 def _target_node(spec: FaultSpec) -> int:
@@ -143,13 +142,22 @@ def _target_node(spec: FaultSpec) -> int:
 def _request_drain(spec: FaultSpec, ctx: FireContext) -> None:
     """Drain marker, SIGTERM to the node's launcher, SIGKILL after the grace period; the marker is the
     pod's preStop hook's."""
-    _ask_controller(spec, ctx, os.environ.get(DRAIN_MARKER_ENV), "drained", "training.local plays the kubelet")
+    _ask_controller(spec, ctx, os.environ.get(DRAIN_MARKER_ENV), f"node {_target_node(spec)} to be drained",
+                    "training.local plays the kubelet")
 
 
 def _request_partition(spec: FaultSpec, ctx: FireContext) -> None:
     """The node's link goes down; this rank trains on into the next collective, which cannot finish."""
-    _ask_controller(spec, ctx, str(partitioned_marker(ctx.run_dir, _target_node(spec))), "cut off from the network",
+    node = _target_node(spec)
+    _ask_controller(spec, ctx, str(partitioned_marker(ctx.run_dir, node)), f"node {node} to be cut off from the network",
                     "training.local --netns plays the network")
+
+
+def _lose_lighthouse(spec: FaultSpec, ctx: FireContext) -> None:
+    """The replica groups' Lighthouse is killed; this rank trains on into the next quorum, which its group's
+    ManagerServer asks for again until the restarted Lighthouse answers."""
+    _ask_controller(spec, ctx, str(lighthouse_lost_marker(ctx.run_dir)), "the Lighthouse to be killed",
+                    "training.local --replica-groups plays the Lighthouse's Deployment")
 
 
 def _corrupt_newest_checkpoint(spec: FaultSpec, ctx: FireContext) -> None:
@@ -195,7 +203,7 @@ class FireContext:
 AT_STEP: dict[str, Callable[[FaultSpec, FireContext], None]] = {
     "exception": _raise, "sigkill": _sigkill, "hang": _hang, "node-loss": _lose_node, "node-hang": _hang_node,
     "drain": _request_drain, "partition": _request_partition, "corrupt-ckpt": _corrupt_newest_checkpoint,
-    "fs-eio": _fail_file_system,
+    "fs-eio": _fail_file_system, "lighthouse-loss": _lose_lighthouse,
 }
 NODE_STRIKES = frozenset({"node-loss", "node-hang"})  # kinds that strike the whole node (`node_strike`)
 IN_WRITE: dict[str, Callable[[FaultSpec, Callable[[], T]], T]] = {"ckpt-crash": _crash_mid_save,

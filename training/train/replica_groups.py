@@ -10,6 +10,7 @@ per step. A step's phases (quorum, share, reduce, commit) and what a hung rank 0
 from __future__ import annotations
 
 import logging
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,11 @@ from training.train.distributed import DistInfo
 from training.train.rollback import copy_into, load_into, local_shard
 
 log = logging.getLogger(__name__)
+
+# How often a group's ManagerServer asks again for a quorum while the Lighthouse cannot be reached. torchft
+# 0.2.0's ManagerServer (src/manager.rs, `_quorum_with_retries`) sleeps quorum_timeout / (quorum_retries + 1)
+# after a failed request, connects anew and asks again; the rank's own request still ends after quorum_timeout.
+LIGHTHOUSE_POLL_S = 1.0
 
 
 def start_lighthouse(cfg: ParallelConfig, bind: str = "[::]:0") -> LighthouseServer:
@@ -65,6 +71,8 @@ class ReplicaGroups:
             # loaded by the receiver into its own, identically sharded state
             state_dict=lambda: _host_copy(state), load_state_dict=lambda saved: load_into(state, saved),
             use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            # a restarted Lighthouse (its Deployment's pod) back within quorum_timeout_s costs no restart
+            quorum_retries=math.ceil(cfg.quorum_timeout_s / LIGHTHOUSE_POLL_S),
             connect_timeout=timeout, rank=info.rank, world_size=info.world_size,
             store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV), replica_id=f"group{group}",
