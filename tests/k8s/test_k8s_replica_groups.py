@@ -84,6 +84,8 @@ def test_groups_talk_to_each_other_and_the_lighthouse_and_nothing_else_does(rend
     (("--job-name", "a" * 39), "is too long for 2 replica groups: each group's Job is <name>-g<g>"),
     (("--job-name", "a" * 30), "is too long for replica groups: a pod's hostname is its FQDN"),
     (("--fault-injection",), "--fault-injection is not rendered with parallel.replica_groups=2 yet"),
+    # one node per group at the default 2 nodes: its 8b state takes 19 s to heal over the pods' network
+    (("--set", "parallel.step_timeout_s=10"), "Raise parallel.step_timeout_s to at least 29"),
 ])
 def test_shapes_the_groups_cannot_take_are_refused_in_one_line(render_error, args, message) -> None:
     err = render_error("--train-config", REPLICAS, *args)

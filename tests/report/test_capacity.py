@@ -129,6 +129,23 @@ def test_keep_beyond_the_file_system_is_refused_with_the_size_that_fits() -> Non
     assert smallest_storage_gib(4801 * 2**30) == 7200
 
 
+def test_a_heal_must_end_within_torchfts_step_timeout_that_bounds_it() -> None:
+    # a replica group of one p5 node holds the whole 8b state: each of its 8 ranks fetches its shard over TCP
+    groups = dataclasses.replace(JOB, peer_state=False, replica_groups=2, step_timeout_s=10)
+    one_node = capacity_of(EIGHT_B, P5_48XLARGE, 1, FsxSpec(1200, 1000), groups)
+    assert one_node.heal_s == pytest.approx(EIGHT_B.state_bytes / (P5_48XLARGE.tcp_send_gbs * 1e9))
+    assert one_node.heal_s == pytest.approx(19.3, abs=0.1)  # 96.4 GB at 5.0 GB/s
+    (problem,) = one_node.problems()
+    assert "heals 96.4 GB per node from a live group" in problem and "19.3 s" in problem
+    assert "parallel.step_timeout_s=10" in problem and "Raise parallel.step_timeout_s to at least 29" in problem
+    assert "heal" in format_capacity(one_node) and "DOES NOT FIT" in format_capacity(one_node)
+    # 16 nodes per group: 6 GB per node, 1.2 s; and without replica groups there is no heal to bound
+    assert capacity_of(EIGHT_B, P5_48XLARGE, 16, FsxSpec(1200, 1000), groups).problems() == []
+    plain = dataclasses.replace(groups, replica_groups=1)
+    assert capacity_of(EIGHT_B, P5_48XLARGE, 1, FsxSpec(1200, 1000), plain).heal_fits
+    assert "heal" not in format_capacity(capacity_of(EIGHT_B, P5_48XLARGE, 1, FsxSpec(1200, 1000), plain))
+
+
 def test_a_sync_save_blocks_but_never_overlaps_the_next() -> None:
     c = capacity_of(EIGHT_B, P5_48XLARGE, 2, FsxSpec(1200, 250), Schedule(200, 3, "sync", 600, False))
     assert c.blocking_s == c.save_s and c.save_fits_interval and c.problems() == []

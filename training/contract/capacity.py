@@ -92,6 +92,9 @@ TRAINING_BYTES_PER_PARAMETER = 16
 UNSHARDED_GRADIENT_SHARE = 0.10
 UNSHARDED_GRADIENT_BYTES = 4  # per parameter: FSDP2's reduce_dtype (fp32)
 HSDP_REPLICAS = 2
+# A heal must end within parallel.step_timeout_s with this headroom: the pods' network also carries the other
+# groups' traffic to the live group's nodes (a heal's source keeps training).
+HEAL_HEADROOM = 1.5
 SHM_RESERVE = 1 / 8  # of /dev/shm, left to NCCL and the data loaders beside peer state
 
 
@@ -208,6 +211,8 @@ class Schedule:
     peer_replicas: int = 1
     peer_interval: int | None = None  # None: chosen from the copy's cost (peer_state.interval null)
     tokens_per_gpu: int = 8192  # of one optimizer step: its micro-batches x batch_size x seq_len
+    replica_groups: int = 1  # parallel.replica_groups; the Capacity is then one group's
+    step_timeout_s: float = 10.0  # parallel.step_timeout_s: torchft's bound on a heal's transfer
 
     @classmethod
     def from_config(cls, config: TrainConfig, gpus: int, interval: int | None = None) -> "Schedule":
@@ -220,7 +225,8 @@ class Schedule:
         micro_batches = (t.global_batch(gpus) // gpus // t.batch_size if groups == 1
                          else -(-config.rows_per_step(gpus) // groups))
         return cls(interval or ckpt.interval, ckpt.keep, ckpt.mode, config.fault_tolerance.drain_timeout_s,
-                   peer.enabled, peer.replicas, peer.interval, micro_batches * t.batch_size * t.seq_len)
+                   peer.enabled, peer.replicas, peer.interval, micro_batches * t.batch_size * t.seq_len,
+                   groups, config.parallel.step_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -397,9 +403,29 @@ class Capacity:
     def recovery_peer_s(self) -> float:
         return self.delays.lost_peer_detection_s + self.delays.gpu_restart_s + self.restore_peer_s
 
+    @property
+    def heal_s(self) -> float:
+        """A restarted replica group's heal: each of its nodes receives its share of the group's state (the
+        model and optimizer, as a checkpoint holds them) from the same node of a live group, every rank from its
+        counterpart, over torchft's HTTP transport on the pods' TCP network (the VPC CNI's ENA interface, not
+        EFA). Network-bound: the torch.save and torch.load at either end are not counted."""
+        return self.node_bytes / (self.node.tcp_send_gbs * GB)
+
+    @property
+    def heal_fits(self) -> bool:
+        return self.schedule.replica_groups < 2 or HEAL_HEADROOM * self.heal_s <= self.schedule.step_timeout_s
+
     def problems(self) -> list[str]:
         """What the config promises and cannot keep at this size, each with its numbers and its knobs."""
         out = []
+        if not self.heal_fits:
+            out.append(
+                f"a restarted replica group heals {self.node_bytes / GB:.1f} GB per node from a live group over the "
+                f"pods' TCP network at {self.node.tcp_send_gbs:.1f} GB/s: {self.heal_s:.1f} s, and with "
+                f"{HEAL_HEADROOM:g}x headroom {HEAL_HEADROOM * self.heal_s:.1f} s, longer than "
+                f"parallel.step_timeout_s={self.schedule.step_timeout_s:g}, which bounds it: the group would never "
+                f"rejoin. Raise parallel.step_timeout_s to at least {math.ceil(HEAL_HEADROOM * self.heal_s)}, or give "
+                f"each group more nodes (fewer parallel.replica_groups)")
         if not self.save_fits_interval:
             out.append(
                 f"an async save of {self.state_bytes / GB:.1f} GB to FSx ({self.fsx.describe()}) takes "
@@ -555,6 +581,11 @@ def format_capacity(c: Capacity) -> str:
         ("steps lost", f"restart from FSx <= {c.fsx_steps_lost}; node loss from peers <= "
                        f"{c.peer_steps_lost if s.peer_state else '-'}; drain {c.drain_steps_lost}"),
     ]
+    if s.replica_groups >= 2:
+        rows.append(("heal", f"{c.node_bytes / GB:.1f} GB per node from a live group over the pods' TCP network at "
+                             f"{c.node.tcp_send_gbs:.1f} GB/s: {c.heal_s:.1f} s; parallel.step_timeout_s="
+                             f"{s.step_timeout_s:g} with {HEAL_HEADROOM:g}x headroom: "
+                             f"{'fits' if c.heal_fits else 'DOES NOT FIT'}"))
     width = max(len(k) for k, _ in rows)
     lines = ["Capacity (projected; constants and their sources: training.contract.capacity):"]
     lines += [f"  {k:<{width}}  {v}" for k, v in rows]
