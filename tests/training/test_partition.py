@@ -26,6 +26,10 @@ _SERVE = ("import socket; s = socket.create_server(('0.0.0.0', 7000)); print('li
 _RESOLVE = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
 
 
+def _resolve(name: str) -> str:
+    return f"import socket; print(socket.gethostbyname({name!r}))"
+
+
 def _on(network: VirtualNetwork, machine, code: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(network.command(machine, [sys.executable, "-c", code]), capture_output=True, text=True,
                           timeout=30, **kwargs)
@@ -55,6 +59,8 @@ def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
         host_mac = Path(f"/sys/class/net/{network.bridge}/address").read_text()
         a, b = network.add_machine("node0-m0"), network.add_machine("node1-m1")
         assert _on(network, a, _RESOLVE).stdout.split() == ["node0-m0", a.address]  # as in a pod
+        # and every other machine's name, as the cluster's DNS resolves pods' FQDNs (torchft advertises them)
+        assert _on(network, a, _resolve("node1-m1")).stdout.split() == [b.address]
         assert socket.gethostname() not in ("node0-m0", "node1-m1")  # the host's name is untouched
 
         server = subprocess.Popen(network.command(a, [sys.executable, "-c", _SERVE]), stdout=subprocess.PIPE, text=True)
@@ -66,8 +72,9 @@ def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
         server.wait(timeout=10)
         # Machines coming and going leave the host's address as it was, so the other machines' ARP entries
         # for it (the rendezvous store's) stay valid: a bridge would otherwise take its lowest port's MAC.
-        network.add_machine("node2-m2")
+        c = network.add_machine("node2-m2")
         assert Path(f"/sys/class/net/{network.bridge}/address").read_text() == host_mac
+        assert _on(network, a, _resolve("node2-m2")).stdout.split() == [c.address]  # a machine added later too
     finally:
         network.close()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -111,10 +111,17 @@ class VirtualNetwork:
         _ip("-n", machine.namespace, "link", "set", "lo", "up")
         _ip("link", "set", machine.host_link, "master", self.bridge)
         _ip("link", "set", machine.host_link, "up")
-        etc = NETNS_ETC / machine.namespace
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{machine.address} {hostname}\n")
+        (NETNS_ETC / machine.namespace).mkdir(parents=True, exist_ok=True)
+        self._write_hosts()
         return machine
+
+    def _write_hosts(self) -> None:
+        """Every machine's name on every machine, as the cluster's DNS resolves every pod's FQDN (torchft's
+        Manager advertises its hostname to the other replica groups). Truncated and written in place, not
+        replaced: `ip netns exec` bind-mounts the file, so processes already running see a machine added later."""
+        names = "".join(f"{m.address} {m.hostname}\n" for m in self.machines)
+        for machine in self.machines:
+            (NETNS_ETC / machine.namespace / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
 
     def command(self, machine: Machine, argv: list[str]) -> list[str]:
         """`argv` run on `machine`: in its network namespace, under its own hostname (exec all the way
