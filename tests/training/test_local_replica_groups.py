@@ -1,6 +1,6 @@
 """`python -m training.local --replica-groups R`: each group a Job of its own under one torchft Lighthouse.
-One composed run: a lost node in one group, the Lighthouse killed, a crashed rank in the other group. What a
-user is promised: the other group trains on through each fault, the failed group heals from its live state, a
+One composed run: a lost node in one group, the Lighthouse killed, a crashed rank in the other group; and a node
+cut off from the network (--netns), which sends no TCP reset, as on EKS. What a user is promised: the other group trains on through each fault, the failed group heals from its live state, a
 restarted Lighthouse restarts no group, no completed step is lost, every sample is trained once, and both
 groups end with the same state, bit for bit."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
 from training.local import cluster as local
 from training.contract.replica_groups import group_run_dir
+from training.local.netns import unavailable_reason
 from training.local.replica_groups import longest_stall
 from training.report.goodput import build_report
 from training.train.final_state import bitwise_mismatch, load_final_state
@@ -53,6 +54,31 @@ def _died_in(events: list[dict]) -> set[int]:
     return died
 
 
+def _assert_the_uninterrupted_run(groups: list[Path], events: list[list[dict]], uninterrupted: Path,
+                                  tmp_path: Path) -> None:
+    """What a user is promised whatever the faults: the uninterrupted run's losses, every sample once, both
+    groups' final states bit for bit the same."""
+    # every step's loss is the uninterrupted run's, whichever groups were live (float tolerance: the sum splits)
+    reference = _losses(uninterrupted)
+    for directory in groups:
+        assert _losses(directory) == pytest.approx({s: reference[s] for s in _losses(directory)}, rel=1e-5, abs=1e-6)
+
+    # no sample twice; a step misses logged samples only where a group died after its rows were summed: the
+    # other group's commit holds them (its loss above is the whole batch's)
+    by_step = samples_by_step(groups[0])
+    for step, indices in samples_by_step(groups[1]).items():
+        by_step.setdefault(step, []).extend(indices)
+    died = _died_in(events[0]) | _died_in(events[1])
+    for step in range(1, STEPS + 1):
+        logged, expected = sorted(by_step.get(step, [])), list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
+        assert len(set(logged)) == len(logged) and set(logged) <= set(expected), step
+        assert logged == expected or step in died, step
+
+    # both groups end bit for bit the same
+    mismatch = bitwise_mismatch(load_final_state(groups[0], tmp_path), load_final_state(groups[1], tmp_path))
+    assert mismatch is None, mismatch
+
+
 @pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
 def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tmp_path, uninterrupted):
     run = completed(run_local(
@@ -81,25 +107,30 @@ def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tm
         assert all(f.steps_lost == 0 for f in build_report(group).faults), run.output[-3000:]
     assert "group 0: " in run.output and "group 1: " in run.output  # the controller's stall summary
 
-    # every step's loss is the uninterrupted run's, whichever groups were live (float tolerance: the sum splits)
-    reference = _losses(uninterrupted)
-    for directory in groups:
-        assert _losses(directory) == pytest.approx({s: reference[s] for s in _losses(directory)}, rel=1e-5, abs=1e-6)
+    _assert_the_uninterrupted_run(groups, events, uninterrupted, tmp_path)
 
-    # no sample twice; a step misses logged samples only where a group died after its rows were summed: the
-    # other group's commit holds them (its loss above is the whole batch's)
-    by_step = samples_by_step(groups[0])
-    for step, indices in samples_by_step(groups[1]).items():
-        by_step.setdefault(step, []).extend(indices)
-    died = _died_in(events[0]) | _died_in(events[1])
-    for step in range(1, STEPS + 1):
-        logged, expected = sorted(by_step.get(step, [])), list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
-        assert len(set(logged)) == len(logged) and set(logged) <= set(expected), step
-        assert logged == expected or step in died, step
 
-    # both groups end bit for bit the same
-    mismatch = bitwise_mismatch(load_final_state(groups[0], tmp_path), load_final_state(groups[1], tmp_path))
-    assert mismatch is None, mismatch
+# the node's silence (parallel.node_pulse_timeout_s, 5 s), the Lighthouse dropping its group (heartbeat_timeout_s, 1 s), the quorum
+# re-formed, on 2 busy cores; with NVRx's step timeout alone (no pulse) it was 19 s here
+PARTITION_STALL_BOUND_S = 10.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces unavailable: {unavailable_reason()}")
+def test_a_cut_off_node_takes_only_its_group_out_and_the_other_trains_on(tmp_path, uninterrupted):
+    # group 1's second node: its rank 0 (the group's Manager) heartbeats on, so only the nodes' pulse tells
+    run = completed(run_local(tmp_path / "run", "--netns", "--nodes", "4", "--replica-groups", "2", *SHAPE,
+                              "--faults", f"partition@{NODE_LOSS}:node=1:group=1:duration=10", timeout=400))
+    groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
+    events = [read_events(g) for g in groups]
+    assert "has not beaten for" in (groups[1] / "logs" / "node0.log").read_text()  # the pulse took it out
+    stall, before = longest_stall(groups[0])
+    assert stall < PARTITION_STALL_BOUND_S, f"group 0 stalled {stall:.2f} s before step {before}"
+    heals = [e for e in events[1] if e["event"] == "quorum" and e.get("healed_from_step") is not None
+             and e["step"] >= NODE_LOSS]
+    assert heals and heals[0]["live_groups"] == 2, "group 1 never healed back into the quorum"
+    assert all(f.steps_lost == 0 for group in events for f in build_report(group).faults), run.output[-3000:]
+    _assert_the_uninterrupted_run(groups, events, uninterrupted, tmp_path)
 
 
 def test_replica_groups_that_do_not_divide_the_nodes_are_refused_in_one_line(tmp_path, capsys):

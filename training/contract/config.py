@@ -268,6 +268,11 @@ class ParallelConfig:
                                            "groups' longest stall after a group dies (torchft's default: 5 s).")
     join_timeout_s: float = _doc(0.5, "R >= 2, the Lighthouse's: how long a quorum waits for a group that "
                                       "heartbeats but has not asked to join (torchft's default: 60 s).")
+    node_pulse_timeout_s: float = _doc(5.0, "R >= 2: a node of a group whose beat in the group's rendezvous store "
+                                            "(every 0.5 s) is this old, or that cannot reach the store for as long, "
+                                            "is lost: the group's ranks leave, so the group drops out of the "
+                                            "quorum and restarts in-job (training.train.group_pulse). Above the "
+                                            "longest pause of a rank's threads (a large state's load or heal).")
 
     def lighthouse_options(self) -> dict[str, int]:
         """The Lighthouse's settings, by torchft's names (LighthouseServer's arguments, torchft_lighthouse's
@@ -626,9 +631,11 @@ def _validate_parallel(p: ParallelConfig, t: TrainingConfig) -> None:
 
     if p.replica_groups < 1:
         fail("replica_groups", p.replica_groups, "1 (plain FSDP2) or more (replica groups on torchft)")
-    for key in ("step_timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s"):
+    for key in ("step_timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s", "node_pulse_timeout_s"):
         if not getattr(p, key) > 0:
             fail(key, getattr(p, key), "greater than 0 seconds")
+    if p.node_pulse_timeout_s < 2:
+        fail("node_pulse_timeout_s", p.node_pulse_timeout_s, "at least 2 seconds: four of a node's beats, 0.5 s apart")
     if p.quorum_timeout_s <= p.heartbeat_timeout_s:
         fail("quorum_timeout_s", p.quorum_timeout_s, f"more than heartbeat_timeout_s ({p.heartbeat_timeout_s}): "
              "the quorum after a group dies forms once its heartbeats are that old")

@@ -25,6 +25,7 @@ from training.contract.config import ParallelConfig
 from training.contract.events import EventLog
 from training.contract.replica_groups import LIGHTHOUSE_ENV, Share, share_of
 from training.train.distributed import DistInfo
+from training.train.group_pulse import GroupPulse
 from training.train.rollback import copy_into, load_into, local_shard
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class ReplicaGroups:
             # every group starts from the same seeded (or pretrained) weights: no transfer at step 0
             init_sync=False)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        # every node's beat, so that a silent node anywhere takes this group out of the quorum, not only rank 0's
+        self.pulse = GroupPulse.from_env(info.rank, info.world_size, cfg.node_pulse_timeout_s)
+        if self.pulse is not None:
+            self.pulse.start()
 
     def begin_step(self) -> Share:
         """The quorum of the next step (a heal, if this group is behind, loads the live state into `state`
@@ -119,7 +124,10 @@ class ReplicaGroups:
         return self.manager.should_commit()
 
     def close(self) -> None:
-        """Stop the manager (its server and heartbeats on group rank 0) and the checkpoint server."""
+        """Stop the nodes' pulse, the manager (its server and heartbeats on group rank 0) and the checkpoint
+        server."""
+        if self.pulse is not None:
+            self.pulse.stop()
         self.manager.shutdown(wait=False)
 
 
