@@ -71,8 +71,12 @@ class Coordination:
 
     def app_store(self) -> dist.Store:
         """The application's store: a client, under the cycle's prefix."""
-        client = dist.TCPStore(self.host, self.port, is_master=False, timeout=STORE_TIMEOUT, wait_for_workers=False)
-        return dist.PrefixStore(f"{self.prefix}/app", client)
+        return self.client("app")
+
+    def client(self, name: str, timeout: timedelta = STORE_TIMEOUT) -> dist.Store:
+        """A client of the store under the cycle's prefix and `name`, each request ending after `timeout`."""
+        client = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout, wait_for_workers=False)
+        return dist.PrefixStore(f"{self.prefix}/{name}", client)
 
     def wrapper_store(self) -> dict:
         """The Wrapper's store_factory and store_kwargs."""

@@ -69,12 +69,10 @@ class GroupPulse:
         if not os.environ.get(STORE_ENDPOINT_ENV):
             log.info("replica group: no rendezvous store endpoint (%s): the nodes' pulse is off", STORE_ENDPOINT_ENV)
             return None
-        where = Coordination.from_env(os.environ)
         # a request ends after timeout_s: a node cut off from the store learns it within one timeout
-        client = dist.TCPStore(where.host, where.port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                               wait_for_workers=False)
+        store = Coordination.from_env(os.environ).client("pulse", timedelta(seconds=timeout_s))
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        return cls(dist.PrefixStore(f"{where.prefix}/pulse", client), rank, per_node, world_size, timeout_s)
+        return cls(store, rank, per_node, world_size, timeout_s)
 
     def start(self) -> GroupPulse:
         self._thread.start()

@@ -104,11 +104,12 @@ class RankMonitor:
             timeouts["calculated_sections"].remove(name)
         low = {name: t for name, t in sections.items() if t is not None and t < self._floor}
         sections.update({name: self._floor for name in low})
-        below_step = sections.get("step") is not None and sections["step"] < self._step_floor
+        step = sections.get("step")
+        below_step = self._above_step_floor("step", step) != step
         if below_step:
             log.warning("NVRx step section timeout %.2f s raised to %.0f s: with replica groups a step waits for the "
                         "other groups' faults and heals up to twice parallel.step_timeout_s, which torchft ends "
-                        "without stopping this group", sections["step"], self._step_floor)
+                        "without stopping this group", step, self._step_floor)
             sections["step"] = self._step_floor
         if not (unlearned or low or below_step):
             return
