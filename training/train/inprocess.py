@@ -57,9 +57,12 @@ TERMINATION_GRACE = 2.0  # SIGTERM -> SIGKILL of a rank killed at the hard timeo
 # records it UNRESPONSIVE (NVRx 0.7.0 inprocess/sibling_monitor.py), which restarts the survivors, and LostRanks
 # then arrives at the restart barrier for it: the world shrinks and the Wrapper hands a lost or cut-off node to
 # the launcher. The monitor is a process of its own, not slowed by training; the timeout leaves four missed
-# beats of room, and is what a lost node costs beyond an injob restart, where the rank dies with its collective.
+# beats of room. LostRanks judges only the ranks that have not reached the barrier, whose monitors beat until
+# they arrive (NVRx 0.7.0 inprocess/wrap.py disables them after the barrier): two missed beats suffice, and
+# are what a lost node costs beyond an injob restart, where the rank dies with its collective.
 HEARTBEAT_INTERVAL = 0.5
 HEARTBEAT_TIMEOUT = 2.0
+LOST_AFTER = 2 * HEARTBEAT_INTERVAL
 BARRIER_MARGIN = 30.0  # barrier_timeout's room for slow ranks
 _KIND = {Interruption.EXCEPTION: "exception", Interruption.SOFT_TIMEOUT: "hang", Interruption.HARD_TIMEOUT: "hang"}
 # A collective's errors when a peer died or aborted: the fault is the peer's. gloo's socket errors,
@@ -176,7 +179,7 @@ def barrier_timeout(cfg: TrainConfig) -> timedelta:
 def lost_ranks_watch(cfg: TrainConfig, coordination: Coordination) -> LostRanks:
     """The Wrapper's finalize: arrives at its restart barrier for the ranks of a lost node."""
     store = coordination.wrapper_store()
-    return LostRanks(lambda: store["store_factory"](**store["store_kwargs"]), timedelta(seconds=HEARTBEAT_TIMEOUT),
+    return LostRanks(lambda: store["store_factory"](**store["store_kwargs"]), timedelta(seconds=LOST_AFTER),
                      barrier_timeout(cfg), HEARTBEAT_INTERVAL)
 
 

@@ -34,14 +34,14 @@ class LostRanks(inprocess.finalize.Finalize):
 
     Args:
         connect: opens a client of the Wrapper's base store (its store_factory with its store_kwargs).
-        heartbeat_timeout: the Wrapper's heartbeat_timeout; a heartbeat older than this is stale.
+        stale_after: a heartbeat older than this is stale (a few of the Wrapper's heartbeat intervals).
         watch_for: how long a watch lasts at most (the Wrapper's barrier_timeout).
         interval: seconds between two polls of the store.
     """
 
-    def __init__(self, connect: Callable[[], dist.Store], heartbeat_timeout: timedelta, watch_for: timedelta,
+    def __init__(self, connect: Callable[[], dist.Store], stale_after: timedelta, watch_for: timedelta,
                  interval: float) -> None:
-        self._connect, self._stale_s = connect, heartbeat_timeout.total_seconds()
+        self._connect, self._stale_s = connect, stale_after.total_seconds()
         self._watch_s, self._interval = watch_for.total_seconds(), interval
         self._base: dist.Store | None = None
         self._stopped = threading.Event()
