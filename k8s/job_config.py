@@ -259,6 +259,8 @@ def _with_fsx_paths(train: TrainConfig, job_name: str) -> TrainConfig:
     ckpt = train.checkpoint
     if ckpt.dir is not None:
         ckpt = replace(ckpt, dir=posixpath.normpath(posixpath.join(run_dir, ckpt.dir)))
+    ckpt = replace(ckpt, also_resume_from=tuple(posixpath.normpath(posixpath.join(run_dir, d))
+                                                for d in ckpt.also_resume_from))
     data = train.data
     if data.path is not None and PurePosixPath(data.path).is_absolute():
         data = replace(data, path=posixpath.normpath(data.path))
@@ -297,7 +299,8 @@ def _validate(j: JobConfig) -> None:
         raise JobConfigError(f"nodes={j.nodes} + spares={j.spares} = {j.pods} exceeds gpuNodesMax="
                              f"{j.platform.gpu_nodes_max}: every pod needs a GPU node of its own; allowed: "
                              f"at most {j.platform.gpu_nodes_max - j.nodes} spares with these nodes")
-    for path, key in ((j.train.run_dir, "run_dir"), (j.train.checkpoint_dir, "checkpoint.dir")):
+    for path, key in ((j.train.run_dir, "run_dir"), (j.train.checkpoint_dir, "checkpoint.dir"),
+                      *((d, "checkpoint.also_resume_from") for d in j.train.checkpoint.also_resume_from)):
         if not _on_fsx(path) or path == CHECKPOINT_MOUNT_PATH:
             raise JobConfigError(f"{key}={path!r} is not allowed on the cluster: it must be a directory below "
                                  f"{CHECKPOINT_MOUNT_PATH} (FSx), or relative, so it outlives the pod")

@@ -216,17 +216,26 @@ def fsx_mounts(job: JobConfig, *, read_only: bool) -> list[dict]:
     return mounts
 
 
+def resume_mounts(job: JobConfig) -> list[dict]:
+    """The other checkpoint directories a resume reads (checkpoint.also_resume_from: the other replica
+    groups'), read-only: a group writes only its own."""
+    return [{"name": "fsx", "mountPath": path, "subPath": str(PurePosixPath(path).relative_to(CHECKPOINT_MOUNT_PATH)),
+             "readOnly": True} for path in job.train.checkpoint.also_resume_from]
+
+
 def _fsx_owner_container(job: JobConfig) -> dict:
     """Creates the Job's directory on FSx and gives it to the training user, mode 0700, before the trainer
     starts; the one root process of the pod, with CHOWN and FOWNER only, running this command only. Lustre
-    has no uid/gid mount option, and the FSx CSI driver applies no fsGroup to a ReadWriteMany volume."""
-    path = shlex.quote(job.train.run_dir)
+    has no uid/gid mount option, and the FSx CSI driver applies no fsGroup to a ReadWriteMany volume. The
+    directories of `resume_mounts` too: a subPath that does not exist yet the kubelet would make root's."""
     owner = f"{TRAINING_UID}:{TRAINING_UID}"
+    command = " && ".join(f"mkdir -p {path} && chown {owner} {path} && chmod 0700 {path}" for path in
+                          map(shlex.quote, (job.train.run_dir, *job.train.checkpoint.also_resume_from)))
     return {
         "name": FSX_OWNER_CONTAINER,
         "image": job.infra.image_uri,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["/bin/sh", "-c", f"mkdir -p {path} && chown {owner} {path} && chmod 0700 {path}"],
+        "command": ["/bin/sh", "-c", command],
         "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
         "securityContext": {**CONTAINER_SECURITY_CONTEXT, "runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0,
                             "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}},
@@ -237,6 +246,7 @@ def _fsx_owner_container(job: JobConfig) -> dict:
 def _pod_spec(job: JobConfig) -> dict:
     mounts = [
         *fsx_mounts(job, read_only=False),
+        *resume_mounts(job),
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": SCRATCH_MOUNT_PATH},
         {"name": "tmp", "mountPath": "/tmp"},

@@ -28,6 +28,8 @@ import pytest
     (["--set", "fault_tolerance.initial_rank_heartbeat_timeout=30"], {},
      "initial_rank_heartbeat_timeout (30.0) must be at least rank_heartbeat_timeout"),
     (["--set", "run_dir=/tmp/run"], {}, "run_dir='/tmp/run' is not allowed on the cluster"),
+    (["--set", "checkpoint.also_resume_from=/tmp/old"], {},
+     "checkpoint.also_resume_from='/tmp/old' is not allowed on the cluster: it must be a directory below /fsx"),
     (["--job-name", "Train_1"], {}, "job name 'Train_1' is not allowed"),
     # 64 sequences of batch_size 2: 32 micro-batches, which 24 GPUs cannot share evenly
     (["--nodes", "3", "--spares", "0", "--set", "training.global_batch_size=64"], {},

@@ -9,7 +9,7 @@ import pytest
 from test_k8s_manifests import K8S_VERSION
 from test_k8s_security import Peer, _pod_specs, allowed, restricted_violations
 
-from infra.config import NAMESPACE, RENDEZVOUS_PORT
+from infra.config import NAMESPACE, RENDEZVOUS_PORT, TRAINING_UID
 from k8s.job_config import MAX_HOSTNAME
 from training.contract.config import ParallelConfig, load_train_config
 from training.contract.replica_groups import LIGHTHOUSE_ENV, LIGHTHOUSE_PORT, REPLICA_GROUP_ENV, lighthouse_command
@@ -55,6 +55,14 @@ def test_each_group_is_a_job_of_its_own_under_one_lighthouse(render, tmp_path):
         assert (train.run_dir, train.parallel.replica_groups) == (f"/fsx/runs/fsdp-train/group{g}", 2)
         assert {"name": "fsx", "mountPath": train.run_dir, "subPath": f"runs/fsdp-train/group{g}",
                 "readOnly": False} in pod["containers"][0]["volumeMounts"]
+        # it resumes from the other group's checkpoints too (one group writes each), which it may only read;
+        # its init container makes that directory the training user's, not the kubelet's as root
+        other = f"/fsx/runs/fsdp-train/group{1 - g}/checkpoints"
+        assert train.checkpoint.also_resume_from == (other,)
+        assert {"name": "fsx", "mountPath": other, "subPath": other.removeprefix("/fsx/"),
+                "readOnly": True} in pod["containers"][0]["volumeMounts"]
+        (owner,) = pod["initContainers"]
+        assert f"mkdir -p {other} && chown {TRAINING_UID}:{TRAINING_UID} {other}" in owner["command"][-1]
     assert "2 replica groups of 1 x p5.48xlarge + 1 spare each, one Lighthouse" in r.stdout
 
 

@@ -377,6 +377,24 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
     assert list(m.dir.glob("corrupt-step_00000002-*"))
 
 
+def test_a_resume_loads_the_newest_checkpoint_of_any_group_and_leaves_the_others_damage_to_them(tmp_path, caplog):
+    """Replica groups: one group writes each checkpoint; another resumes from whichever directory holds the
+    newest, and a damaged one there is skipped, not set aside (its directory is read-only to this group)."""
+    writer = CheckpointManager(tmp_path / "group0", mode="sync", keep=5, events=EventLog(tmp_path, "rank0"))
+    for step in (10, 20, 30):
+        writer.save(step, {"w": torch.full((4,), float(step))})
+    for shard in (tmp_path / "group0" / "step_00000030").glob("*.distcp"):
+        shard.write_bytes(b"garbage")
+    own = _manager(tmp_path, "sync", also_resume_from=[tmp_path / "group0"])
+    own.save(10, {"w": torch.full((4,), -1.0)})  # older than the other group's: not the one to load
+    target = {"w": torch.zeros(4)}
+    loaded = own.load(target)
+    assert (loaded.step, loaded.path) == (20, tmp_path / "group0" / "step_00000020")
+    assert torch.equal(target["w"], torch.full((4,), 20.0))
+    assert "step_00000030 is damaged" in caplog.text and "skipped" in caplog.text
+    assert [s for s, _ in committed_checkpoints(tmp_path / "group0")] == [30, 20, 10]  # left to its owner
+
+
 # ---- NVRx's async writer (CUDA only), with NVRx's pieces replaced by fakes ------------------------
 
 

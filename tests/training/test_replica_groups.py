@@ -23,6 +23,7 @@ from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.launcher import free_port
 from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, check_torchft, share_of
 from training.train import trainer
+from training.train.checkpoint.layout import committed_checkpoints, step_dir_name
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training.train.replica_groups import start_lighthouse
 from training_helpers import fork_rank, samples_by_step
@@ -209,6 +210,49 @@ def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_
         by_step.setdefault(step, []).extend(indices)
     for step in range(1, STEPS + 1):
         assert sorted(by_step[step]) == list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH)), step
+
+
+LOST_STEP, SAVE_INTERVAL = 25, 10
+
+
+@pytest.mark.slow  # two groups of two ranks, lost together and restarted
+def test_every_group_lost_at_once_resumes_from_the_one_copy_of_the_newest_checkpoint(tmp_path, uninterrupted):
+    """Each checkpoint is written by one group, the quorum's first; after every group is lost, each resumes
+    from the newest of them wherever it lies (checkpoint.also_resume_from, which the chart and the local
+    cluster set), and the run ends as the uninterrupted one."""
+    dirs = [tmp_path / f"group{g}" for g in (0, 1)]
+    saves = ("checkpoint.mode=async", f"checkpoint.interval={SAVE_INTERVAL}", "checkpoint.keep=20")
+    groups = [Group(g, dirs[g], (*SHAPE, *GROUPS, *saves, f"faults=exception@{LOST_STEP}:rank=1:group={g}",
+                                 f"checkpoint.also_resume_from={dirs[1 - g] / 'checkpoints'}"), []) for g in (0, 1)]
+    fired = lambda g: any(e["event"] == "fault_injected" for e in read_events(g.run_dir))  # noqa: E731
+    with _lighthouse(load_train_config(None, [*SHAPE, *GROUPS]).parallel, tmp_path) as address:
+        _run(groups, address, restart_when=lambda: all(map(fired, groups)))
+    assert [g.restarts for g in groups] == [1, 1], _logs(groups[1])
+
+    # every periodic checkpoint once, in one group's directory or the other's
+    written = sorted(step for d in dirs for step, _ in committed_checkpoints(d / "checkpoints"))
+    assert written == list(range(SAVE_INTERVAL, STEPS + 1, SAVE_INTERVAL)), written
+
+    # both groups resumed at the newest step committed before the loss, whichever group had written it
+    resumes = [[e for e in read_events(d) if e["event"] == "resume"][-1] for d in dirs]
+    newest = LOST_STEP - LOST_STEP % SAVE_INTERVAL
+    assert [r["step"] for r in resumes] == [newest, newest], resumes
+    [held] = [path for d in dirs if (path := d / "checkpoints" / step_dir_name(newest)).is_dir()]
+    assert [Path(r["path"]) for r in resumes] == [held, held]
+
+    # the end: both groups bitwise equal, the uninterrupted run's losses, every sample of each step trained
+    mismatch = bitwise_mismatch(load_final_state(dirs[0], tmp_path), load_final_state(dirs[1], tmp_path))
+    assert mismatch is None, mismatch
+    reference = {e["step"]: e["loss"] for e in _steps(uninterrupted)}
+    last = {e["step"]: e["loss"] for d in dirs for e in _steps(d)}  # a replayed step's last loss
+    assert last == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    by_step = samples_by_step(dirs[0])
+    for step, indices in samples_by_step(dirs[1]).items():
+        by_step.setdefault(step, []).extend(indices)
+    for step in range(1, STEPS + 1):
+        expected = list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
+        replayed = newest < step <= LOST_STEP  # trained before the loss, and again after the resume
+        assert (sorted(set(by_step[step])) if replayed else sorted(by_step[step])) == expected, step
 
 
 def test_the_live_groups_share_a_step_by_rows_and_weigh_them_by_samples():

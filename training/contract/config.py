@@ -156,6 +156,10 @@ class CheckpointConfig:
                                    "step: the artefact that exact-resume comparisons read.")
     allow_fresh_start: bool = _doc(False, "When checkpoints exist but none can be loaded, training refuses to start "
                                           "at step 0 (that would discard them); true trains from scratch instead.")
+    also_resume_from: tuple[str, ...] = _doc((), "Other checkpoint directories a resume loads from when they hold "
+                                                 "a newer complete checkpoint than `dir`, read only: the other "
+                                                 "replica groups' (TrainConfig.for_group sets them), since one "
+                                                 "group writes each checkpoint.")
 
 
 # Shared by the docs of a group of keys.
@@ -326,14 +330,18 @@ class TrainConfig:
 
     def for_group(self, group: int) -> "TrainConfig":
         """Replica group `group`'s config: its own run directory, and its own checkpoint directory (inside
-        its run directory when the given one is inside the run's, else under the given one)."""
-        run_dir, checkpoint = group_run_dir(self.run_dir, group), self.checkpoint
-        if checkpoint.dir:
-            given = Path(checkpoint.dir)
-            where = (run_dir / given.relative_to(self.run_dir) if given.is_relative_to(self.run_dir)
-                     else group_run_dir(given, group))
-            checkpoint = replace(checkpoint, dir=str(where))
-        return replace(self, run_dir=str(run_dir), checkpoint=checkpoint)
+        its run directory when the given one is inside the run's, else under the given one), from which it
+        also resumes the other groups' checkpoints."""
+        others = tuple(str(self._group_checkpoint_dir(g)) for g in range(self.parallel.replica_groups) if g != group)
+        checkpoint = replace(self.checkpoint, dir=str(self._group_checkpoint_dir(group)),
+                             also_resume_from=(*self.checkpoint.also_resume_from, *others))
+        return replace(self, run_dir=str(group_run_dir(self.run_dir, group)), checkpoint=checkpoint)
+
+    def _group_checkpoint_dir(self, group: int) -> Path:
+        run_dir, given = group_run_dir(self.run_dir, group), Path(self.checkpoint_dir)
+        if given.is_relative_to(self.run_dir):
+            return run_dir / given.relative_to(self.run_dir)
+        return group_run_dir(given, group)
 
     def rows_per_step(self, group_world_size: int) -> int:
         """Rows of micro-batches in every step (a row: one micro-batch per rank of a group; training.contract.

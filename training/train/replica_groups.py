@@ -59,6 +59,7 @@ class ReplicaGroups:
                  step: int, events: EventLog | None) -> None:
         self.group, self.rows, self.events = group, rows, events
         self.share: Share | None = None
+        self.writes_checkpoints = False  # the quorum's first group writes the periodic checkpoints
         self._live = 0  # live groups of the last quorum: a `quorum` event when they change
         timeout = timedelta(seconds=cfg.step_timeout_s)
         # torchft's reconfigurable process groups: each quorum re-forms it over the live groups' ranks with
@@ -92,6 +93,7 @@ class ReplicaGroups:
         self.manager.start_quorum()
         live, index = self.manager.num_participants(), self.manager.participating_rank()
         self.share = Share(0, 0, self.rows) if index is None else share_of(self.rows, live, index)
+        self.writes_checkpoints = index == 0
         healed = self.manager.current_step() != behind
         if self.events is not None and (healed or live != self._live):
             self.events.emit("quorum", step=self.manager.current_step(), group=self.group, live_groups=live,

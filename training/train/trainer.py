@@ -335,7 +335,8 @@ class Trainer:
                                           when_busy=cfg.checkpoint.when_busy, events=self.events,
                                           device=self.info.device,
                                           write_hook=with_emulated_delay(self.injector.around_write),
-                                          deadlines=WriterDeadlines.of(cfg))
+                                          deadlines=WriterDeadlines.of(cfg),
+                                          also_resume_from=cfg.checkpoint.also_resume_from)
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
         except BaseException:
             self._close_setup()
@@ -480,7 +481,7 @@ class Trainer:
                 ckpt.poll()
                 if step % self.cfg.checkpoint.interval == 0:
                     with monitor.section("checkpoint"):
-                        ckpt.save(step, self.state)
+                        self.checkpoint(step)
 
             with monitor.section("checkpoint"):
                 ckpt.close()
@@ -495,6 +496,18 @@ class Trainer:
         if self.lead:
             self.events.emit("run_end", step=self.train_state.step, status="completed")
             log.info("done: %d steps", self.train_state.step)
+
+    def checkpoint(self, step: int) -> None:
+        """The periodic save of `step`. With replica groups one group writes it, the quorum's first (their
+        states are equal); the others advance ft_launcher's progress file, as the step is held by a live group
+        and in the writer's directory, from which they also resume."""
+        if self.replicas is None or self.replicas.writes_checkpoints:
+            self.ckpt.save(step, self.state)
+        elif self.lead:
+            try:
+                write_resume_step(Path(self.cfg.checkpoint_dir), step + 1)
+            except OSError as err:  # an FSx error must not stop training; the next interval writes it
+                log.warning("step %d: ft_launcher's progress file could not be written (%s)", step, err)
 
     def after_step(self, step: int, micro_batches: list[Batch], mean_loss: float, step_time: float) -> None:
         """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,10 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
                  events: EventLog | None = None, device: torch.device = torch.device("cpu"),
-                 write_hook: WriteHook | None = None, deadlines: WriterDeadlines | None = None) -> None:
+                 write_hook: WriteHook | None = None, deadlines: WriterDeadlines | None = None,
+                 also_resume_from: Sequence[str | os.PathLike] = ()) -> None:
         self.dir = Path(directory)
+        self.also_resume_from = tuple(Path(d) for d in also_resume_from)  # read only: another group's to manage
         self.mode, self.keep, self.when_busy = mode, keep, when_busy
         self.events = events
         self._write_hook = write_hook
@@ -353,23 +356,25 @@ class CheckpointManager:
     # ---- loading ---------------------------------------------------------------------------
     def load(self, state: dict[str, Any], *, optional: frozenset[str] = frozenset(),
              allow_fresh_start: bool = False) -> Loaded | None:
-        """Load the newest complete checkpoint into `state`. Returns what was loaded, or None when
-        the directory never held a committed checkpoint.
+        """Load the newest complete checkpoint of the directory and `also_resume_from` into `state`. Returns
+        what was loaded, or None when the directories never held a committed checkpoint.
 
         A checkpoint is set aside (`corrupt-…`, ckpt_fallback) and the previous one tried only on
-        evidence of damage (`inspect_checkpoint`). Any other failure raises CheckpointLoadError and leaves the
+        evidence of damage (`inspect_checkpoint`); one in `also_resume_from` is skipped, left to its owner. Any other failure raises CheckpointLoadError and leaves the
         checkpoint in place. `optional` names keys of `state` that a checkpoint written at another
         world size may lack (per-rank state): they are left as they are and reported in `missing`.
         If committed checkpoints exist (or were set aside) and none loads, FreshStartRefused, unless
         `allow_fresh_start`."""
-        committed, damaged = from_rank0(lambda: (committed_checkpoints(self.dir), set_aside_names(self.dir)))
+        committed, damaged = from_rank0(lambda: (self._resumable(), set_aside_names(self.dir)))
         for i, (step, path) in enumerate(committed):
             found = from_rank0(lambda: inspect_checkpoint(path))
             if isinstance(found, Damaged):
                 older = f"falling back to {committed[i + 1][1].name}" if i + 1 < len(committed) else "no older checkpoint"
-                self._log(f"checkpoint {path} is damaged ({found.evidence}); set aside, {older}")
+                own = path.parent == self.dir
+                self._log(f"checkpoint {path} is damaged ({found.evidence}); {'set aside' if own else 'skipped'}, "
+                          f"{older}")
                 self._emit("ckpt_fallback", path=str(path), error=found.evidence)
-                if self.rank == 0:
+                if self.rank == 0 and own:
                     damaged.append(set_aside(path))
                 if self.distributed:
                     dist.barrier()
@@ -401,6 +406,12 @@ class CheckpointManager:
         return None
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _resumable(self) -> list[tuple[int, Path]]:
+        """Committed checkpoints of the directory and `also_resume_from`, newest first; the own first of a step."""
+        found = [(step, i, path) for i, directory in enumerate((self.dir, *self.also_resume_from))
+                 for step, path in committed_checkpoints(directory)]
+        return [(step, path) for step, _, path in sorted(found, key=lambda f: (-f[0], f[1]))]
+
     def close(self) -> None:
         """End of the run, on every rank: commit the in-flight save, then release the writer."""
         self.wait()
