@@ -1,6 +1,7 @@
 """`python -m training.local --replica-groups R`: each group a Job of its own under one torchft Lighthouse.
-One composed run: a lost node in one group, the Lighthouse killed, a crashed rank in the other group; and a node
-cut off from the network (--netns), which sends no TCP reset, as on EKS. What a user is promised: the other group trains on through each fault, the failed group heals from its live state, a
+Two composed runs: a lost node in one group, the Lighthouse killed, a hung rank in the other group; then a node
+cut off from the network (--netns), which sends no TCP reset, as on EKS, and a drained node. What a user is
+promised: the other group trains on through each fault, the failed group heals from its live state, a
 restarted Lighthouse restarts no group, no completed step is lost, every sample is trained once, and both
 groups end with the same state, bit for bit."""
 from __future__ import annotations
@@ -16,15 +17,18 @@ from training.contract.replica_groups import group_run_dir
 from training.local.netns import unavailable_reason
 from training.local.replica_groups import longest_stall
 from training.report.goodput import build_report
+from training.train.checkpoint.layout import committed_checkpoints
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training_helpers import completed, run_local, samples_by_step
 
 STEPS, GLOBAL_BATCH = 300, 16  # 16: a row of 4 sequences per rank of a group, one row per group
-# the crash lands once the lost node's group is back: its restart takes ~70 of these steps here
-NODE_LOSS, LIGHTHOUSE_LOSS, CRASH = 40, 130, 200
+# the hang lands once the lost node's group is back: its restart takes ~70 of these steps here
+NODE_LOSS, LIGHTHOUSE_LOSS, HANG = 40, 130, 200
+DRAIN, SAVE_INTERVAL = 120, 50
 STEP_TIMEOUT_S = 3  # parallel.step_timeout_s: what a restarted Lighthouse's reused quorum id can cost a step
 # heartbeat_timeout_s (1 s) plus re-forming the quorum's process group after a group's fault; a restarted
-# Lighthouse: the poll (1 s), then a step that may wait out STEP_TIMEOUT_S; on 2 busy cores
+# Lighthouse: the poll (1 s), then a step that may wait out STEP_TIMEOUT_S; a hung rank: its step timeout,
+# learned from its own work (the waits for the other group are outside it), then the same; on 2 busy cores
 STALL_BOUND_S = 6.0
 
 
@@ -84,17 +88,17 @@ def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tm
     run = completed(run_local(
         tmp_path / "run", "--nodes", "4", "--replica-groups", "2", *SHAPE,
         "--faults", f"node-loss@{NODE_LOSS}:node=1:group=1,lighthouse-loss@{LIGHTHOUSE_LOSS}:group=0,"
-                    f"exception@{CRASH}:rank=0:group=0", timeout=400))
+                    f"hang@{HANG}:rank=0:group=0", timeout=400))
     groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
     events = [read_events(g) for g in groups]
 
     # each fault fired once, in its own group; that group healed from the other's live state, not from step 0
     fired = [[e["kind"] for e in group if e["event"] == "fault_injected"] for group in events]
-    assert fired == [["lighthouse-loss", "exception"], ["node-loss"]], fired
+    assert fired == [["lighthouse-loss", "hang"], ["node-loss"]], fired
     assert "the Lighthouse exited with code -9; starting it again" in run.output
     # the restarted Lighthouse restarted no group: each resumed at its start and after its own fault only
     assert [sum(e["event"] == "resume" for e in group) for group in events] == [2, 2]
-    for group, fault_step in zip(events, (CRASH, NODE_LOSS)):
+    for group, fault_step in zip(events, (HANG, NODE_LOSS)):
         heals = [e for e in group if e["event"] == "quorum" and e.get("healed_from_step") is not None
                  and e["step"] >= fault_step]
         assert heals and heals[0]["live_groups"] == 2, (
@@ -117,19 +121,30 @@ PARTITION_STALL_BOUND_S = 10.0
 
 @pytest.mark.slow
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces unavailable: {unavailable_reason()}")
-def test_a_cut_off_node_takes_only_its_group_out_and_the_other_trains_on(tmp_path, uninterrupted):
-    # group 1's second node: its rank 0 (the group's Manager) heartbeats on, so only the nodes' pulse tells
+def test_a_cut_off_node_and_a_drained_one_take_only_their_group_out_and_the_other_trains_on(tmp_path, uninterrupted):
+    # group 1's second node cut off: its rank 0 (the group's Manager) heartbeats on, so the nodes' pulse or the
+    # rank's own step timeout must take the group out; then group 0's first node drained. Checkpoints on: one
+    # group writes each, and a drained group that comes back after the other finished resumes from it
     run = completed(run_local(tmp_path / "run", "--netns", "--nodes", "4", "--replica-groups", "2", *SHAPE,
-                              "--faults", f"partition@{NODE_LOSS}:node=1:group=1:duration=10", timeout=400))
+                              "checkpoint.mode=async", f"checkpoint.interval={SAVE_INTERVAL}", "--faults",
+                              f"partition@{NODE_LOSS}:node=1:group=1:duration=10,drain@{DRAIN}:node=0:group=0",
+                              timeout=400))
     groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
     events = [read_events(g) for g in groups]
-    assert "has not beaten for" in (groups[1] / "logs" / "node0.log").read_text()  # the pulse took it out
+    assert [[e["kind"] for e in group if e["event"] == "fault_injected"] for group in events] == [["drain"],
+                                                                                                  ["partition"]]
+    # the cut-off node's group left: its rank 0 stopped by the pulse, or first by its step timeout (stuck in a
+    # collective with the cut-off node, in its own work); either ends the Manager's heartbeats
+    log = (groups[1] / "logs" / "node0.log").read_text()
+    assert "has not beaten for" in log or "failed (exitcode: -9) local_rank: 0" in log, log[-3000:]
     stall, before = longest_stall(groups[0])
     assert stall < PARTITION_STALL_BOUND_S, f"group 0 stalled {stall:.2f} s before step {before}"
     heals = [e for e in events[1] if e["event"] == "quorum" and e.get("healed_from_step") is not None
              and e["step"] >= NODE_LOSS]
     assert heals and heals[0]["live_groups"] == 2, "group 1 never healed back into the quorum"
     assert all(f.steps_lost == 0 for group in events for f in build_report(group).faults), run.output[-3000:]
+    written = sorted(step for g in groups for step, _ in committed_checkpoints(g / "checkpoints"))
+    assert written == sorted(set(written)) and written[-1] == STEPS, written  # each step once, by one group
     _assert_the_uninterrupted_run(groups, events, uninterrupted, tmp_path)
 
 

@@ -6,6 +6,7 @@ the rank in a forked child with NVRx's RankMonitorServer beside it, and NVRx's o
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -17,8 +18,8 @@ import torch.multiprocessing as mp
 from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig as NvrxConfig
 from nvidia_resiliency_ext.fault_tolerance.rank_monitor_server import RankMonitorServer
 
-from training.contract.config import CheckpointMode, FaultToleranceConfig, ParallelConfig
-from training.contract.launcher import replica_step_floor, section_timeouts
+from training.contract.config import CheckpointMode, FaultToleranceConfig
+from training.contract.launcher import section_timeouts
 from training.train.monitor import RankMonitor
 
 QUICK_S = 0.01  # a step, an async save's hand-off
@@ -41,15 +42,16 @@ def rank_monitor(tmp_path: Path):
 
 
 def _rank(socket_path: str, mode: CheckpointMode, load: str | None, wait_s: float, state_file: Path,
-          wait_in: str = "checkpoint", step_floor: float = 0.0) -> int:
+          wait_in: str = "checkpoint", across_groups: bool = False) -> int:
     """Fork a rank: quick steps and saves past calculate_timeouts_after, then one wait of `wait_s` in section
-    `wait_in`; it writes its monitor's state to `state_file`. Its exit code, or minus the signal that killed it."""
+    `wait_in` (`across_groups`: within it, outside it, as ReplicaGroups.across_groups puts the waits for other
+    groups); it writes its monitor's state to `state_file`. Its exit code, or minus the signal that killed it."""
     pid = os.fork()
     if pid == 0:
         try:
             os.environ.update(FT_RANK_MONITOR_IPC_SOCKET=socket_path, RANK="0")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            monitor = RankMonitor(FT, mode, step_floor=step_floor)
+            monitor = RankMonitor(FT, mode)
             if load is not None:
                 monitor.load_state_dict(load)
             monitor.end_setup()
@@ -60,7 +62,7 @@ def _rank(socket_path: str, mode: CheckpointMode, load: str | None, wait_s: floa
                     time.sleep(QUICK_S)
                 monitor.step_done()
             state_file.write_text(monitor.state_dict())
-            with monitor.section(wait_in):
+            with monitor.section(wait_in), monitor.outside(wait_in) if across_groups else contextlib.nullcontext():
                 time.sleep(wait_s)
             monitor.shutdown()
             os._exit(0)
@@ -95,11 +97,10 @@ def _timeouts(state_file: Path) -> dict[str, float]:
 
 def test_with_replica_groups_a_step_waiting_for_another_group_outlives_the_learned_timeout(rank_monitor, tmp_path):
     # a survivor group's step waits in the cross-group all-reduce while another group fails or heals: torchft's
-    # step timeout ends that wait, not the rank monitor with a timeout learned from quick steps
-    floor = replica_step_floor(ParallelConfig(replica_groups=2, step_timeout_s=2.0))
-    assert floor == 2 * 2.0 + 10 and replica_step_floor(ParallelConfig()) == 0.0
-    without, with_floor = tmp_path / "without.json", tmp_path / "with.json"
-    assert _rank(rank_monitor, "async", None, WAIT_S, without, wait_in="step") == -9  # killed: learned < 1 s
-    assert _timeouts(without)["step"] < 1
-    assert _rank(rank_monitor, "async", None, WAIT_S, with_floor, wait_in="step", step_floor=floor) == 0
-    assert _timeouts(with_floor)["step"] == floor
+    # step timeout ends that wait (ReplicaGroups.across_groups, outside the step section), not the rank monitor
+    # with a timeout learned from quick steps; a rank that hangs in its own work is still stopped at it
+    inside, outside = tmp_path / "inside.json", tmp_path / "outside.json"
+    assert _rank(rank_monitor, "async", None, WAIT_S, inside, wait_in="step") == -9  # killed: learned < 1 s
+    assert _timeouts(inside)["step"] < 1
+    assert _rank(rank_monitor, "async", None, WAIT_S, outside, wait_in="step", across_groups=True) == 0
+    assert _timeouts(outside)["step"] < 1

@@ -10,7 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
-from training.contract.config import FaultToleranceConfig, ParallelConfig
+from training.contract.config import FaultToleranceConfig
 from training.contract.exit_codes import NO_PROGRESS
 
 SECTIONS = ("setup", "step", "checkpoint")
@@ -166,17 +166,6 @@ def section_timeout_floor(ft: FaultToleranceConfig) -> float:
     must handle a hang first: a calculated (or checkpointed) timeout below its hard timeout would let
     the launcher kill the hung rank and turn an in-place recovery into an in-job restart."""
     return 0.0 if ft.restart == "injob" else ft.inprocess_hard_timeout + HANG_FLOOR_MARGIN_S
-
-
-def replica_step_floor(parallel: ParallelConfig) -> float:
-    """The least the `step` section's timeout may be with replica groups (0 without): a healthy group's step
-    waits for the other groups twice, in the cross-group all-reduce and in the commit vote, each up to
-    parallel.step_timeout_s (a group that dies or heals meanwhile), and torchft's timeout ends those waits
-    without stopping this group. A calculated step timeout below it would let the rank monitor stop the
-    survivors of another group's fault."""
-    if parallel.replica_groups < 2:
-        return 0.0
-    return 2 * parallel.step_timeout_s + HANG_FLOOR_MARGIN_S
 
 
 # The pod's NCCL_DEBUG for its first worker attempt (ft_launcher's TORCHELASTIC_RESTART_COUNT=0): NCCL

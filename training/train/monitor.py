@@ -28,11 +28,10 @@ class RankMonitor:
     """Adapter over nvidia_resiliency_ext.fault_tolerance.RankMonitorClient."""
 
     def __init__(self, cfg: FaultToleranceConfig, checkpoint_mode: CheckpointMode,
-                 watch: HangWatch | None = None, step_floor: float = 0.0) -> None:
+                 watch: HangWatch | None = None) -> None:
         self._cfg = cfg
         self._watch = watch  # restart=both: the calculated timeouts applied in-process (training.train.hang_watch)
         self._floor = section_timeout_floor(cfg)
-        self._step_floor = step_floor  # replica groups: training.contract.launcher.replica_step_floor
         # the sections whose timeouts are learned from observed timings (the module's docstring: why not async's)
         self._mode = checkpoint_mode
         self._learned = ("step", "checkpoint") if checkpoint_mode == "sync" else ("step",)
@@ -72,6 +71,24 @@ class RankMonitor:
         self._client.end_section(name)
         self._observed.add(name)
 
+    @contextlib.contextmanager
+    def outside(self, name: str) -> Iterator[None]:
+        """Section `name`, open around this, closed within it: for a wait that another component's timeout
+        ends (torchft's, for the other replica groups), which a timeout learned from this rank's own work must
+        not judge. The out-of-section timeout still applies."""
+        if self._client is None:
+            yield
+            return
+        self._client.end_section(name)
+        if self._watch is not None:
+            self._watch.closed()
+        try:
+            yield
+        finally:
+            self._client.start_section(name)
+            if self._watch is not None:
+                self._watch.opened(name)
+
     def step_done(self) -> None:
         """Heartbeat; after the warm-up, one collective timeout calculation (all ranks call this
         at the same steps)."""
@@ -84,8 +101,7 @@ class RankMonitor:
             self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
             self._calculated = True
             if self._watch is not None:  # before the restart floor: the Wrapper applies what injob's launcher would
-                self._watch.calculated({s: self._above_step_floor(s, self._client.section_timeouts.section.get(s))
-                                        for s in selected})
+                self._watch.calculated({s: self._client.section_timeouts.section.get(s) for s in selected})
             self._correct_timeouts()
             log.info("NVRx section timeouts calculated: %s", self._client.section_timeouts.section)
 
@@ -104,14 +120,7 @@ class RankMonitor:
             timeouts["calculated_sections"].remove(name)
         low = {name: t for name, t in sections.items() if t is not None and t < self._floor}
         sections.update({name: self._floor for name in low})
-        step = sections.get("step")
-        below_step = self._above_step_floor("step", step) != step
-        if below_step:
-            log.warning("NVRx step section timeout %.2f s raised to %.0f s: with replica groups a step waits for the "
-                        "other groups' faults and heals up to twice parallel.step_timeout_s, which torchft ends "
-                        "without stopping this group", step, self._step_floor)
-            sections["step"] = self._step_floor
-        if not (unlearned or low or below_step):
+        if not (unlearned or low):
             return
         self._client.load_state_dict(state)  # the public way to set timeouts: they apply at once
         if unlearned:
@@ -124,9 +133,6 @@ class RankMonitor:
                     "timeout (%.0f s, fault_tolerance.inprocess_hard_timeout) must catch a hang first",
                     {n: round(t, 2) for n, t in low.items()}, self._floor, self._cfg.restart,
                     self._cfg.inprocess_hard_timeout)
-
-    def _above_step_floor(self, section: str, timeout: float | None) -> float | None:
-        return timeout if section != "step" or timeout is None else max(timeout, self._step_floor)
 
     def state_dict(self) -> str:
         """JSON text: identical on every rank, stored in the checkpoint as one value."""

@@ -9,13 +9,17 @@ per step. A step's phases (quorum, share, reduce, commit) and what a hung rank 0
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -53,11 +57,15 @@ class ReplicaGroups:
         rows: rows of micro-batches in every step's global batch
         step: the step the group resumed at (0: a fresh start); a lower one than the others' heals
         events: rank 0's `quorum` events (None on the other ranks)
+        outside_step: a context in which the rank monitor's step section is closed (RankMonitor.outside):
+            the waits for the other groups, which torchft's timeouts end, are not this rank's work
     """
 
     def __init__(self, cfg: ParallelConfig, group: int, info: DistInfo, state: dict[str, Stateful], rows: int,
-                 step: int, events: EventLog | None) -> None:
+                 step: int, events: EventLog | None,
+                 outside_step: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self.group, self.rows, self.events = group, rows, events
+        self._outside_step = outside_step
         self.share: Share | None = None
         self.writes_checkpoints = False  # the quorum's first group writes the periodic checkpoints
         self._live = 0  # live groups of the last quorum: a `quorum` event when they change
@@ -102,7 +110,15 @@ class ReplicaGroups:
                      self.share.rows, self.rows, f"; healed from step {behind} to {self.manager.current_step()}"
                      if healed else "")
         self._live = live
+        if dist.is_initialized():  # the group's ranks start the step together, whatever each one's heal took
+            dist.barrier()
         return self.share
+
+    def across_groups(self) -> AbstractContextManager[None]:
+        """Around the part of a step that waits for the other groups (`reduce` to `commit`): outside the
+        rank monitor's step section, whose timeout is learned from this rank's own work. A rank that hangs
+        in its own work is then found at that timeout; torchft's (parallel.step_timeout_s) ends the waits."""
+        return self._outside_step()
 
     def reduce(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
         """Sum every group's gradient shards and loss, each weighted by its share of the step's samples, into

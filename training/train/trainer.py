@@ -35,7 +35,6 @@ from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
 from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
 from training.contract.flops import flops_per_token
 from training.contract.job_failure import JobMustFail, request_job_failure
-from training.contract.launcher import replica_step_floor
 from training.contract.model_source import ModelSourceError, check_model_source
 from training.contract.replica_groups import Share, check_torchft, replica_group
 from training.data.stream import Batch, TokenStream
@@ -218,12 +217,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         micro_loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten()) / len(micro_batches)
         micro_loss.backward()
         loss += micro_loss.detach()
-    if replicas is not None:
-        loss = replicas.reduce(model, loss)
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    before_update()
-    if replicas is not None and not replicas.commit():
+    with replicas.across_groups() if replicas is not None else contextlib.nullcontext():
+        if replicas is not None:
+            loss = replicas.reduce(model, loss)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        before_update()
+        committed = replicas is None or replicas.commit()
+    if not committed:
         optimizer.zero_grad(set_to_none=True)
         raise StepDiscarded("the step did not commit in this replica group")
     optimizer.step()
@@ -298,8 +299,7 @@ class Trainer:
         self.cfg, self.restart = cfg, restart
         # first: the setup section covers process start-up
         self.monitor = RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode,
-                                   watch=restart.hang_watch if restart is not None else None,
-                                   step_floor=replica_step_floor(cfg.parallel))
+                                   watch=restart.hang_watch if restart is not None else None)
         if restart is not None:  # the process's, watching between the Wrapper's iterations too
             self.drain_signal = restart.drain_signal
         else:
@@ -358,7 +358,8 @@ class Trainer:
         from training.train.replica_groups import ReplicaGroups  # torchft, only with replica groups
 
         return ReplicaGroups(self.cfg.parallel, replica_group(), self.info, self.state, self.rows,
-                             self.train_state.step, self.events if self.lead else None)
+                             self.train_state.step, self.events if self.lead else None,
+                             outside_step=lambda: self.monitor.outside("step"))
 
     def _announce_attempt(self) -> None:
         """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
