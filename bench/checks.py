@@ -172,6 +172,10 @@ def recovery_checks(recovery: dict[str, MechanismResult], unavailable: dict[str,
         checks.append(_check("replica_groups other groups' longest stall across a fault (median)", stall, "s",
                              f"<= {SURVIVOR_STALL_S:g} s", ISSUE, lambda v: v <= SURVIVOR_STALL_S,
                              why("replica_groups")))
+        groups, plain = (recovery[n].median_step_s if n in recovery else None for n in ("replica_groups", "injob"))
+        checks.append(_check("step time, 2 replica groups / 1 (same ranks and global batch; HSDP's overhead)",
+                             groups / plain if groups is not None and plain is not None else None, "x",
+                             "measured", ISSUE, None, why("replica_groups", "injob")))
     for name, most in ((n, m) for n, m in MAX_STEPS_LOST.items() if n in mechanisms):
         checks.append(_check(f"{name} steps lost per fault (max)",
                              float(recovery[name].max_steps_lost) if name in recovery else None, "steps",

@@ -126,6 +126,9 @@ class MechanismResult:
     # figures above are the faulted group's, the goodputs every group's mean (each holds as many GPUs)
     median_survivor_stall_s: float | None = None
     max_survivor_stall_s: float | None = None
+    # the median time from one step to the next (the survivor's, with replica groups): what a step costs,
+    # quorum, cross-group sum and saves included
+    median_step_s: float | None = None
 
 
 class Unavailable(Exception):
@@ -189,12 +192,13 @@ def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> Mechanis
     shutil.rmtree(run_dir, ignore_errors=True)
     run_cluster(cluster_spec(m, profile, run_dir))
     if m.replica_groups > 1:
-        return summarize_groups(m, [group_run_dir(run_dir, g) for g in range(m.replica_groups)])
+        groups = [group_run_dir(run_dir, g) for g in range(m.replica_groups)]
+        return dataclasses.replace(summarize_groups(m, groups), median_step_s=step_period(read_events(groups[0])))
     try:
         _, report = report_run(run_dir)
     except ReportError as err:
         raise Unavailable(f"the run left no report: {err}") from None
-    return summarize(m, report, str(run_dir))
+    return dataclasses.replace(summarize(m, report, str(run_dir)), median_step_s=step_period(read_events(run_dir)))
 
 
 def summarize_groups(m: Mechanism, groups: list[Path]) -> MechanismResult:
@@ -213,6 +217,12 @@ def summarize_groups(m: Mechanism, groups: list[Path]) -> MechanismResult:
         training_goodput=statistics.mean(r.training_goodput for r in reports),
         infra_goodput=statistics.mean(r.infra_goodput for r in reports),
         median_survivor_stall_s=statistics.median(stalls), max_survivor_stall_s=max(stalls))
+
+
+def step_period(events: list[dict[str, Any]]) -> float | None:
+    """The median time between two steps in a row (a step and the next one), faults' stalls a few among many."""
+    steps = [(e["step"], e["t"]) for e in events if e["event"] == "step"]
+    return _median(b - a for (i, a), (j, b) in zip(steps, steps[1:]) if j == i + 1)
 
 
 def stall_across(events: list[dict[str, Any]], t: float) -> float | None:

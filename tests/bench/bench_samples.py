@@ -64,11 +64,11 @@ def sample_result(unavailable: dict[str, str] | None = None) -> BenchResult:
                         efficiency_sync=0.5, efficiency_async=0.99, run_dirs={},
                         cpu_per_save_sync_s=0.5, cpu_per_save_async_s=0.045, writer_cpu_per_save_async_s=0.4,
                         async_setup_s=1.2)
-    recovery = {"injob": mechanism(7.0), "node_replacement": mechanism(20.0), "hot_spare": mechanism(10.0),
-                "peer_state": mechanism(9.0, steps_lost=0), "drain": mechanism(4.0, steps_lost=0),
-                "k8s_restart": mechanism(13.0),
+    recovery = {"injob": replace(mechanism(7.0), median_step_s=0.08), "node_replacement": mechanism(20.0),
+                "hot_spare": mechanism(10.0), "peer_state": mechanism(9.0, steps_lost=0),
+                "drain": mechanism(4.0, steps_lost=0), "k8s_restart": mechanism(13.0),
                 "replica_groups": replace(mechanism(8.0, steps_lost=0), median_survivor_stall_s=1.2,
-                                          max_survivor_stall_s=1.5)}
+                                          max_survivor_stall_s=1.5, median_step_s=0.1)}
     floor = FloorResult(median_s=4.0, samples_s=(4.0,), world_size=2)
     spare = replace(stall, state_bytes=128 << 20, world_size=1, sync_blocking_per_save_s=(1.5, 1.5),
                     sync_blocking_s=1.5, efficiency_sync=0.6, efficiency_async=0.9)

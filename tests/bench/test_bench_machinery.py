@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.mechanisms import MECHANISMS, Mechanism, Unavailable, cluster_spec, fault_specs, measure_mechanism
+from bench.mechanisms import (MECHANISMS, Mechanism, Unavailable, cluster_spec, fault_specs, measure_mechanism,
+                              step_period)
 from bench.profile import QUICK
 from bench.stall import StallSpec, measure_stall
 from training.contract.events import read_events
@@ -90,3 +91,12 @@ def test_a_drain_run_commits_the_step_reached_and_replaces_the_node(tmp_path: Pa
     assert (r.faults, r.recovered, r.status, r.restart_kinds) == (1, 1, "completed", ("node",))
     assert r.max_steps_lost == 0
     assert r.median_recovery_s > 0 and r.median_detection_s is not None
+
+
+def test_the_step_period_counts_only_steps_in_a_row():
+    # steps 1-4 at 0.1 s each, a restart (10 s) and step 4 run again, then step 5: the restart is no step
+    times = [(1, 0.0), (2, 0.1), (3, 0.2), (4, 0.3), (4, 10.3), (5, 10.5)]
+    events = [{"event": "step", "step": step, "t": t} for step, t in times]
+    assert step_period(events) == pytest.approx(0.1)
+    assert step_period([{"event": "step", "step": 1, "t": 0.0}]) is None
+

@@ -207,6 +207,8 @@ def test_markdown_and_png(tmp_path: Path) -> None:
             "1.20/1.50 s | 50.0% |") in text
     assert ("| replica_groups other groups' longest stall across a fault (median) | 1.20 s | <= 3 s | target | PASS |"
             in text)
+    assert ("| step time, 2 replica groups / 1 (same ranks and global batch; HSDP's overhead) | 1.25x | measured | "
+            "target | BASELINE |") in text
     # on EKS no TCP reset ends the all-reduce with the lost node: torchft's timeout does
     assert "| replica_groups other groups' stall, projected on EKS | 11.20 s | <= 10 s | target | MISS |" in text
     assert "| drain steps lost per fault (max) | 0 steps | <= 0 | target | PASS |" in text
