@@ -1,6 +1,6 @@
 """Drains (training/train/drain.py): which way keeps the step reached, decided from measured costs the same
-on every rank; the estimates each way's cost comes from; and, in a process of its own, a SIGTERM that lands
-between two of the in-process Wrapper's iterations."""
+on every rank; the estimates each way's cost comes from; the drain of one rank driven in this process; and,
+in a process of its own, a SIGTERM that lands between two of the in-process Wrapper's iterations."""
 from __future__ import annotations
 
 import math
@@ -11,10 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from training.contract.capacity import DRAIN_SAVE_MARGIN
-from training.train.drain import (IMPOSSIBLE, UNKNOWN, DrainView, checkpoint_cost, peers_cost, plan_drain,
-                                  replicas_survive)
+from training.contract.events import EventLog, read_events
+from training.train.checkpoint.layout import committed_checkpoints
+from training.train.checkpoint.manager import CheckpointManager
+from training.train.drain import (IMPOSSIBLE, UNKNOWN, Drain, Drained, DrainView, checkpoint_cost, peers_cost,
+                                  plan_drain, replicas_survive)
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training_helpers import fork_ranks
 
@@ -87,6 +91,28 @@ def test_the_margin_applies_to_both_ways():
     fits = 100.0 / DRAIN_SAVE_MARGIN
     assert plan_drain(_views(IMPOSSIBLE, fits), 1, 1).path == "peers"
     assert plan_drain(_views(IMPOSSIBLE, fits + 0.1), 1, 1).path == "none"
+
+
+class _Signal:
+    """A drain signalled on this rank with `left` seconds of the grace period to go."""
+    def __init__(self, left: float) -> None:
+        self.flag, self.left = 1.0, left
+
+    def time_left(self) -> float:
+        return self.left
+
+
+@pytest.mark.parametrize("left, kept", [(100.0, True), (0.0, False)])
+def test_the_drain_commits_the_step_reached_where_the_time_left_allows_then_leaves(tmp_path, left, kept):
+    # one rank, the checkpoint way (no peer state): the step reached is committed, or not when no time is left
+    ckpt = CheckpointManager(tmp_path / "ckpt", mode="sync", keep=2)
+    ckpt.save(10, {"w": torch.zeros(2)})  # measured: a save's length, and step 10 committed
+    events = EventLog(tmp_path, "rank0")
+    with pytest.raises(Drained):
+        Drain(_Signal(left), ckpt, None, str(tmp_path / "ckpt"), events, world_size=1)(12, 0.1, {"w": torch.ones(2)})
+    [drained] = [e for e in read_events(tmp_path) if e["event"] == "drained"]
+    assert (drained["path"], drained["saved_step"]) == (("checkpoint", 12) if kept else ("none", 10))
+    assert [step for step, _ in committed_checkpoints(tmp_path / "ckpt")] == ([12, 10] if kept else [10])
 
 
 def _sigterm_between_two_iterations(marker: Path, run_dir: Path) -> None:

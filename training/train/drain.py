@@ -6,8 +6,8 @@ may be blocked in a collective with the dead rank). A drain is told apart by a m
 (DRAIN_MARKER_ENV) written before the signal (the pod's preStop hook). A watcher thread, woken through
 `signal.set_wakeup_fd` so no Python handler can leave a rank stuck, ends the process on a plain stop and
 otherwise notes the drain; the train loop carries it in the loss all-reduce (no extra collective), and
-all ranks together keep the step reached by a checkpoint or by peer state (`plan_drain`), whichever is
-cheaper and fits the time left. Cost: one thread per rank. The protocol: docs/recovery.md, "Drains".
+all ranks together keep the step reached by a checkpoint or by peer state (`Drain`, the way by
+`plan_drain`), whichever is cheaper and fits the time left. Cost: one thread per rank. The protocol: docs/recovery.md, "Drains".
 """
 from __future__ import annotations
 
@@ -18,16 +18,23 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from training.contract.capacity import DRAIN_SAVE_MARGIN
+from training.contract.events import EventLog
 from training.contract.exit_codes import TERMINATED
 from training.contract.launcher import DRAIN_MARKER_ENV
-from training.train.agreement import least
+from training.train.agreement import every, least
+from training.train.checkpoint.layout import write_resume_step
+
+if TYPE_CHECKING:
+    from training.train.checkpoint.manager import CheckpointManager
+    from training.train.peer_state import PeerState
 
 log = logging.getLogger(__name__)
 
@@ -201,3 +208,74 @@ def agree_on_plan(view: DrainView, ranks_per_node: int, replicas: int, distribut
         dist.all_gather(rows, mine)
     views = [DrainView(*row[:3].tolist(), signalled=bool(row[3]), committed=bool(row[4])) for row in rows]
     return plan_drain(views, ranks_per_node, replicas)
+
+
+class Drain:
+    """The drain of one attempt: every rank, at the same step, keeps the step reached the cheaper way that
+    fits the time the launcher gives (`agree_on_plan`), then leaves by raising Drained.
+
+    Args:
+        signal: the run's DrainSignal: the time left, and whether this rank's node is the one drained
+        ckpt: the checkpoint way (`drain_cost`, `drain`, `settle`)
+        peer: the peers way (`drain_cost`, `drain`); None when peer state is off
+        checkpoint_dir: where rank 0 writes the step a restart resumes at when the partners hold it
+        events: rank 0's event log (None on the other ranks)
+        world_size: the ranks of the run (those of a node: LOCAL_WORLD_SIZE)
+    """
+
+    def __init__(self, signal: DrainSignal, ckpt: CheckpointManager, peer: PeerState | None,
+                 checkpoint_dir: str, events: EventLog | None, world_size: int) -> None:
+        self.signal, self.ckpt, self.peer, self.events = signal, ckpt, peer, events
+        self.checkpoint_dir, self.world_size = Path(checkpoint_dir), world_size
+
+    def __call__(self, step: int, step_time: float, state: dict[str, Any]) -> NoReturn:
+        started = time.monotonic()
+        plan = self._plan(step)
+        if plan.path == "peers":
+            kept = self._to_peers(step, step_time, state)
+        elif plan.path == "checkpoint":
+            kept = self.ckpt.drain(step, state, self.signal.time_left)
+        else:  # committed already, or no way fits: the in-flight save's outcome, before anyone leaves
+            kept = self.ckpt.settle(step)
+        resumes_at = step if kept else self.ckpt.saved_step
+        if self.events is not None:
+            self.events.emit("drained", step=step, saved_step=resumes_at, path=plan.path,
+                             checkpoint_s=_finite(plan.checkpoint_s), peers_s=_finite(plan.peers_s),
+                             time_left_s=round(plan.time_left_s, 3), seconds=round(time.monotonic() - started, 3))
+            way = {"committed": "already committed", "checkpoint": "committed to the checkpoint directory",
+                   "peers": "held by the partner nodes' memory, where the replacement restores it from",
+                   "none": "not kept"}[plan.path]
+            log.warning("drain (SIGTERM) at step %d, way: %s (estimated: checkpoint %s, peers %s; %.0f s left): %s; "
+                        "the restart resumes at step %s; leaving with exit code %d", step, plan.path,
+                        _estimate(plan.checkpoint_s), _estimate(plan.peers_s), plan.time_left_s,
+                        f"step {step} {way}" if kept else f"step {step} not kept", resumes_at, TERMINATED)
+        raise Drained(f"drained at step {step}")
+
+    def _plan(self, step: int) -> DrainPlan:
+        view = DrainView(time_left_s=self.signal.time_left(), checkpoint_s=self.ckpt.drain_cost(step),
+                         peers_s=self.peer.drain_cost(step) if self.peer is not None else IMPOSSIBLE,
+                         signalled=self.signal.flag > 0, committed=self.ckpt.committed(step))
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        replicas = self.peer.replicas if self.peer is not None else 0
+        return agree_on_plan(view, ranks_per_node, replicas, self.world_size > 1)
+
+    def _to_peers(self, step: int, step_time: float, state: dict[str, Any]) -> bool:
+        """Peer state keeps the step reached; once every rank's partners hold it, rank 0 writes it as the step
+        a restart resumes at (the launcher's progress counter). The in-flight save is abandoned, uncommitted."""
+        assert self.peer is not None
+        self.ckpt.abort()
+        everywhere = every(self.peer.drain(step, state, step_time))
+        if everywhere and self.events is not None:
+            write_resume_step(self.checkpoint_dir, step + 1)
+        return everywhere
+
+
+def _finite(seconds: float) -> float | None:
+    """A cost for the event log: None where never measured or impossible."""
+    return round(seconds, 3) if math.isfinite(seconds) else None
+
+
+def _estimate(seconds: float) -> str:
+    """A cost for the log line."""
+    return f"{seconds:.1f} s" if math.isfinite(seconds) else "not measured" if math.isnan(seconds) else "not possible"
+

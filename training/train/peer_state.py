@@ -41,6 +41,7 @@ from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
 from training.train.agreement import least, most
+from training.train.drain import peers_cost
 from training.train.rollback import CopyPlan, InPlaceState, load_into
 
 log = logging.getLogger(__name__)
@@ -519,6 +520,24 @@ class PeerState:
         _wait([*(dist.isend(torch.tensor([step]), s, group=self.group, tag=5)
                  for s, (step, *_) in received.items()),
                *(dist.irecv(a, p, group=self.group, tag=5) for p, a in acks.items())])
+
+    # ---- a drain's way (training.train.drain.Drain) ---------------------------------------------
+    def drain_cost(self, step: int) -> float:
+        """Seconds until every partner holds `step`, as last measured (training.train.drain.peers_cost)."""
+        return peers_cost(step, partners=bool(self.partners), newest_step=self.newest_step, copy_s=self.copy_s,
+                          send_s=self.send_s)
+
+    def drain(self, step: int, state: dict[str, Stateful], step_time_s: float) -> bool:
+        """Copy `step` into node memory unless it is there, and wait until every partner holds it. Whether
+        they do: False where a partner was lost meanwhile (the restart resumes from what is left)."""
+        try:
+            if self.newest_step != step:
+                self.save(step, state, step_time_s, force=True)
+            self.settle()
+            return True
+        except RuntimeError as err:
+            log.error("drain: peer state could not send step %d: %s", step, err)
+            return False
 
     def settle(self) -> None:
         """Wait until every queued copy is committed here and on the partners; raises if replication failed."""

@@ -40,14 +40,12 @@ from training.contract.replica_groups import Share, check_torchft, replica_group
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
-from training.train.agreement import every
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.checkpoint.writers import WriterDeadlines, with_emulated_delay
 from training.train.checkpoint.writer_process import start_zygote as start_writer_zygote
 from training.train.distributed import DistInfo, device_memory_bytes, init_distributed, teardown
-from training.train.drain import (IMPOSSIBLE, DrainPlan, DrainSignal, DrainView, Drained, agree_on_plan,
-                                  agree_on_save, checkpoint_cost, peers_cost)
+from training.train.drain import Drain, DrainSignal, Drained
 from training.train.faults import FaultInjector
 from training.train.metrics import TrainingMetrics
 from training.train.monitor import RankMonitor
@@ -338,6 +336,8 @@ class Trainer:
                                           deadlines=WriterDeadlines.of(cfg),
                                           also_resume_from=cfg.checkpoint.also_resume_from)
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
+            self.drain = Drain(self.drain_signal, self.ckpt, self.peer, cfg.checkpoint_dir,
+                               self.events if self.lead else None, self.info.world_size)
         except BaseException:
             self._close_setup()
             raise
@@ -476,8 +476,9 @@ class Trainer:
                 self.train_state.step = step
                 self.after_step(step, micro_batches, mean_loss, step_time)
                 if drain:
-                    with monitor.section("checkpoint"):
-                        self.drain(step, step_time)
+                    with monitor.section("checkpoint"), (self.restart.unwatched() if self.restart is not None
+                                                         else contextlib.nullcontext()):
+                        self.drain(step, step_time, self.state)
                 ckpt.prepare(self.state)  # once, after this iteration's first step: AdamW's moments exist
                 ckpt.poll()
                 if step % self.cfg.checkpoint.interval == 0:
@@ -541,76 +542,6 @@ class Trainer:
             log.warning("step %d did not commit across the replica groups (%.2f s lost): running it again with "
                         "the groups of the next quorum", step, seconds)
 
-    def drain(self, step: int, step_time: float) -> None:
-        """Every rank, at the same step: keep the step reached the cheaper way that fits the time the
-        launcher gives, then leave (training.train.drain). Under the in-process Wrapper its hang
-        timeouts are off meanwhile: a drain waits through whole saves, bounded by the launcher's grace."""
-        started = time.monotonic()
-        with self.restart.unwatched() if self.restart is not None else contextlib.nullcontext():
-            plan = self._plan_drain(step)
-            if plan.path == "peers":
-                kept = self._drain_to_peers(step, step_time)
-            elif plan.path == "checkpoint":
-                kept = self._drain_to_checkpoint(step)
-            else:  # committed already, or no way fits: the in-flight save's outcome, before anyone leaves
-                self.ckpt.wait()
-                kept = self.ckpt.saved_step == step
-        resumes_at = step if kept else self.ckpt.saved_step
-        if self.lead:
-            self.events.emit("drained", step=step, saved_step=resumes_at, path=plan.path,
-                             checkpoint_s=_finite(plan.checkpoint_s), peers_s=_finite(plan.peers_s),
-                             time_left_s=round(plan.time_left_s, 3), seconds=round(time.monotonic() - started, 3))
-            way = {"committed": "already committed", "checkpoint": "committed to the checkpoint directory",
-                   "peers": "held by the partner nodes' memory, where the replacement restores it from",
-                   "none": "not kept"}[plan.path]
-            log.warning("drain (SIGTERM) at step %d, way: %s (estimated: checkpoint %s, peers %s; %.0f s left): %s; "
-                        "the restart resumes at step %s; leaving with exit code %d", step, plan.path,
-                        _estimate(plan.checkpoint_s), _estimate(plan.peers_s), plan.time_left_s,
-                        f"step {step} {way}" if kept else f"step {step} not kept", resumes_at, TERMINATED)
-        raise Drained(f"drained at step {step}")
-
-    def _plan_drain(self, step: int) -> DrainPlan:
-        ckpt, peer = self.ckpt, self.peer
-        view = DrainView(
-            time_left_s=self.drain_signal.time_left(),
-            checkpoint_s=checkpoint_cost(step, enabled=ckpt.mode != "off", saved_step=ckpt.saved_step,
-                                         in_flight=ckpt.in_flight(), last_save_s=ckpt.last_save_s),
-            peers_s=(peers_cost(step, partners=bool(peer.partners), newest_step=peer.newest_step, copy_s=peer.copy_s,
-                                send_s=peer.send_s) if peer is not None else IMPOSSIBLE),
-            signalled=self.drain_signal.flag > 0,
-            committed=ckpt.saved_step == step and ckpt.in_flight() is None)
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size))
-        return agree_on_plan(view, ranks_per_node, peer.replicas if peer else 0, self.info.world_size > 1)
-
-    def _drain_to_checkpoint(self, step: int) -> bool:
-        """Let the in-flight save commit; then save the step reached if it was not that one and the time
-        left still covers a save. Whether the step reached is committed (every rank knows rank 0's outcome)."""
-        ckpt = self.ckpt
-        ckpt.wait()
-        if ckpt.saved_step != step and agree_on_save(self.drain_signal.time_left(), ckpt.last_save_s):
-            ckpt.save(step, self.state)
-            ckpt.wait()
-        return ckpt.saved_step == step
-
-    def _drain_to_peers(self, step: int, step_time: float) -> bool:
-        """Copy the step reached into node memory, unless it is there, and wait until every partner holds
-        it; then rank 0 writes it as the step a restart resumes at (the launcher's progress counter), once
-        every rank's copy arrived. The in-flight save is abandoned, uncommitted."""
-        assert self.peer is not None
-        self.ckpt.abort()
-        try:
-            if self.peer.newest_step != step:
-                self.peer.save(step, self.state, step_time, force=True)
-            self.peer.settle()
-            held = True
-        except RuntimeError as err:  # a partner lost meanwhile: the restart resumes from what is left
-            log.error("drain: peer state could not send step %d: %s", step, err)
-            held = False
-        everywhere = every(held)
-        if everywhere and self.lead:
-            write_resume_step(Path(self.cfg.checkpoint_dir), step + 1)
-        return everywhere
-
     # ---- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Close what the attempt opened, after a failure too."""
@@ -632,16 +563,6 @@ class Trainer:
         self.monitor.shutdown()
         teardown()
         self.events.close()
-
-
-def _finite(seconds: float) -> float | None:
-    """A cost for the event log: None where never measured or impossible."""
-    return round(seconds, 3) if math.isfinite(seconds) else None
-
-
-def _estimate(seconds: float) -> str:
-    """A cost for the log line."""
-    return f"{seconds:.1f} s" if math.isfinite(seconds) else "not measured" if math.isnan(seconds) else "not possible"
 
 
 def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from training.train.checkpoint.layout import (GENERATION_FILE, BackgroundDeletio
                                               prune, remove_older_saves, save_dir_name, set_aside, set_aside_names,
                                               start_generation, write_resume_step)
 from training.train.checkpoint.writer_process import Replaced
+from training.train.drain import agree_on_save, checkpoint_cost
 from training.train.checkpoint.writers import AsyncWriter, WriteHook, WriterDeadlines, file_writer, make_async_writer
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,30 @@ class CheckpointManager:
         if self.mode == "sync":
             self.last_save_s = time.monotonic() - t0
             self._agree_on_commit(step, self._commit(step, tmp, t0))
+
+    # ---- a drain's way (training.train.drain.Drain) ---------------------------------------------
+    def drain_cost(self, step: int) -> float:
+        """Seconds until `step` is committed, as last measured (training.train.drain.checkpoint_cost)."""
+        return checkpoint_cost(step, enabled=self.mode != "off", saved_step=self.saved_step,
+                               in_flight=self.in_flight(), last_save_s=self.last_save_s)
+
+    def committed(self, step: int) -> bool:
+        """Whether `step` is committed and no save is in flight."""
+        return self.saved_step == step and self.in_flight() is None
+
+    def drain(self, step: int, state: dict[str, Any], time_left: Callable[[], float]) -> bool:
+        """Let the in-flight save commit; then save `step` if it was not that one and every rank's
+        `time_left()` still covers a save. Whether `step` is committed (every rank knows rank 0's outcome)."""
+        self.wait()
+        if self.saved_step != step and agree_on_save(time_left(), self.last_save_s):
+            self.save(step, state)
+            self.wait()
+        return self.saved_step == step
+
+    def settle(self, step: int) -> bool:
+        """The in-flight save's outcome; whether `step` is committed."""
+        self.wait()
+        return self.saved_step == step
 
     def wait_staged(self) -> float:
         """Block until the in-flight async save's staging copy is made: call it before the state changes
