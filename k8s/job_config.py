@@ -361,7 +361,8 @@ def _validate(j: JobConfig) -> None:
                                  "a cron schedule such as '*/30 * * * *'")
         if fi.target_index is not None and not 0 <= fi.target_index < j.pods:
             raise JobConfigError(f"fault_injection.target_index={fi.target_index} is not allowed: "
-                                 f"an index of the job, 0..{j.pods - 1}")
+                                 f"an index of the job{' (of each replica group)' if j.replica_group is not None else ''}"
+                                 f", 0..{j.pods - 1}")
         _validate_drill_interval(j, fi.schedule)
         if fi.grace_period_s < 1:
             raise JobConfigError(f"fault_injection.grace_period_s={fi.grace_period_s} is not allowed: 1 or more")
@@ -383,9 +384,6 @@ def _validate_group_set(j: JobConfig) -> None:
                              f"gpuNodesMax={j.platform.gpu_nodes_max}: each group has its own hot spares, and every "
                              f"pod needs a GPU node of its own; allowed: at most "
                              f"{(j.platform.gpu_nodes_max - j.nodes) // groups} spares per group with these nodes")
-    if j.fault_injection is not None:
-        raise JobConfigError(f"--fault-injection is not rendered with parallel.replica_groups={groups} yet: its drill "
-                             "evicts a pod of one Job; use the faults key with group=G (docs/faults.md)")
     try:
         j.group(0)
     except JobConfigError as err:

@@ -2,7 +2,7 @@
 
 An evicted pod is a fault the Job must absorb: the worker group restarts, with a hot spare in the
 lost node's place where there is one, the Job starts a replacement pod for that index, and
-training resumes from the last checkpoint. The eviction (k8s.evict) is allowed in this namespace only, to pods only.
+training resumes from the last checkpoint; with replica groups, only the pod's group restarts. The eviction (k8s.evict) is allowed in this namespace only, to pods only.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from constructs import Construct
 
 from k8s.charts.network import DNS, KUBERNETES_API, network_policy
 from k8s.charts.objects import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, api_object, checkov_skips
+from k8s.charts.training import REPLICA_SET_LABEL
 from k8s.job_config import JobConfig
 
 # The Docker official image through ECR Public (no Docker Hub pull limits); registry.k8s.io/kubectl
@@ -41,7 +42,9 @@ class FaultInjectionChart(Chart):
                    name=name, namespace=ns, body={
                        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]})
-        selector = f"batch.kubernetes.io/job-name={job.name}"
+        # a set of replica groups: a pod of any group's Job (each group takes its own pod's loss)
+        selector = (f"{REPLICA_SET_LABEL}={job.set_name}" if job.is_group_set
+                    else f"batch.kubernetes.io/job-name={job.name}")
         if fi.target_index is not None:  # else any index, a standby's included
             selector += f",batch.kubernetes.io/job-completion-index={fi.target_index}"
         container = {

@@ -10,6 +10,7 @@ from test_k8s_manifests import K8S_VERSION
 from test_k8s_security import Peer, _pod_specs, allowed, restricted_violations
 
 from infra.config import NAMESPACE, RENDEZVOUS_PORT, TRAINING_UID
+from k8s.charts.training import REPLICA_SET_LABEL
 from k8s.job_config import MAX_HOSTNAME
 from training.contract.config import ParallelConfig, load_train_config
 from training.contract.replica_groups import LIGHTHOUSE_ENV, LIGHTHOUSE_PORT, REPLICA_GROUP_ENV, lighthouse_command
@@ -91,7 +92,8 @@ def test_groups_talk_to_each_other_and_the_lighthouse_and_nothing_else_does(rend
     (("--spares", "2"), "nodes=2 + 2 replica groups x spares=2 = 6 exceeds gpuNodesMax=4"),
     (("--job-name", "a" * 39), "is too long for 2 replica groups: each group's Job is <name>-g<g>"),
     (("--job-name", "a" * 30), "is too long for replica groups: a pod's hostname is its FQDN"),
-    (("--fault-injection",), "--fault-injection is not rendered with parallel.replica_groups=2 yet"),
+    (("--fault-injection", "--fault-target-index", "2"),
+     "fault_injection.target_index=2 is not allowed: an index of the job (of each replica group), 0..1"),
     # one node per group at the default 2 nodes: its 8b state takes 19 s to heal over the pods' network
     (("--set", "parallel.step_timeout_s=10"), "Raise parallel.step_timeout_s to at least 29"),
 ])
@@ -108,3 +110,14 @@ def test_the_report_job_reports_each_group_from_its_own_run_directory(render):
         (container,) = jobs[f"fsdp-train-g{g}-report"]["spec"]["template"]["spec"]["containers"]
         assert f"python -m training.report --plot /fsx/runs/fsdp-train/group{g} &&" in container["command"][-1]
         assert f"kubectl logs -n {NAMESPACE} -f job/fsdp-train-g{g}-report" in r.stdout
+
+
+def test_the_chaos_drill_evicts_a_pod_of_any_group(render):
+    r = render("--train-config", REPLICAS, "--fault-injection", "--fault-target-index", "1")
+    pod = r.one("CronJob")["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    selector = pod["containers"][0]["command"][4]
+    assert selector == f"{REPLICA_SET_LABEL}=fsdp-train,batch.kubernetes.io/job-completion-index=1"
+    jobs = [o for o in r.objects() if o["kind"] == "Job" and o["metadata"]["name"].startswith("fsdp-train-g")]
+    assert len(jobs) == 2 and all(j["spec"]["template"]["metadata"]["labels"][REPLICA_SET_LABEL] == "fsdp-train"
+                                  for j in jobs)  # the selector matches every group's pods
+
