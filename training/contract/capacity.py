@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from training.contract.config import TrainConfig
+from training.contract.config import ParallelConfig, TrainConfig
 from training.contract.flops import flops_per_token
 from training.contract.k8s_delays import EKS, KubernetesDelays
 from training.contract.model_source import model_shape
@@ -212,7 +212,7 @@ class Schedule:
     peer_interval: int | None = None  # None: chosen from the copy's cost (peer_state.interval null)
     tokens_per_gpu: int = 8192  # of one optimizer step: its micro-batches x batch_size x seq_len
     replica_groups: int = 1  # parallel.replica_groups; the Capacity is then one group's
-    step_timeout_s: float = 10.0  # parallel.step_timeout_s: torchft's bound on a heal's transfer
+    step_timeout_s: float = ParallelConfig().step_timeout_s  # torchft's bound on a heal's transfer
 
     @classmethod
     def from_config(cls, config: TrainConfig, gpus: int, interval: int | None = None) -> "Schedule":

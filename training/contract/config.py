@@ -257,11 +257,12 @@ class ParallelConfig:
                                   "the whole step's over every group (null: R x group world size x batch_size), "
                                   "split over the live groups by rows of micro-batches "
                                   "(training.contract.replica_groups).")
-    step_timeout_s: float = _doc(10.0, "R >= 2: torchft's Manager timeout (its `timeout`), which bounds the "
-                                       "cross-group all-reduce, the commit vote and a heal's state transfer: a "
-                                       "group that hangs inside the all-reduce costs the others this long; "
-                                       "the chart refuses one that a heal of a group's state would not fit "
-                                       "(Capacity.heal_s; torchft's default: 60 s).")
+    step_timeout_s: float = _doc(8.0, "R >= 2: torchft's Manager timeout (its `timeout`), which bounds the "
+                                      "cross-group all-reduce, the commit vote and a heal's state transfer: a "
+                                      "group silent inside the all-reduce (a lost node: no TCP reset on EKS) "
+                                      "costs the others this long, 8 s keeping their stall within 10 s; the chart "
+                                      "refuses one that a heal of a group's state would not fit (Capacity.heal_s; "
+                                      "torchft's default: 60 s).")
     quorum_timeout_s: float = _doc(30.0, "R >= 2: how long a group waits for the Lighthouse's quorum before its "
                                          "ranks fail (an in-job restart follows): longer than a step and a "
                                          "checkpoint save of the slowest group, and than a restart of the "
