@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import Any, Callable, Literal, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,6 @@ from training.contract.exit_codes import TERMINATED
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training.train.agreement import every, least
 from training.train.checkpoint.layout import write_resume_step
-
-if TYPE_CHECKING:
-    from training.train.checkpoint.manager import CheckpointManager
-    from training.train.peer_state import PeerState
 
 log = logging.getLogger(__name__)
 
@@ -210,20 +206,39 @@ def agree_on_plan(view: DrainView, ranks_per_node: int, replicas: int, distribut
     return plan_drain(views, ranks_per_node, replicas)
 
 
+class CheckpointWay(Protocol):
+    """The checkpoint way of a drain (CheckpointManager)."""
+    saved_step: int | None
+
+    def drain_cost(self, step: int) -> float: ...
+    def committed(self, step: int) -> bool: ...
+    def drain(self, step: int, state: dict[str, Any], time_left: Callable[[], float]) -> bool: ...
+    def settle(self, step: int) -> bool: ...
+    def abort(self) -> None: ...
+
+
+class PeersWay(Protocol):
+    """The peers way of a drain (PeerState)."""
+    replicas: int
+
+    def drain_cost(self, step: int) -> float: ...
+    def drain(self, step: int, state: dict[str, Any], step_time_s: float) -> bool: ...
+
+
 class Drain:
     """The drain of one attempt: every rank, at the same step, keeps the step reached the cheaper way that
     fits the time the launcher gives (`agree_on_plan`), then leaves by raising Drained.
 
     Args:
         signal: the run's DrainSignal: the time left, and whether this rank's node is the one drained
-        ckpt: the checkpoint way (`drain_cost`, `drain`, `settle`)
-        peer: the peers way (`drain_cost`, `drain`); None when peer state is off
+        ckpt: the checkpoint way (CheckpointManager)
+        peer: the peers way (PeerState); None when peer state is off
         checkpoint_dir: where rank 0 writes the step a restart resumes at when the partners hold it
         events: rank 0's event log (None on the other ranks)
         world_size: the ranks of the run (those of a node: LOCAL_WORLD_SIZE)
     """
 
-    def __init__(self, signal: DrainSignal, ckpt: CheckpointManager, peer: PeerState | None,
+    def __init__(self, signal: DrainSignal, ckpt: CheckpointWay, peer: PeersWay | None,
                  checkpoint_dir: str, events: EventLog | None, world_size: int) -> None:
         self.signal, self.ckpt, self.peer, self.events = signal, ckpt, peer, events
         self.checkpoint_dir, self.world_size = Path(checkpoint_dir), world_size
