@@ -29,6 +29,7 @@ def nvrx_ft_config(ft: FaultToleranceConfig) -> dict[str, Any]:
         "rank_section_timeouts": section_timeouts(ft),
         "rank_out_of_section_timeout": ft.out_of_section_timeout,
         "safety_factor": ft.timeout_safety_factor,
+        "workload_check_interval": ft.rank_check_interval_s,
         "rank_termination_signal": "SIGKILL",  # a hung rank may ignore SIGTERM
         "log_level": "INFO",
     }}

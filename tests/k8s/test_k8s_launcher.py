@@ -34,7 +34,7 @@ NVRX_0_7_0_FLAGS = {
     "--rdzv-id", "--rdzv-conf", "--ft-cfg-path", "--ft-restart-policy", "--ft-initial-rank-heartbeat-timeout",
     "--ft-rank-heartbeat-timeout", "--ft-rank-section-timeouts", "--ft-rank-out-of-section-timeout",
     "--ft-safety-factor", "--ft-max-no-progress-cycles", "--ft-checkpoint-iteration-file", "--ft-no-restart-exit-code",
-    "-m",
+    "--ft-workload-check-interval", "-m",
 }
 WORKER_ENTRY = ["training.pod.prefork", "worker", "training.train"]  # the module after -m, and its arguments
 STORE_ENDPOINT = f"fsdp-train-rendezvous.training.svc.cluster.local:{RENDEZVOUS_PORT}"  # the store's Service
@@ -192,6 +192,7 @@ def test_installed_ft_launcher_builds_its_launch_config(render, tmp_path, monkey
     assert ft.rank_section_timeouts == {"setup": train.setup_section_timeout, "step": train.step_section_timeout,
                                         "checkpoint": train.checkpoint_section_timeout}
     assert ft.safety_factor == train.timeout_safety_factor
+    assert ft.workload_check_interval == train.rank_check_interval_s
     assert cmd_args == ["-u", "-m", *WORKER_ENTRY, "--config", TRAIN_CONFIG_PATH]
 
 

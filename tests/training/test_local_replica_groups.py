@@ -28,7 +28,8 @@ DRAIN, SAVE_INTERVAL = 120, 50
 STEP_TIMEOUT_S = 3  # parallel.step_timeout_s: what a restarted Lighthouse's reused quorum id can cost a step
 # heartbeat_timeout_s (1 s) plus re-forming the quorum's process group after a group's fault; a restarted
 # Lighthouse: the poll (1 s), then a step that may wait out STEP_TIMEOUT_S; a hung rank: its step timeout,
-# learned from its own work (the waits for the other group are outside it), then the same; on 2 busy cores
+# learned from its own work (the waits for the other group are outside it), plus up to the rank monitor's
+# check interval (fault_tolerance.rank_check_interval_s), then the same; on 2 busy cores
 STALL_BOUND_S = 6.0
 
 

@@ -192,6 +192,10 @@ class FaultToleranceConfig:
     step_section_timeout: float = _doc(180.0, f"One step. {_RANK_MONITOR}")
     checkpoint_section_timeout: float = _doc(600.0, f"One checkpoint save. {_RANK_MONITOR}")
     out_of_section_timeout: float = _doc(600.0, f"Outside any section. {_RANK_MONITOR}")
+    rank_check_interval_s: float = _doc(1.0, "How often each rank monitor checks its rank's heartbeats and sections "
+                                             "(NVRx's workload_check_interval, 5 s by default): a hang is found "
+                                             "up to this long after its timeout, and another replica group waits "
+                                             "that long for the hung group to leave its quorum.")
     calculate_timeouts_after: int = _doc(5, "steps after which the rank monitor timeouts are recomputed from "
                                             "observed timings and saved in checkpoints")
     timeout_safety_factor: float = _doc(5.0, "the longest observed timings times this make the recomputed timeouts "
@@ -578,6 +582,8 @@ def _validate(c: TrainConfig) -> None:
                 "step_section_timeout", "checkpoint_section_timeout", "out_of_section_timeout"):
         if not getattr(ft, key) > 0:
             fail(f"fault_tolerance.{key}", getattr(ft, key), "greater than 0 seconds")
+    if not ft.rank_check_interval_s > 0:
+        fail("fault_tolerance.rank_check_interval_s", ft.rank_check_interval_s, "greater than 0 seconds")
     if ft.initial_rank_heartbeat_timeout < ft.rank_heartbeat_timeout:
         raise TrainConfigError(
             "fault_tolerance.initial_rank_heartbeat_timeout "

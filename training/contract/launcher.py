@@ -92,6 +92,7 @@ def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[st
         f"--ft-rank-section-timeouts={sections}",
         f"--ft-rank-out-of-section-timeout={ft.out_of_section_timeout}",
         f"--ft-safety-factor={ft.timeout_safety_factor}",
+        f"--ft-workload-check-interval={ft.rank_check_interval_s}",
     ]
 
 
