@@ -12,6 +12,7 @@ from training.train import trainer as train
 from training.contract.config import TrainConfig, TrainConfigError, load_train_config
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.faults import KINDS, FaultSpecError, parse_fault, parse_faults
+from training_helpers import exit_code
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -130,15 +131,15 @@ def test_fault_rank_must_exist_and_specs_must_be_unique():
 
 
 def test_train_cli_exits_with_config_error(capsys):
-    assert train.main(["checkpoint.mode=fast"]) == CONFIG_ERROR
-    assert train.main(["faults=[boom@3]"]) == CONFIG_ERROR
+    assert exit_code(train.main, ["checkpoint.mode=fast"]) == CONFIG_ERROR
+    assert exit_code(train.main, ["faults=[boom@3]"]) == CONFIG_ERROR
     assert "unknown kind 'boom'" in capsys.readouterr().err
 
 
 def test_local_cli_exits_with_config_error_before_starting_anything(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert local.main(["--run-dir", str(run_dir), "--nodes", "1", "--nproc-per-node", "2",
-                       "--faults", "sigkill@3:rank=2"]) == CONFIG_ERROR
+    assert exit_code(local.main, ["--run-dir", str(run_dir), "--nodes", "1", "--nproc-per-node", "2",
+                                  "--faults", "sigkill@3:rank=2"]) == CONFIG_ERROR
     assert "rank 2 does not exist (world size 2)" in capsys.readouterr().err
     assert not (run_dir / "logs").exists()
 
@@ -159,8 +160,8 @@ def test_a_global_batch_is_filled_by_micro_batches_at_every_world_size_that_divi
 
 def test_local_cli_refuses_a_world_that_cannot_reach_the_global_batch_before_starting_anything(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert local.main(["--run-dir", str(run_dir), "--nodes", "5", "--nproc-per-node", "1", "training.batch_size=2",
-                       "training.global_batch_size=24"]) == CONFIG_ERROR
+    assert exit_code(local.main, ["--run-dir", str(run_dir), "--nodes", "5", "--nproc-per-node", "1",
+                                  "training.batch_size=2", "training.global_batch_size=24"]) == CONFIG_ERROR
     assert ("training.global_batch_size=24 cannot be reached by world size 5" in capsys.readouterr().err)
     assert not run_dir.exists()
 

@@ -228,10 +228,12 @@ def _wrapper_run(cfg, setup_failure: BaseException) -> None:
     """One rank under the Wrapper, `training.train.run` with its checkpoint manager failing; prints the outcome."""
     from training.train import inprocess as inprocess_module, trainer
 
-    def failing(*args, **kwargs):
-        raise setup_failure
+    class Failing:
+        @classmethod
+        def of(cls, *args, **kwargs):
+            raise setup_failure
 
-    trainer.CheckpointManager = failing  # this rank's own module: the test process keeps the real one
+    trainer.CheckpointManager = Failing  # this rank's own module: the test process keeps the real one
     try:
         inprocess_module.run_inprocess(cfg, trainer.run)
     except inprocess.exception.RestartAbort as err:

@@ -19,7 +19,7 @@ from training.local.replica_groups import longest_stall
 from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.final_state import bitwise_mismatch, load_final_state
-from training_helpers import completed, run_local, samples_by_step
+from training_helpers import completed, exit_code, run_local, samples_by_step
 
 STEPS, GLOBAL_BATCH = 300, 16  # 16: a row of 4 sequences per rank of a group, one row per group
 # the hang lands once the lost node's group is back: its restart takes ~70 of these steps here
@@ -150,7 +150,8 @@ def test_a_cut_off_node_and_a_drained_one_take_only_their_group_out_and_the_othe
 
 
 def test_replica_groups_that_do_not_divide_the_nodes_are_refused_in_one_line(tmp_path, capsys):
-    assert local.main(["--run-dir", str(tmp_path / "run"), "--nodes", "4", "--replica-groups", "3"]) == CONFIG_ERROR
+    argv = ["--run-dir", str(tmp_path / "run"), "--nodes", "4", "--replica-groups", "3"]
+    assert exit_code(local.main, argv) == CONFIG_ERROR
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "--replica-groups=3 does not divide --nodes=4" in line and "allowed: [1, 2, 4]" in line, line
     assert not (tmp_path / "run" / "logs").exists()

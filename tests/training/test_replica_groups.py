@@ -26,7 +26,7 @@ from training.train import trainer
 from training.train.checkpoint.layout import committed_checkpoints, step_dir_name
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training.train.replica_groups import start_lighthouse
-from training_helpers import fork_rank, samples_by_step
+from training_helpers import exit_code, fork_rank, samples_by_step
 
 STEPS, BATCH, GLOBAL_BATCH, RANKS = 96, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group;
 # enough steps for a slow machine: a late start and a restart each take ~20 of the survivor's steps here
@@ -286,7 +286,7 @@ def test_replica_groups_without_torchft_stop_before_any_rank_trains(monkeypatch,
 
     monkeypatch.setattr(importlib.metadata, "version", without_torchft)
     assert check_torchft().startswith("parallel.replica_groups >= 2 needs torchft 0.2.0, which is not installed here")
-    assert trainer.main([f"run_dir={tmp_path}", "parallel.replica_groups=2"]) == CONFIG_ERROR
+    assert exit_code(trainer.main, [f"run_dir={tmp_path}", "parallel.replica_groups=2"]) == CONFIG_ERROR
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("training.train: invalid config: parallel.replica_groups >= 2 needs torchft 0.2.0")
+    assert line.startswith("training.train: invalid training config: parallel.replica_groups >= 2 needs torchft")
     assert not (tmp_path / "events").exists()

@@ -12,6 +12,7 @@ from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.faults import (DESTRUCTIVE_KINDS, ENV_VAR, POD_ENV, FaultSpecError, check_chaos_switch,
                                       parse_faults)
 from training.report.cli import write_report
+from training_helpers import exit_code
 
 DESTRUCTIVE = ["corrupt-ckpt@5", "disk-full@5", "fs-eio@5:duration=5", "lighthouse-loss@5", "node-hang@5:node=0",
                "node-loss@5:node=0", "partition@5:node=0"]
@@ -35,7 +36,7 @@ def test_outside_a_pod_the_local_cluster_needs_no_switch(monkeypatch):
 def test_training_faults_alone_cannot_turn_them_on_in_a_pod(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(POD_ENV, "172.20.0.1")
     monkeypatch.setenv(ENV_VAR, "corrupt-ckpt@3")
-    assert train.main([f"run_dir={tmp_path}"]) == CONFIG_ERROR
+    assert exit_code(train.main, [f"run_dir={tmp_path}"]) == CONFIG_ERROR
     assert "corrupt-ckpt@3" in capsys.readouterr().err
 
 

@@ -47,6 +47,14 @@ class LocalRun:
     output: str
 
 
+def exit_code(main: Callable[[list[str]], int], argv: list[str]) -> int:
+    """A CLI's exit code, in process: what `main` returns, or the code it exits with (a refused config)."""
+    try:
+        return main(argv)
+    except SystemExit as exited:
+        return int(exited.code or 0)
+
+
 def run_local(run_dir: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> LocalRun:
     """`python -m training.local --run-dir RUN_DIR ARGS…`, to completion; `env` adds variables."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}

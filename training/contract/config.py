@@ -17,7 +17,7 @@ import textwrap
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 import yaml
 
@@ -55,6 +55,20 @@ class ConfigArgumentParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         # the width argparse wraps its own help to
         return f"{super().format_help()}\n{config_keys_help(shutil.get_terminal_size().columns - 2)}"
+
+
+Loaded = TypeVar("Loaded")
+
+
+def config_or_exit(command: str, load: Callable[[], Loaded], *refusals: type[Exception]) -> Loaded:
+    """What `load()` returns, or the end of `command`: a config it cannot read, or one that it or the
+    command's checks refuse (TrainConfigError, OSError and `refusals`), prints one line naming why and exits
+    CONFIG_ERROR, on which the Job fails at once (training.contract.job_rules), as on a bad flag."""
+    try:
+        return load()
+    except (TrainConfigError, OSError, *refusals) as err:
+        print(f"{command}: invalid training config: {err}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
 
 
 def _doc(default: Any, text: str) -> Any:

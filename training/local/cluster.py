@@ -27,7 +27,8 @@ from pathlib import Path
 
 import psutil
 
-from training.contract.config import ConfigArgumentParser, ModelConfig, TrainConfig, TrainConfigError, load_train_config
+from training.contract.config import (ConfigArgumentParser, ModelConfig, TrainConfig, TrainConfigError, config_or_exit,
+                                      load_train_config)
 from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import CONFIG_ERROR, NO_PROGRESS
 from training.contract.faults import (FaultSpecError, controller_requests_dir, lost_marker, parse_faults,
@@ -770,11 +771,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg, config_path = build_config(args)
-    except (TrainConfigError, FaultSpecError, DataError, ModelSourceError, OSError) as err:
-        print(f"training.local: invalid config: {err}", file=sys.stderr)
-        return CONFIG_ERROR
+    cfg, config_path = config_or_exit("training.local", lambda: build_config(args),
+                                      FaultSpecError, DataError, ModelSourceError)
     try:
         network = VirtualNetwork() if args.netns else None
     except NetworkUnavailable as err:

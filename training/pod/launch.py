@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
+from training.contract.config import ConfigArgumentParser, config_or_exit, load_train_config
 from training.contract.events import EventTail, completes, run_completed
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
 from training.contract.job_failure import FailureRequest, FailureRequests, requests_dir
@@ -257,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_pod(args: argparse.Namespace, signals: PassedOn) -> int:
     """The pod's exit code (the module's docstring says which)."""
-    try:
-        cfg = load_train_config(args.config)
-    except (TrainConfigError, OSError) as err:
-        print(f"training.pod.launch: invalid training config: {err}", file=sys.stderr)
-        return CONFIG_ERROR
+    cfg = config_or_exit("training.pod.launch", lambda: load_train_config(args.config))
     # watched from before the check: a completion recorded while the check reads the log is seen by the watch
     completion = CompletionWatch(cfg.run_dir, cfg.training.steps)
     if run_completed_patiently(cfg.run_dir, cfg.training.steps, f"{args.command[0]} starts once it can be read, "

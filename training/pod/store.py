@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from training.contract.config import ConfigArgumentParser, TrainConfigError, load_train_config
+from training.contract.config import ConfigArgumentParser, config_or_exit, load_train_config
 from training.contract.events import events_dir, run_completed
-from training.contract.exit_codes import CONFIG_ERROR
 from training.pod.launch import PASSED_ON, exit_code
 from training.pod.prefork import die_with_parent
 from training.pod.read_errors import ReadErrors
@@ -98,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("no command after --: expected nvrx-control's command line")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [store] %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg = load_train_config(args.config)
-    except (TrainConfigError, OSError) as err:
-        print(f"training.pod.store: invalid training config: {err}", file=sys.stderr)
-        return CONFIG_ERROR
+    cfg = config_or_exit("training.pod.store", lambda: load_train_config(args.config))
     timeout_s = args.stall_timeout or cfg.fault_tolerance.rendezvous_join_timeout_s + STALL_MARGIN_S
     return supervise(command, cfg.run_dir, cfg.training.steps, timeout_s)
 

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.checkpoint.stateful import Stateful
 
 from training.contract.capacity import gradient_reduce
-from training.contract.config import ConfigArgumentParser, TrainConfig, TrainConfigError, load_train_config
+from training.contract.config import (ConfigArgumentParser, TrainConfig, TrainConfigError, config_or_exit,
+                                      load_train_config)
 from training.contract.events import EventLog, next_attempt, record_attempt
 from training.contract.exit_codes import CONFIG_ERROR, TERMINATED
 from training.contract.faults import FaultSpecError, check_chaos_switch, parse_faults, with_env_faults
@@ -42,7 +43,7 @@ from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
-from training.train.checkpoint.writers import WriterDeadlines, with_emulated_delay
+from training.train.checkpoint.writers import with_emulated_delay
 from training.train.checkpoint.writer_process import start_zygote as start_writer_zygote
 from training.train.distributed import DistInfo, device_memory_bytes, init_distributed, teardown
 from training.train.drain import Drain, DrainSignal, Drained
@@ -329,12 +330,8 @@ class Trainer:
                           "train": self.train_state, rng_key(self.info.rank): self.rng}
             self.injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, self.info.rank, self.events,
                                           cfg.checkpoint_dir)
-            self.ckpt = CheckpointManager(cfg.checkpoint_dir, mode=cfg.checkpoint.mode, keep=cfg.checkpoint.keep,
-                                          when_busy=cfg.checkpoint.when_busy, events=self.events,
-                                          device=self.info.device,
-                                          write_hook=with_emulated_delay(self.injector.around_write),
-                                          deadlines=WriterDeadlines.of(cfg),
-                                          also_resume_from=cfg.checkpoint.also_resume_from)
+            self.ckpt = CheckpointManager.of(cfg, events=self.events, device=self.info.device,
+                                             write_hook=with_emulated_delay(self.injector.around_write))
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
             self.drain = Drain(self.drain_signal, self.ckpt, self.peer, cfg.checkpoint_dir,
                                self.events if self.lead else None, self.info.world_size)
@@ -479,9 +476,8 @@ class Trainer:
                     with monitor.section("checkpoint"), (self.restart.unwatched() if self.restart is not None
                                                          else contextlib.nullcontext()):
                         self.drain(step, step_time, self.state)
-                ckpt.prepare(self.state)  # once, after this iteration's first step: AdamW's moments exist
-                ckpt.poll()
-                if step % self.cfg.checkpoint.interval == 0:
+                ckpt.after_step(self.state)
+                if ckpt.due(step):  # the section covers real saves only: NVRx learns its timeout from them
                     with monitor.section("checkpoint"):
                         self.checkpoint(step)
 
@@ -573,6 +569,22 @@ def _sample_log(cfg: TrainConfig, rank: int) -> TextIO | None:
     return open(directory / f"rank{rank}.jsonl", "a")
 
 
+def checked_config(path: str | None, overrides: list[str]) -> TrainConfig:
+    """The rank's config, refused before anything starts: destructive faults without their switch, a token
+    file the model cannot read, replica groups without torchft, a Hugging Face model without its weights."""
+    cfg = with_env_faults(load_train_config(path, overrides))
+    check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)),
+                                    groups=cfg.parallel.replica_groups), cfg.allow_destructive_faults)
+    check_token_file(cfg.data.path, cfg.data.dtype, check_model_source(cfg.model).vocab_size)
+    if cfg.parallel.replica_groups > 1 and (missing := check_torchft()):
+        raise TrainConfigError(missing)
+    if cfg.model.source == "huggingface":
+        from training.models.huggingface import HuggingFaceSpec
+
+        HuggingFaceSpec(cfg.model.path).check_weights()
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ConfigArgumentParser(prog="python -m training.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="training config file (YAML or JSON); default: built-in defaults")
@@ -581,20 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[%(asctime)s] [rank{rank}] %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg = with_env_faults(load_train_config(args.config, args.overrides))
-        check_chaos_switch(parse_faults(cfg.faults, int(os.environ.get("WORLD_SIZE", 1)),
-                                        groups=cfg.parallel.replica_groups), cfg.allow_destructive_faults)
-        check_token_file(cfg.data.path, cfg.data.dtype, check_model_source(cfg.model).vocab_size)
-        if cfg.parallel.replica_groups > 1 and (missing := check_torchft()):
-            raise TrainConfigError(missing)
-        if cfg.model.source == "huggingface":
-            from training.models.huggingface import HuggingFaceSpec
-
-            HuggingFaceSpec(cfg.model.path).check_weights()
-    except (TrainConfigError, FaultSpecError, DataError, ModelSourceError, OSError) as err:
-        print(f"training.train: invalid config: {err}", file=sys.stderr)
-        return CONFIG_ERROR
+    cfg = config_or_exit("training.train", lambda: checked_config(args.config, args.overrides),
+                         FaultSpecError, DataError, ModelSourceError)
     if cfg.checkpoint.mode == "async":
         # Here, before the run's first thread: a fork is safe. On CUDA with NVRx its writer is used instead
         # and the zygote stays idle (a forked process, its memory shared with the rank's until either writes).

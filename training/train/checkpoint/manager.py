@@ -103,10 +103,11 @@ class CheckpointManager:
     same point of the program (they run collectives); only rank 0 renames, deletes and emits."""
 
     def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
-                 events: EventLog | None = None, device: torch.device = torch.device("cpu"),
+                 interval: int = 1, events: EventLog | None = None, device: torch.device = torch.device("cpu"),
                  write_hook: WriteHook | None = None, deadlines: WriterDeadlines | None = None,
                  also_resume_from: Sequence[str | os.PathLike] = ()) -> None:
         self.dir = Path(directory)
+        self.interval = interval
         self.also_resume_from = tuple(Path(d) for d in also_resume_from)  # read only: another group's to manage
         self.mode, self.keep, self.when_busy = mode, keep, when_busy
         self.events = events
@@ -183,6 +184,22 @@ class CheckpointManager:
             self._failed(step, None, self._no_generation)
         return False
 
+    @classmethod
+    def of(cls, cfg: TrainConfig, *, events: EventLog | None, device: torch.device,
+           write_hook: WriteHook | None = None) -> CheckpointManager:
+        """The manager of a run's `checkpoint` section.
+
+        Args:
+            cfg: the run's config: its checkpoint section, directory and writer deadlines.
+            events: where the saves are told (rank 0's log; None on other ranks is allowed).
+            device: the training device (the async writer stages from it).
+            write_hook: wraps each shard write (fault injection, an emulated slow file system).
+        """
+        ck = cfg.checkpoint
+        return cls(cfg.checkpoint_dir, mode=ck.mode, keep=ck.keep, when_busy=ck.when_busy, interval=ck.interval,
+                   events=events, device=device, write_hook=write_hook, deadlines=WriterDeadlines.of(cfg),
+                   also_resume_from=ck.also_resume_from)
+
     @property
     def writer_pid(self) -> int | None:
         """The process that writes this rank's shards of an async save, where there is one (bench.stall
@@ -206,6 +223,16 @@ class CheckpointManager:
             self._writer.wait_ready()
 
     # ---- saving ----------------------------------------------------------------------------
+    def after_step(self, state: dict[str, Any]) -> None:
+        """Once per completed step, on every rank: the staging buffers start after the first (`prepare`), and
+        an async save this rank sees finished commits (`poll`)."""
+        self.prepare(state)
+        self.poll()
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is a periodic save's: every `interval` steps."""
+        return step % self.interval == 0
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         if self.mode == "off" or (self.generation == 0 and not self._retry_generation(step)):
             return
