@@ -33,7 +33,8 @@ from training.train import trainer
 from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
 from training.train.faults import FaultInjected
-from training.train.trainer import build, lr_at, run, train_step
+from training.train.optimizer_step import OptimizerStep
+from training.train.trainer import build, lr_at, run
 from nvrx_fakes import FakeQueue, fake_nvrx  # noqa: F401 (a fixture)
 from training_helpers import REPO_ROOT
 
@@ -450,9 +451,10 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
                             lambda on, **kw: (syncs.append(on), set_sync(on, **kw)))
         stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1,
                              accumulation_steps=accumulation_steps, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
-        loss, _ = train_step(model, torch.optim.SGD(model.parameters()), stream.next_step(), 1.0, 1.0, one_rank_group,
+        step = OptimizerStep(model, torch.optim.SGD(model.parameters()), one_rank_group, grad_clip=1.0,
                              reduce_every_micro_batch=reduce_every_micro_batch)
-        results.append((loss, {k: v.full_tensor() for k, v in model.state_dict().items()}))
+        results.append((step.run(stream.next_step(), lr=1.0).loss,
+                        {k: v.full_tensor() for k, v in model.state_dict().items()}))
     # whether each backward reduce-scatters: the whole batch's, then the two micro-batches'
     assert syncs == [True, reduce_every_micro_batch, True]
     (whole_loss, whole), (accumulated_loss, accumulated) = results
@@ -461,18 +463,26 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
         torch.testing.assert_close(accumulated[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_train_step_leaves_the_state_alone_until_before_update_returns(one_rank_group):
+def test_a_step_leaves_the_state_alone_until_before_update_returns(one_rank_group):
     """An async save's staging copy may still read the parameters and AdamW's state during the next step's
-    forward and backward: train_step changes them only after `before_update` (CheckpointManager.wait_staged)."""
+    forward and backward: a step changes them only after `before_update` (CheckpointManager.wait_staged), and
+    what it waited is not counted as training."""
     cfg = load_train_config(None, ["training.seq_len=16"])
     model, optimizer = build(cfg, model_spec(cfg.model), one_rank_group)
     stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
-    train_step(model, optimizer, stream.next_step(), 1e-3, 1.0, one_rank_group)  # AdamW's moments exist
+    unchanged: list[bool] = []
+
+    def before_update() -> float:
+        if before is not None:
+            unchanged.append(all(torch.equal(t, b) for t, b in zip(live, before)))
+        return 0.25
+
+    step = OptimizerStep(model, optimizer, one_rank_group, grad_clip=1.0, before_update=before_update)
+    before = None
+    step.run(stream.next_step(), lr=1e-3)  # AdamW's moments exist
     live = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values())]
     before = [t.detach().clone() for t in live]
-    unchanged: list[bool] = []
-    train_step(model, optimizer, stream.next_step(), 1e-3, 1.0, one_rank_group,
-               before_update=lambda: unchanged.append(all(torch.equal(t, b) for t, b in zip(live, before))))
+    assert step.run(stream.next_step(), lr=1e-3).waited_s == 0.25
     assert unchanged == [True]
     assert not all(torch.equal(t, b) for t, b in zip(live, before))  # the step did change them after it
 

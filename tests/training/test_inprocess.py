@@ -40,7 +40,8 @@ from training.train.lost_ranks import LostRanks
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
 from training.train.rollback import KEEP, MemoryRollback, copy_into
-from training.train.trainer import ModelState, OptimizerState, RngState, TrainState, build, train_step
+from training.train.optimizer_step import OptimizerStep
+from training.train.trainer import ModelState, OptimizerState, RngState, TrainState, build
 from training_helpers import (assert_bitwise_equal, completed, events_named, fork_ranks, load_final_state,
                               run_local)
 
@@ -361,9 +362,11 @@ def _training_state(info, seed=0):
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train,
              "rng_rank0": RngState(info.device)}
 
+    optimizer_step = OptimizerStep(model, optimizer, info, grad_clip=1.0)
+
     def step():
         train.step += 1
-        train_step(model, optimizer, stream.next_step(), 1e-3 * train.step, 1.0, info)  # lr changes, as in warm-up
+        optimizer_step.run(stream.next_step(), lr=1e-3 * train.step)  # lr changes, as in warm-up
         torch.rand(1)  # advance the RNG, as dropout would
     return state, step
 

@@ -63,7 +63,7 @@ def test_a_prepared_async_save_holds_the_step_it_was_saved_at(tmp_path):
     m.wait_for_writer()
     state["w"].fill_(2.0)
     m.save(2, state)
-    m.wait_staged()  # before the optimizer's step, as train_step does
+    m.wait_staged()  # before the optimizer's step, as OptimizerStep.run does
     state["w"].fill_(3.0)  # the next steps, while the save is written
     m.wait()
     target = _state(0.0)
@@ -85,7 +85,7 @@ def test_an_async_save_returns_before_its_copy_is_made_and_the_state_waits_for_i
     m.save(2, state)  # returns with its copy held: the next step's forward and backward run meanwhile
     assert [e["event"] for e in read_events(tmp_path)] == ["ckpt_start"]
     threading.Timer(0.3, release.set).start()
-    m.wait_staged()  # before the optimizer's step, as train_step does
+    m.wait_staged()  # before the optimizer's step, as OptimizerStep.run does
     blocked = [e for e in read_events(tmp_path) if e["event"] == "ckpt_blocked"]
     assert len(blocked) == 1 and blocked[0]["step"] == 2 and blocked[0]["seconds"] >= 0.25  # the wait counts
     state["w"].fill_(3.0)  # the optimizer's step

@@ -4,7 +4,7 @@ started by ft_launcher in the pods and by training.local here.
 `run(cfg)` builds a `Trainer` (its components, resumed from the first recovery tier that holds the
 state: training.train.recovery), trains and closes it; it is re-entrant (everything it builds it
 also tears down), so it can be wrapped by nvidia_resiliency_ext.inprocess.Wrapper for in-process
-restarts. `train_step` is one optimizer step, apart from all of that.
+restarts. One optimizer step is training.train.optimizer_step's, apart from all of that.
 """
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
@@ -50,6 +48,7 @@ from training.train.drain import Drain, DrainSignal, Drained
 from training.train.faults import FaultInjector
 from training.train.metrics import TrainingMetrics
 from training.train.monitor import RankMonitor
+from training.train.optimizer_step import OptimizerStep, StepDiscarded
 from training.train.parallelize import parallelize
 from training.train.peer_state import PeerState, memory_root
 from training.train.progress import Progress
@@ -85,7 +84,7 @@ class ModelState(Stateful):
 class OptimizerState(Stateful):
     """Also a training.train.rollback.InPlaceState: AdamW's per-parameter state is tensors updated in place
     (moments and step counts, foreach); its other leaves are the param groups' plain hyperparameters,
-    of which train_step changes the learning rate."""
+    of which OptimizerStep.run changes the learning rate."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
@@ -179,59 +178,6 @@ def build(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> tuple[torch.nn.M
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
                                   foreach=True)
     return model, optimizer
-
-
-class StepDiscarded(RuntimeError):
-    """Replica groups: the step did not commit in this group (torchft's should_commit said no, the same on
-    every rank of the group): parameters, optimizer and data position are as before it; run it again."""
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], lr: float,
-               grad_clip: float, info: DistInfo, drain_flag: float = 0.0,
-               reduce_every_micro_batch: bool = False,
-               before_update: Callable[[], None] = lambda: None,
-               replicas: ReplicaGroups | None = None) -> tuple[float, bool]:
-    """One optimizer step over this rank's micro-batches (gradient accumulation); returns the loss averaged
-    over the global batch and whether any rank was told to drain (`drain_flag` > 0 on it): both from the
-    step's one all-reduce.
-
-    Each micro-batch's loss is scaled by 1/len(micro_batches), and FSDP averages over the ranks: the
-    gradient is the mean over the global batch, whatever its split into ranks and micro-batches. With
-    `reduce_every_micro_batch` FSDP2 reduce-scatters after each backward and the sharded gradients
-    accumulate; without, only after the last one (`set_requires_gradient_sync`, FSDP2's documented gradient
-    accumulation without communication, https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html):
-    until then each rank accumulates its unsharded gradients in the reduce dtype (fp32), 4 bytes per
-    parameter of the whole model on every rank (training.gradient_reduce). `before_update` runs before the
-    optimizer changes the parameters and its state in place (an async save's staging copy may still read them).
-
-    With `replicas` (parallel.replica_groups >= 2) `micro_batches` are this rank's part of its group's share,
-    the gradients and loss are summed over the groups, weighted by their shares, before clipping, and a step
-    that does not commit raises StepDiscarded with nothing changed (training.train.replica_groups)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss = torch.zeros((), device=info.device)
-    for i, batch in enumerate(micro_batches):
-        model.set_requires_gradient_sync(reduce_every_micro_batch or i == len(micro_batches) - 1)
-        logits = model(batch.inputs.to(info.device))
-        micro_loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.to(info.device).flatten()) / len(micro_batches)
-        micro_loss.backward()
-        loss += micro_loss.detach()
-    with replicas.across_groups() if replicas is not None else contextlib.nullcontext():
-        if replicas is not None:
-            loss = replicas.reduce(model, loss)
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        before_update()
-        committed = replicas is None or replicas.commit()
-    if not committed:
-        optimizer.zero_grad(set_to_none=True)
-        raise StepDiscarded("the step did not commit in this replica group")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    reduced = torch.cat([loss.reshape(1), loss.new_tensor([drain_flag])])
-    dist.all_reduce(reduced)
-    total_loss, drain = reduced.tolist()
-    return total_loss / info.world_size, drain > 0
 
 
 def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo, events: EventLog) -> PeerState | None:
@@ -445,6 +391,9 @@ class Trainer:
         final save."""
         self.load()
         t, monitor, ckpt = self.cfg.training, self.monitor, self.ckpt
+        optimizer_step = OptimizerStep(self.model, self.optimizer, self.info, t.grad_clip,
+                                       reduce_every_micro_batch=self.gradient_reduce == "micro_batch",
+                                       before_update=ckpt.wait_staged, replicas=self.replicas)
         monitor.end_setup()
         try:
             while self.train_state.step < t.steps:
@@ -458,21 +407,17 @@ class Trainer:
                 with monitor.section("step"):
                     t0 = time.perf_counter()
                     micro_batches = self.stream.share(share.first_row, share.rows)
-                    staging_waits: list[float] = []  # counted in the save's ckpt_blocked, not as training
                     try:
-                        mean_loss, drain = train_step(self.model, self.optimizer, micro_batches,
-                                                      lr_at(step, self.cfg), t.grad_clip, self.info,
-                                                      self.drain_signal.flag, self.gradient_reduce == "micro_batch",
-                                                      lambda: staging_waits.append(ckpt.wait_staged()),
-                                                      self.replicas)
+                        result = optimizer_step.run(micro_batches, lr_at(step, self.cfg), self.drain_signal.flag)
                     except StepDiscarded:
                         self._discarded(step, time.perf_counter() - t0)
                         continue
-                    step_time = time.perf_counter() - t0 - sum(staging_waits)
+                    # a wait for a staging copy is counted in the save's ckpt_blocked, not as training
+                    step_time = time.perf_counter() - t0 - result.waited_s
                 self.stream.advance()
                 self.train_state.step = step
-                self.after_step(step, micro_batches, mean_loss, step_time)
-                if drain:
+                self.after_step(step, micro_batches, result.loss, step_time)
+                if result.drain:
                     with monitor.section("checkpoint"), (self.restart.unwatched() if self.restart is not None
                                                          else contextlib.nullcontext()):
                         self.drain(step, step_time, self.state)
