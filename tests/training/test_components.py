@@ -396,6 +396,30 @@ def test_a_resume_loads_the_newest_checkpoint_of_any_group_and_leaves_the_others
     assert [s for s, _ in committed_checkpoints(tmp_path / "group0")] == [30, 20, 10]  # left to its owner
 
 
+def test_a_checkpoint_the_other_group_prunes_while_it_is_read_gives_way_to_its_newer_one(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """The writing group saves and prunes on while a restarted group reads its newest checkpoint: the read
+    fails as the files vanish, and the search goes back to the newest, which the prune left."""
+    writer = CheckpointManager(tmp_path / "group0", mode="sync", keep=1, events=EventLog(tmp_path, "rank0"))
+    writer.save(10, {"w": torch.full((4,), 10.0)})
+    real_load, reads = manager.dcp.load, []
+
+    def load_while_the_writer_saves(state, checkpoint_id):
+        reads.append(checkpoint_id.name)
+        if len(reads) == 1:  # the writer commits step 20 and prunes step 10 mid-read
+            writer.save(20, {"w": torch.full((4,), 20.0)})
+        return real_load(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(manager.dcp, "load", load_while_the_writer_saves)
+    own = _manager(tmp_path, "sync", also_resume_from=[tmp_path / "group0"])
+    target = {"w": torch.zeros(4)}
+    loaded = own.load(target)
+    assert reads == ["step_00000010", "step_00000020"]
+    assert (loaded.step, loaded.path) == (20, tmp_path / "group0" / "step_00000020")
+    assert torch.equal(target["w"], torch.full((4,), 20.0))
+    assert "step_00000010 was pruned by its group while this one read it" in caplog.text
+
+
 # ---- NVRx's async writer (CUDA only), with NVRx's pieces replaced by fakes ------------------------
 
 

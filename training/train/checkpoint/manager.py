@@ -29,7 +29,7 @@ from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
 from training.train.agreement import every, first_found, from_rank0
 from training.train.checkpoint.fit import misfit
-from training.train.checkpoint.inspection import Damaged, inspect_checkpoint
+from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoint
 from training.train.checkpoint.layout import (GENERATION_FILE, BackgroundDeletion, SaveFenced, clean_up, commit,
                                               committed_checkpoints, current_generation, free_bytes, out_of_space,
                                               prune, remove_older_saves, save_dir_name, set_aside, set_aside_names,
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # CheckpointException derives from BaseException; DCP raises it on every rank when any rank failed.
 _SAVE_ERRORS = (Exception, CheckpointException)
+# A group's search for the newest checkpoint of any group, sent back by pruning while it read one (`load`).
+PRUNED_RESCANS = 5
 
 
 def _describe(err: BaseException) -> str:
@@ -68,6 +70,14 @@ class NoGeneration(RuntimeError):
 class CheckpointLoadError(RuntimeError):
     """An intact checkpoint could not be loaded (an I/O error, a timeout): the attempt fails, the checkpoint
     stays where it is, and a retry may load it."""
+
+
+class _PrunedWhileRead(Exception):
+    """Another group's checkpoint vanished while this group read it: its writer pruned it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
 
 
 class CheckpointMismatch(RuntimeError):
@@ -412,14 +422,29 @@ class CheckpointManager:
         what was loaded, or None when the directories never held a committed checkpoint.
 
         A checkpoint is set aside (`corrupt-…`, ckpt_fallback) and the previous one tried only on
-        evidence of damage (`inspect_checkpoint`); one in `also_resume_from` is skipped, left to its owner. Any other failure raises CheckpointLoadError and leaves the
-        checkpoint in place. `optional` names keys of `state` that a checkpoint written at another
+        evidence of damage (`inspect_checkpoint`); one in `also_resume_from` is skipped, left to its owner.
+        One there that its group pruned while this one read it (a newer save replaced it) sends the search
+        back to the newest, up to PRUNED_RESCANS times. Any other failure raises CheckpointLoadError and
+        leaves the checkpoint in place. `optional` names keys of `state` that a checkpoint written at another
         world size may lack (per-rank state): they are left as they are and reported in `missing`.
         If committed checkpoints exist (or were set aside) and none loads, FreshStartRefused, unless
         `allow_fresh_start`."""
+        for _ in range(PRUNED_RESCANS):
+            try:
+                return self._load_newest(state, optional, allow_fresh_start)
+            except _PrunedWhileRead as pruned:
+                self._log(f"checkpoint {pruned.path} was pruned by its group while this one read it (a newer save "
+                          "replaced it); looking for the newest again")
+        raise CheckpointLoadError(f"the other groups' checkpoints were pruned {PRUNED_RESCANS} times while being "
+                                  "read: their saves come faster than this group loads one; raise checkpoint.keep")
+
+    def _load_newest(self, state: dict[str, Any], optional: frozenset[str],
+                     allow_fresh_start: bool) -> Loaded | None:
         committed, damaged = from_rank0(lambda: (self._resumable(), set_aside_names(self.dir)))
         for i, (step, path) in enumerate(committed):
             found = from_rank0(lambda: inspect_checkpoint(path))
+            if not isinstance(found, Held):
+                self._unless_pruned(path)
             if isinstance(found, Damaged):
                 older = f"falling back to {committed[i + 1][1].name}" if i + 1 < len(committed) else "no older checkpoint"
                 own = path.parent == self.dir
@@ -437,6 +462,7 @@ class CheckpointManager:
             loadable = {k: v for k, v in state.items() if k not in missing}
             mismatch = first_found(lambda: misfit(loadable, path))
             if mismatch is not None:
+                self._unless_pruned(path)
                 raise CheckpointMismatch(
                     f"checkpoint {path} is intact but cannot be loaded into this run's model and optimizer "
                     f"({mismatch}); it was left in place. Restore the config it was written with (model.preset, "
@@ -444,6 +470,7 @@ class CheckpointManager:
             try:
                 dcp.load(loadable, checkpoint_id=path)
             except _SAVE_ERRORS as err:  # DCP raises on every rank when any rank fails
+                self._unless_pruned(path)
                 raise CheckpointLoadError(
                     f"checkpoint {path} is intact but could not be loaded ({_describe(err)}); it was left in "
                     "place: an I/O error or timeout may pass on the next attempt") from None
@@ -456,6 +483,12 @@ class CheckpointManager:
                     "checkpoint into that directory, or set checkpoint.allow_fresh_start=true to train from scratch")
             self._log(f"{none}; starting at step 0 as checkpoint.allow_fresh_start=true says")
         return None
+
+    def _unless_pruned(self, path: Path) -> None:
+        """After a failed read of `path`: _PrunedWhileRead if it is another group's and is gone (its group's
+        pruning renames it out of sight at once), on every rank alike."""
+        if path.parent != self.dir and from_rank0(lambda: not path.exists()):
+            raise _PrunedWhileRead(path)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _resumable(self) -> list[tuple[int, Path]]:
