@@ -24,6 +24,8 @@ from training_helpers import exit_code
     (["model.preset=70b"], "one of ['tiny', 'small', '1b', '8b']"),
     (["fault_tolerance.rendezvous_join_timeout_s=10"],
      "fault_tolerance.rendezvous_join_timeout_s=10.0 is not allowed: at least 60 seconds"),
+    (["fault_tolerance.rank_check_interval_s=0"],
+     "fault_tolerance.rank_check_interval_s=0.0 is not allowed: greater than 0 seconds"),
     (["fault_tolerance.rendezvous_last_call_s=-1"], "fault_tolerance.rendezvous_last_call_s=-1 is not allowed: 0 or more"),
     (["fault_tolerance.rendezvous_last_call_s=2.5"], "fault_tolerance.rendezvous_last_call_s=2.5: expected a whole number"),
     (["training.global_batch_size=0"], "training.global_batch_size=0 is not allowed: a positive multiple of "
