@@ -92,6 +92,8 @@ def launcher_ft_args(ft: FaultToleranceConfig, resume_step_file: str) -> list[st
         f"--ft-rank-section-timeouts={sections}",
         f"--ft-rank-out-of-section-timeout={ft.out_of_section_timeout}",
         f"--ft-safety-factor={ft.timeout_safety_factor}",
+        # NVRx 0.7.0 fault_tolerance/config.py: workload_check_interval, 5.0 s unless set; the rank monitor's
+        # loop (rank_monitor_server.py) sleeps that long between its checks of sections and heartbeats
         f"--ft-workload-check-interval={ft.rank_check_interval_s}",
     ]
 
