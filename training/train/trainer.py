@@ -422,7 +422,7 @@ class Trainer:
                                                          else contextlib.nullcontext()):
                         self.drain(step, step_time, self.state)
                 ckpt.after_step(self.state)
-                if ckpt.due(step):  # the section covers real saves only: NVRx learns its timeout from them
+                if ckpt.due(step):  # the section covers the interval's saves, not every step: NVRx learns from it
                     with monitor.section("checkpoint"):
                         self.checkpoint(step)
 
