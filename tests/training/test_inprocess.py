@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import gc
 import inspect
+import json
 import math
 import os
 import threading
@@ -171,6 +172,7 @@ class FakeRankMonitorClient:
 
     def __init__(self):
         self.section_timeouts = SimpleNamespace(section={"setup": 600.0, "step": 180.0, "checkpoint": 600.0})
+        self.calculated_sections: list[str] = []
 
     def init_workload_monitoring(self): pass
     def start_section(self, name): pass
@@ -180,12 +182,16 @@ class FakeRankMonitorClient:
 
     def calculate_and_set_section_timeouts(self, selected_sections, calc_out_of_section):
         self.section_timeouts.section.update({name: 0.05 for name in selected_sections})
+        self.calculated_sections = sorted(set(self.calculated_sections) | set(selected_sections))
 
     def state_dict(self):
-        return {self.CURRENT_TIMEOUTS_STATE_KEY: {"section": {"section": dict(self.section_timeouts.section)}}}
+        return {self.CURRENT_TIMEOUTS_STATE_KEY: {"section": {"section": dict(self.section_timeouts.section),
+                                                              "calculated_sections": list(self.calculated_sections)}}}
 
     def load_state_dict(self, state):
-        self.section_timeouts.section = dict(state[self.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"])
+        timeouts = state[self.CURRENT_TIMEOUTS_STATE_KEY]["section"]
+        self.section_timeouts.section = dict(timeouts["section"])
+        self.calculated_sections = list(timeouts["calculated_sections"])
 
 
 def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monkeypatch):
@@ -216,9 +222,12 @@ def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monke
             time.sleep(0.1)  # no second report for the same hang
     [(section, open_s, timeout)] = reports
     assert (section, timeout) == ("step", 0.05) and open_s > 0.05
-    # the next iteration's calculation counts its warm-up after the restart: the tighter one holds
-    watch.calculated({"step": 52.0})
-    with watch.watching(lambda *late: reports.append(late)), monitor.section("step"):
+    # the next iteration resumes from the rollback: its monitor loads the learned timeouts, not the floor
+    assert json.loads(monitor.state_dict())["current_timeouts"]["section"]["section"]["step"] == 0.05
+    resumed = RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode, HangWatch(interval_s=0.01))
+    resumed.load_state_dict(monitor.state_dict())
+    assert resumed._client.section_timeouts.section["step"] == 90 + HANG_FLOOR_MARGIN_S
+    with resumed._watch.watching(lambda *late: reports.append(late)), resumed.section("step"):
         deadline = time.monotonic() + 10
         while len(reports) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)

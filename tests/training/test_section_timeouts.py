@@ -7,6 +7,7 @@ the rank in a forked child with NVRx's RankMonitorServer beside it, and NVRx's o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -20,11 +21,13 @@ from nvidia_resiliency_ext.fault_tolerance.rank_monitor_server import RankMonito
 
 from training.contract.config import CheckpointMode, FaultToleranceConfig
 from training.contract.launcher import section_timeouts
+from training.train.hang_watch import HangWatch
 from training.train.monitor import RankMonitor
 
 QUICK_S = 0.01  # a step, an async save's hand-off
 WAIT_S = 1.5  # a wait for the save in flight: thirty times the quick one, far below the configured 600 s
 FT = FaultToleranceConfig(calculate_timeouts_after=3)
+HANG_SEEN = 5
 
 
 @pytest.fixture()
@@ -42,16 +45,18 @@ def rank_monitor(tmp_path: Path):
 
 
 def _rank(socket_path: str, mode: CheckpointMode, load: str | None, wait_s: float, state_file: Path,
-          wait_in: str = "checkpoint", across_groups: bool = False) -> int:
+          wait_in: str = "checkpoint", across_groups: bool = False, ft: FaultToleranceConfig = FT) -> int:
     """Fork a rank: quick steps and saves past calculate_timeouts_after, then one wait of `wait_s` in section
     `wait_in` (`across_groups`: within it, outside it, as ReplicaGroups.across_groups puts the waits for other
-    groups); it writes its monitor's state to `state_file`. Its exit code, or minus the signal that killed it."""
+    groups); it writes its monitor's state to `state_file`. Its exit code (HANG_SEEN: restart=both's hang watch
+    found the wait overdue), or minus the signal that killed it."""
     pid = os.fork()
     if pid == 0:
         try:
             os.environ.update(FT_RANK_MONITOR_IPC_SOCKET=socket_path, RANK="0")
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            monitor = RankMonitor(FT, mode)
+            watch = HangWatch() if ft.restart == "both" else None
+            monitor = RankMonitor(ft, mode, watch)
             if load is not None:
                 monitor.load_state_dict(load)
             monitor.end_setup()
@@ -64,8 +69,9 @@ def _rank(socket_path: str, mode: CheckpointMode, load: str | None, wait_s: floa
             state_file.write_text(monitor.state_dict())
             with monitor.section(wait_in), monitor.outside(wait_in) if across_groups else contextlib.nullcontext():
                 time.sleep(wait_s)
+                overdue = watch is not None and watch.overdue() is not None
             monitor.shutdown()
-            os._exit(0)
+            os._exit(HANG_SEEN if overdue else 0)
         finally:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
@@ -104,3 +110,17 @@ def test_with_replica_groups_a_step_waiting_for_another_group_outlives_the_learn
     assert _timeouts(inside)["step"] < 1
     assert _rank(rank_monitor, "async", None, WAIT_S, outside, wait_in="step", across_groups=True) == 0
     assert _timeouts(outside)["step"] < 1
+
+
+def test_under_restart_both_a_resumed_rank_learns_the_timeouts_injob_would_and_its_watch_applies_them(
+        rank_monitor, tmp_path):
+    # restart=both raises the launcher's timeouts above the Wrapper's hard timeout. NVRx merges a new calculation
+    # with the current timeouts: were those the floor, a rank resumed from the rollback or a checkpoint learned
+    # half the floor (50 s), and a hang waited that long in the watch instead of injob's few seconds
+    both = dataclasses.replace(FT, restart="both")
+    first, resumed = tmp_path / "first.json", tmp_path / "resumed.json"
+    assert _rank(rank_monitor, "async", None, 0, first, ft=both) == 0
+    assert _timeouts(first)["step"] < 1  # what checkpoints hold: the learned timeout, not the floor
+    # a step open for WAIT_S: past the learned timeout, the watch reports it; the launcher's floor spares the rank
+    assert _rank(rank_monitor, "async", first.read_text(), WAIT_S, resumed, wait_in="step", ft=both) == HANG_SEEN
+    assert _timeouts(resumed)["step"] < 1

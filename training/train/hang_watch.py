@@ -6,8 +6,8 @@ Why: under restart=both the launcher's calculated timeouts are raised above the 
 peers would learn of it only from gloo's timeout. This watch compares the open section with its calculated
 timeout and, past it, reports once per iteration; the report (training.train.inprocess) records a soft-timeout
 interruption in the Wrapper's store, and every rank restarts in-process. Cost: one thread per rank that wakes
-every WATCH_INTERVAL_S. The timeouts are the process's: the tightest each iteration calculated after
-calculate_timeouts_after steps; an iteration's first steps are watched by the previous iterations' calculation.
+every WATCH_INTERVAL_S. The timeouts are those injob's launcher would apply: learned from observed timings
+(training.train.monitor.RankMonitor), kept in checkpoints and the rollback, merged with each iteration's timings.
 """
 from __future__ import annotations
 
@@ -30,14 +30,10 @@ class HangWatch:
         self._open: tuple[str, float] | None = None  # (section, time.monotonic() it opened)
         self._paused = 0
 
-    def calculated(self, timeouts: dict[str, float | None]) -> None:
-        """The rank monitor's timeouts as calculated from observed timings, before any floor. The tightest
-        calculation of the process holds: each iteration's counts its first steps after the restart, whose
-        warm-up (a rebuilt model, optimizer and process groups) made them several times the one before, and
-        a hang would then wait out gloo's timeout instead."""
-        for name, timeout in timeouts.items():
-            if timeout is not None:
-                self._timeouts[name] = min(timeout, self._timeouts.get(name, timeout))
+    def learned(self, timeouts: dict[str, float | None]) -> None:
+        """The rank monitor's learned timeouts, before any floor: loaded with a checkpoint or the in-memory
+        rollback, then merged by NVRx with each iteration's new calculation, as injob's launcher holds them."""
+        self._timeouts.update({name: timeout for name, timeout in timeouts.items() if timeout is not None})
 
     def opened(self, section: str) -> None:
         self._open = (section, time.monotonic())

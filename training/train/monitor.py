@@ -10,6 +10,7 @@ without ft_launcher. The sections and rules: docs/training.md, "Section timeouts
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -34,8 +35,11 @@ class RankMonitor:
         self._floor = section_timeout_floor(cfg)
         # the sections whose timeouts are learned from observed timings (the module's docstring: why not async's)
         self._mode = checkpoint_mode
-        self._learned = ("step", "checkpoint") if checkpoint_mode == "sync" else ("step",)
+        self._learned_sections = ("step", "checkpoint") if checkpoint_mode == "sync" else ("step",)
         self._client: Any = None
+        # NVRx's state as learned or loaded, before the floor: what checkpoints hold and what the next
+        # calculation merges with, so a run under restart=both learns the timeouts a run under injob would
+        self._learned: dict[str, Any] | None = None
         self._steps_seen = 0
         self._calculated = False
         self._observed: set[str] = set()
@@ -97,27 +101,32 @@ class RankMonitor:
         self._client.send_heartbeat()
         self._steps_seen += 1
         if not self._calculated and self._steps_seen >= self._cfg.calculate_timeouts_after:
-            selected = [s for s in self._learned if s in self._observed]
+            if self._learned is not None:  # NVRx merges the new timings with the current timeouts: not the floor
+                self._client.load_state_dict(self._learned)
+            selected = [s for s in self._learned_sections if s in self._observed]
             self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
             self._calculated = True
-            if self._watch is not None:  # before the restart floor: the Wrapper applies what injob's launcher would
-                self._watch.calculated({s: self._client.section_timeouts.section.get(s) for s in selected})
-            self._correct_timeouts()
+            self._apply_rules()
             log.info("NVRx section timeouts calculated: %s", self._client.section_timeouts.section)
 
-    def _correct_timeouts(self) -> None:
-        """Put back the configured timeout of a section this run does not learn, raise section timeouts
-        below the floor (`section_timeout_floor`) to it, and say so."""
+    def _apply_rules(self) -> None:
+        """Put back the configured timeout of a section this run does not learn, keep the result as learned
+        (and hand it to the hang watch: the Wrapper applies what injob's launcher would), then raise section
+        timeouts below the floor (`section_timeout_floor`) to it, and say so."""
         state = self._client.state_dict()
         timeouts = state[self._client.CURRENT_TIMEOUTS_STATE_KEY].get("section", {})
         sections = timeouts.get("section", {})
         # NVRx 0.7.0 SectionTimeouts (fault_tolerance/data.py): `section` by name, `calculated_sections` the
         # learned ones; RankMonitorClient.state_dict/load_state_dict carry both
+        calculated = timeouts.get("calculated_sections", ())
         unlearned = {name: t for name, t in sections.items()
-                     if name in timeouts.get("calculated_sections", ()) and name not in self._learned}
+                     if name in calculated and name not in self._learned_sections}
         for name in unlearned:
             sections[name] = section_timeouts(self._cfg)[name]
-            timeouts["calculated_sections"].remove(name)
+            calculated.remove(name)
+        self._learned = copy.deepcopy(state)
+        if self._watch is not None:
+            self._watch.learned({name: sections.get(name) for name in calculated})
         low = {name: t for name, t in sections.items() if t is not None and t < self._floor}
         sections.update({name: self._floor for name in low})
         if not (unlearned or low):
@@ -126,7 +135,7 @@ class RankMonitor:
         if unlearned:
             log.warning("NVRx section timeouts %s learned earlier put back to their configured values: with "
                         "checkpoint.mode=%s only %s are learned", {n: round(t, 2) for n, t in unlearned.items()},
-                        self._mode, "/".join(self._learned))
+                        self._mode, "/".join(self._learned_sections))
         if not low:
             return
         log.warning("NVRx section timeouts %s raised to %.0f s: with restart=%s the in-process Wrapper's hard "
@@ -136,13 +145,15 @@ class RankMonitor:
 
     def state_dict(self) -> str:
         """JSON text: identical on every rank, stored in the checkpoint as one value."""
-        return json.dumps(self._client.state_dict() if self._client is not None else {})
+        if self._client is None:
+            return json.dumps({})
+        return json.dumps(self._learned if self._learned is not None else self._client.state_dict())
 
     def load_state_dict(self, text: str) -> None:
         state = json.loads(text)
         if self._client is not None and state:
             self._client.load_state_dict(state)
-            self._correct_timeouts()  # the checkpoint may come from a run with restart=injob
+            self._apply_rules()  # the checkpoint may come from a run in another checkpoint mode
 
     def shutdown(self) -> None:
         if self._client is not None:
