@@ -19,14 +19,14 @@ from training.pod.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = '''
-import json, os, sys, time
+import gc, json, os, sys, time
 mode, arg = sys.argv[1], sys.argv[2]
 if mode == "report":
     import torch
     print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "argv": sys.argv[1:],
                       "cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"),
                       "threads": torch.get_num_threads(), "file": __file__, "umask": os.umask(0),
-                      "cpus": sorted(os.sched_getaffinity(0))}))
+                      "cpus": sorted(os.sched_getaffinity(0)), "frozen": gc.get_freeze_count()}))
     sys.exit(int(arg))
 import subprocess
 helper = subprocess.Popen(["sleep", "120"])  # a process the worker started, as DataLoader workers are
@@ -96,6 +96,9 @@ def test_worker_is_forked_from_the_template_with_the_stubs_argv_env_cwd_and_exit
     assert seen["marker"] == "from-the-stub"
     assert seen["threads"] == 1  # OMP_NUM_THREADS of the stub, not of the template
     assert seen["umask"] == 0o027 and seen["cpus"] == sorted(cpus)
+    # the template's imports are frozen: a full collection in the worker (the Wrapper's at every in-process
+    # restart) does not walk torch's and NVRx's objects
+    assert seen["frozen"] > 100_000
 
 
 def test_the_preloaded_training_module_runs_as_main_like_python_m(template, tmp_path):
