@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.inprocess.attribution import Interruption, InterruptionRecord
 from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperIterationStore
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -37,6 +38,7 @@ from training.train.coordination import Coordination, WrapperStore
 from training.train.hang_watch import HangWatch
 from training.train.inprocess import (FaultLog, RestartBudget, _peer_lost, lost_ranks_watch, make_wrapper,
                                       wrapper_kwargs)
+from training.train import inprocess as inprocess_module
 from training.train.lost_ranks import LostRanks
 from training.train.monitor import RankMonitor
 from training.train import rollback as rollback_module
@@ -236,7 +238,7 @@ def test_a_hang_under_the_wrapper_is_caught_at_the_calculated_step_timeout(monke
 
 def _wrapper_run(cfg, setup_failure: BaseException) -> None:
     """One rank under the Wrapper, `training.train.run` with its checkpoint manager failing; prints the outcome."""
-    from training.train import inprocess as inprocess_module, trainer
+    from training.train import trainer
 
     class Failing:
         @classmethod
@@ -355,6 +357,24 @@ def test_launcher_restarts_what_the_wrapper_cannot_handle_in_every_mode():
 ])
 def test_a_collective_broken_by_a_peer_counts_as_a_lost_peer(message, peers):
     assert _peer_lost(RuntimeError(message)) is peers
+
+
+@pytest.mark.parametrize("recorded, waits", [(True, True), (False, False)])
+def test_a_rank_waits_for_its_interrupt_only_where_a_peer_aborted(recorded, waits, monkeypatch):
+    # a peer's abort comes after some rank's interruption is recorded: the rank waits for its own interrupt
+    # (raising first made it land in the Wrapper's handler); a lost node records nothing and nothing is coming
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    base = WrapperStore("127.0.0.1", port, "training/r/cycle0/wrapper")
+    if recorded:
+        WrapperIterationStore(0, base).record_interrupted([InterruptionRecord(2, Interruption.EXCEPTION)])
+    clock = SimpleNamespace(now=0.0, monotonic=lambda: clock.now, sleep=lambda s: setattr(clock, "now", clock.now + s))
+    monkeypatch.setattr(inprocess_module, "time", clock)
+    reports = []
+    inprocess_module._handle_failure(lambda wrapper, err: reports.append(err),
+                                     SimpleNamespace(iteration=0, base_store=base),
+                                     RuntimeError("Read error [127.0.0.1]:41613: Connection reset by peer"))
+    assert len(reports) == 1 and (clock.now >= inprocess_module.PEER_ABORT_WAIT) is waits
 
 
 # ---- the in-memory rollback ---------------------------------------------------------------------

@@ -297,12 +297,14 @@ def _handle_failure(report: _FaultReporter, call_wrapper: inprocess.CallWrapper,
     would cut the report short, and landing inside the Wrapper's own handling of `err` (a peer's
     abort broke our collective before our monitor noticed) makes the Wrapper fail with
     InternalError instead of restarting. So a rank whose peer's abort broke its collective waits
-    here for its own interrupt, a few monitor intervals at most."""
+    here for its own interrupt, a few monitor intervals at most. A peer aborts only after some rank's
+    interruption is recorded: with none recorded the peer died (a lost node), no interrupt is on its
+    way before this rank's own record, and the rank raises at once."""
     reported = False
     try:
         report(call_wrapper, err)
         reported = True
-        if _peer_lost(err):
+        if _peer_lost(err) and _interruption_records(call_wrapper):
             deadline = time.monotonic() + PEER_ABORT_WAIT
             while time.monotonic() < deadline:
                 time.sleep(0.01)  # an asynchronous exception lands between two calls, not inside one
