@@ -9,7 +9,8 @@ import pytest
 from training.local import cluster as local
 from training.pod import launch, store
 from training.train import trainer as train
-from training.contract.config import TrainConfig, TrainConfigError, load_train_config
+from training.contract.config import (CheckpointConfig, FaultToleranceConfig, ParallelConfig, TrainConfig,
+                                      TrainConfigError, load_train_config)
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.faults import KINDS, FaultSpecError, parse_fault, parse_faults
 from training_helpers import exit_code
@@ -38,6 +39,18 @@ from training_helpers import exit_code
 def test_bad_config_values_are_named(overrides, message):
     with pytest.raises(TrainConfigError) as err:
         load_train_config(None, overrides)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: FaultToleranceConfig(max_restarts=-1), "fault_tolerance.max_restarts=-1 is not allowed: 0 or more"),
+    (lambda: CheckpointConfig(mode="fast"), "checkpoint.mode='fast' is not allowed: one of ['sync', 'async', 'off']"),
+    (lambda: dataclasses.replace(ParallelConfig(), quorum_timeout_s=0.5),
+     "parallel.quorum_timeout_s=0.5 is not allowed: more than heartbeat_timeout_s (1.0)"),
+])
+def test_a_section_made_in_code_is_held_to_the_files_rules(make, message):
+    with pytest.raises(TrainConfigError) as err:
+        make()
     assert message in str(err.value)
 
 

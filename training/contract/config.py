@@ -76,8 +76,30 @@ def _doc(default: Any, text: str) -> Any:
     return field(default=default, metadata={"doc": text})
 
 
+def _refuse(key: str, value: Any, allowed: str) -> typing.NoReturn:
+    """A refused value, in one line: the key, its value and what is allowed."""
+    raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+class _Section:
+    """A config section: it checks itself when built (its keys' choices, then its own rules), so a section
+    made in code is held to the same rules as one loaded from a file."""
+    SECTION: typing.ClassVar[str]  # its name in the config file
+
+    def __post_init__(self) -> None:
+        for key in _keys(self, f"{self.SECTION}."):
+            allowed = _choices(key.hint)
+            if allowed and key.value not in allowed:
+                _refuse(key.name, key.value, f"one of {[v for v in allowed if v is not None]}")
+        self.validate()
+
+    def validate(self) -> None:
+        """The section's rules beyond its keys' types and choices; a TrainConfigError names the first broken."""
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
+    SECTION = "model"
     source: ModelSource = _doc("preset", "preset: a built-in Llama-style model (model.preset); huggingface: a causal "
                                          "LM from the local directory model.path, built with transformers from its "
                                          "config.json (never downloaded), trained from its *.safetensors if any")
@@ -86,9 +108,17 @@ class ModelConfig:
     path: str | None = _doc(None, "source=huggingface: the model's directory, e.g. /fsx/models/<name>: config.json, "
                                   "optional *.safetensors (pretrained weights, loaded at step 0) and tokenizer files")
 
+    def validate(self) -> None:
+        if self.source == "huggingface" and not self.path:
+            _refuse("model.path", self.path, "the Hugging Face model's directory (config.json, optional "
+                    "*.safetensors) with model.source=huggingface")
+        if self.source == "preset" and self.path is not None:
+            _refuse("model.path", self.path, "null with model.source=preset (a path is read with source=huggingface)")
+
 
 @dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(_Section):
+    SECTION = "training"
     steps: int = _doc(200, "optimizer steps of the whole run")
     batch_size: int = _doc(4, "sequences per data-parallel rank per forward and backward pass (a micro-batch)")
     global_batch_size: int | None = _doc(None, "Sequences per optimizer step, kept at any world size that can reach "
@@ -149,16 +179,42 @@ class TrainingConfig:
         """Sequences per optimizer step at `world_size`."""
         return world_size * self.batch_size * self.accumulation_steps(world_size)
 
+    def validate(self) -> None:
+        for key in ("steps", "batch_size", "seq_len"):
+            if getattr(self, key) < 1:
+                _refuse(f"training.{key}", getattr(self, key), "at least 1")
+        if self.global_batch_size is not None and (self.global_batch_size < 1
+                                                   or self.global_batch_size % self.batch_size):
+            below = self.batch_size * max(self.global_batch_size // self.batch_size, 1)
+            _refuse("training.global_batch_size", self.global_batch_size,
+                    f"a positive multiple of training.batch_size ({self.batch_size}), which each rank's micro-batches "
+                    f"fill, e.g. {below} or {below + self.batch_size}; or null (world size x batch_size)")
+        if not self.lr > 0:
+            _refuse("training.lr", self.lr, "greater than 0")
+        if self.warmup_steps < 0:
+            _refuse("training.warmup_steps", self.warmup_steps, "0 or more")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
+            _refuse("training.lr_decay_steps", self.lr_decay_steps, f"more than training.warmup_steps "
+                    f"({self.warmup_steps}): the decay follows the warmup; or null (training.steps)")
+        if self.weight_decay < 0:
+            _refuse("training.weight_decay", self.weight_decay, "0 or more")
+        if self.grad_clip < 0:
+            _refuse("training.grad_clip", self.grad_clip, "0 (off) or more")
+        if not self.collective_timeout_s > 0:
+            _refuse("training.collective_timeout_s", self.collective_timeout_s, "greater than 0")
+
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Section):
+    SECTION = "data"
     path: str | None = _doc(None, "pre-tokenized uint16/uint32 .bin file (`python -m training.data prepare`); "
                                   "null: synthetic tokens")
     dtype: DataDtype | None = _doc(None, "token width of the file at `path`; null: its sidecar's, else uint16")
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(_Section):
+    SECTION = "checkpoint"
     dir: str | None = _doc(None, "null: <run_dir>/checkpoints")
     interval: int = _doc(20, "steps between saves")
     mode: CheckpointMode = _doc("async", "how a checkpoint is written: sync blocks the step, async saves in the "
@@ -175,6 +231,12 @@ class CheckpointConfig:
                                                  "replica groups' (TrainConfig.for_group sets them), since one "
                                                  "group writes each checkpoint.")
 
+    def validate(self) -> None:
+        if self.interval < 1:
+            _refuse("checkpoint.interval", self.interval, "at least 1 step")
+        if self.keep < 1:
+            _refuse("checkpoint.keep", self.keep, "at least 1 (the newest complete checkpoint is never deleted)")
+
 
 # Shared by the docs of a group of keys.
 _RANK_MONITOR = ("An NVRx rank monitor timeout in seconds, generous until observed timings exist: after "
@@ -185,7 +247,8 @@ _INPROCESS = ("In-process restart (restart=both; training.train.inprocess); both
 
 
 @dataclass(frozen=True)
-class FaultToleranceConfig:
+class FaultToleranceConfig(_Section):
+    SECTION = "fault_tolerance"
     restart: RestartMode = _doc("injob", "who restarts after a fault: injob (the default: ft_launcher restarts the "
                                          "worker group) or both (the Wrapper restarts the ranks in their processes "
                                          "first; what it cannot handle, ft_launcher); NVRx 0.7.0's release notes call "
@@ -249,11 +312,76 @@ class FaultToleranceConfig:
         progress tracker)."""
         return 0 if self.max_restarts == 0 else self.max_restarts_total
 
+    def __post_init__(self) -> None:
+        if self.restart == "inprocess":  # retired: say what replaced it, not only what is allowed
+            _refuse("fault_tolerance.restart", "inprocess", "one of ['injob', 'both'] (both: the Wrapper restarts "
+                    "the ranks in their processes first, then ft_launcher restarts the worker group)")
+        super().__post_init__()
+
+    def validate(self) -> None:
+        self._validate_budgets()
+        self._validate_rank_monitor()
+        if not self.drain_timeout_s > 0:
+            _refuse("fault_tolerance.drain_timeout_s", self.drain_timeout_s, "greater than 0 seconds")
+        if not self.rendezvous_join_timeout_s >= 60:
+            _refuse("fault_tolerance.rendezvous_join_timeout_s", self.rendezvous_join_timeout_s,
+                    "at least 60 seconds (a round must outlast a node's restart)")
+        if self.rendezvous_last_call_s is not None and self.rendezvous_last_call_s < 0:
+            _refuse("fault_tolerance.rendezvous_last_call_s", self.rendezvous_last_call_s, "0 or more whole seconds "
+                    "(0: spares are taken at once), or null (derived from the worker-stop timeout)")
+        self._validate_inprocess()
+
+    def _validate_budgets(self) -> None:
+        if self.max_restarts < 0:
+            _refuse("fault_tolerance.max_restarts", self.max_restarts, "0 or more")
+        if self.max_restarts_total < self.max_restarts:
+            _refuse("fault_tolerance.max_restarts_total", self.max_restarts_total,
+                    f"at least max_restarts ({self.max_restarts}): it caps every restart, with progress or not")
+        if self.inprocess_max_restarts < 0:
+            _refuse("fault_tolerance.inprocess_max_restarts", self.inprocess_max_restarts, "0 or more")
+
+    def _validate_rank_monitor(self) -> None:
+        for key in ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "setup_section_timeout",
+                    "step_section_timeout", "checkpoint_section_timeout", "out_of_section_timeout"):
+            if not getattr(self, key) > 0:
+                _refuse(f"fault_tolerance.{key}", getattr(self, key), "greater than 0 seconds")
+        if not self.rank_check_interval_s > 0:
+            _refuse("fault_tolerance.rank_check_interval_s", self.rank_check_interval_s, "greater than 0 seconds")
+        if self.initial_rank_heartbeat_timeout < self.rank_heartbeat_timeout:
+            raise TrainConfigError(
+                f"fault_tolerance.initial_rank_heartbeat_timeout ({self.initial_rank_heartbeat_timeout}) must be at "
+                f"least rank_heartbeat_timeout ({self.rank_heartbeat_timeout}): the first heartbeat comes after "
+                "setup, which is slower than a step")
+        if self.checkpoint_section_timeout < self.step_section_timeout:
+            raise TrainConfigError(
+                f"fault_tolerance.checkpoint_section_timeout ({self.checkpoint_section_timeout}) must be at least "
+                f"step_section_timeout ({self.step_section_timeout}): a save never takes less than a step")
+        if self.calculate_timeouts_after < 1:
+            _refuse("fault_tolerance.calculate_timeouts_after", self.calculate_timeouts_after, "at least 1 step")
+        if self.timeout_safety_factor < 1:
+            _refuse("fault_tolerance.timeout_safety_factor", self.timeout_safety_factor, "1 or more")
+
+    def _validate_inprocess(self) -> None:
+        if not 0 < self.inprocess_soft_timeout < self.inprocess_hard_timeout:
+            raise TrainConfigError(
+                f"fault_tolerance.inprocess_soft_timeout ({self.inprocess_soft_timeout}) must be greater than 0 and "
+                f"less than inprocess_hard_timeout ({self.inprocess_hard_timeout}): the Wrapper first tries to "
+                "interrupt a hung rank, then kills it")
+        if self.restart == "injob":
+            return
+        for key in ("step_section_timeout", "out_of_section_timeout", "rank_heartbeat_timeout"):
+            if not self.inprocess_hard_timeout < getattr(self, key):
+                raise TrainConfigError(
+                    f"fault_tolerance.inprocess_hard_timeout ({self.inprocess_hard_timeout}) must be less than "
+                    f"{key} ({getattr(self, key)}) with restart={self.restart}: otherwise the launcher's rank "
+                    "monitor kills a hung rank before the Wrapper can restart it in-process")
+
 
 @dataclass(frozen=True)
-class PeerStateConfig:
+class PeerStateConfig(_Section):
     """Each rank's state in its node's memory and on the next `replicas` nodes (training.train.peer_state):
     after a lost node, its ranks' shards come from their partners, not from the FSx checkpoint."""
+    SECTION = "peer_state"
     enabled: bool = _doc(False, "keep copies of each rank's state in node memory")
     interval: int | None = _doc(None, "The most steps a lost node costs: a copy every interval // 2 + 1 steps, each "
                                       "acknowledged by the partners within the rest (training waits for it there). "
@@ -263,12 +391,19 @@ class PeerStateConfig:
     replicas: int = _doc(1, "other nodes holding a copy of each rank's state")
     memory_dir: str | None = _doc(None, "null: $TRAINING_NODE_MEMORY, else /dev/shm/training-peer-state")
 
+    def validate(self) -> None:
+        if self.interval is not None and self.interval < 1:
+            _refuse("peer_state.interval", self.interval, "at least 1 step, or null (chosen from the measured cost)")
+        if self.replicas < 1:
+            _refuse("peer_state.replicas", self.replicas, "at least 1 (other nodes holding each rank's copy)")
+
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(_Section):
     """Replica groups (HSDP on torchft, training.train.replica_groups): FSDP2 shards the model within a
     group, torchft's Manager sums the groups' gradients every step through a Lighthouse, and a group that
     fails leaves the quorum while the others train on."""
+    SECTION = "parallel"
     replica_groups: int = _doc(1, "R: groups of whole nodes, each a full copy of the model sharded over its own "
                                   "ranks (its world size is theirs). 1: plain FSDP2 over every rank, as without "
                                   "this section. R >= 2 needs torchft 0.2.0; training.global_batch_size is then "
@@ -305,18 +440,48 @@ class ParallelConfig:
         return {"min_replicas": 1, "join_timeout_ms": int(self.join_timeout_s * 1000),
                 "heartbeat_timeout_ms": int(self.heartbeat_timeout_s * 1000)}
 
+    def validate(self) -> None:
+        if self.replica_groups < 1:
+            _refuse("parallel.replica_groups", self.replica_groups, "1 (plain FSDP2) or more (replica groups on "
+                    "torchft)")
+        for key in ("step_timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s",
+                    "node_pulse_timeout_s"):
+            if not getattr(self, key) > 0:
+                _refuse(f"parallel.{key}", getattr(self, key), "greater than 0 seconds")
+        if self.node_pulse_timeout_s < 2:
+            _refuse("parallel.node_pulse_timeout_s", self.node_pulse_timeout_s,
+                    "at least 2 seconds: four of a node's beats, 0.5 s apart")
+        if self.quorum_timeout_s <= self.heartbeat_timeout_s:
+            _refuse("parallel.quorum_timeout_s", self.quorum_timeout_s, f"more than heartbeat_timeout_s "
+                    f"({self.heartbeat_timeout_s}): the quorum after a group dies forms once its heartbeats are "
+                    "that old")
+
+    def validate_with(self, t: TrainingConfig) -> None:
+        """The rule across sections: the groups can share training.global_batch_size."""
+        if self.replica_groups > 1 and t.global_batch_size is not None:
+            problem = split_problem(t.global_batch_size // t.batch_size, self.replica_groups)
+            if problem:
+                _refuse("parallel.replica_groups", self.replica_groups, f"training.global_batch_size="
+                        f"{t.global_batch_size} in micro-batches of {t.batch_size}: {problem}")
+
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(_Section):
+    SECTION = "logging"
     log_interval: int = _doc(10, "steps between progress lines (rank 0)")
     sample_log: bool = _doc(False, "Each rank appends the global sample indices of every step to "
                                    "<run_dir>/samples/rank<R>.jsonl (tests check that a resumed run consumes every "
                                    "sample exactly once).")
 
+    def validate(self) -> None:
+        if self.log_interval < 1:
+            _refuse("logging.log_interval", self.log_interval, "at least 1 step")
+
 
 @dataclass(frozen=True)
-class MetricsConfig:
+class MetricsConfig(_Section):
     """Rank 0's Prometheus endpoint (training.train.metrics) and MFU (training.contract.flops)."""
+    SECTION = "metrics"
     port: int = _doc(0, "http://<rank 0>:port/metrics; 0: off. The EKS Job's pods carry the scrape annotations for it.")
     gpu_peak_tflops: float | None = _doc(None, "Dense bf16 peak TFLOPs of one GPU, the denominator of MFU; null: no "
                                                "MFU (a CPU run, or a GPU whose peak is not known). The k8s chart fills "
@@ -324,6 +489,14 @@ class MetricsConfig:
     event_log_refresh_s: float = _doc(30.0, "The goodput, restart and checkpoint figures re-read the event log "
                                             "(training.report.goodput) at most this often: a weeks-long log takes "
                                             "a while to read, and a scrape every 30-60 s needs no fresher figures.")
+
+    def validate(self) -> None:
+        if not (self.port == 0 or 1024 <= self.port <= 65535):
+            _refuse("metrics.port", self.port, "0 (off) or a TCP port from 1024 to 65535")
+        if self.gpu_peak_tflops is not None and not self.gpu_peak_tflops > 0:
+            _refuse("metrics.gpu_peak_tflops", self.gpu_peak_tflops, "greater than 0, or null (no MFU)")
+        if self.event_log_refresh_s < 0:
+            _refuse("metrics.event_log_refresh_s", self.event_log_refresh_s, "0 (every scrape) or more seconds")
 
 
 @dataclass(frozen=True)
@@ -344,8 +517,10 @@ class TrainConfig:
                                                  "true. The k8s Job sets it from `k8s/main.py "
                                                  "--allow-destructive-faults`.")
 
-    def __post_init__(self) -> None:
-        _validate(self)
+    def __post_init__(self) -> None:  # each section has checked itself when it was built
+        if not self.run_dir:
+            _refuse("run_dir", self.run_dir, "a directory path")
+        self.parallel.validate_with(self.training)
 
     def for_group(self, group: int) -> "TrainConfig":
         """Replica group `group`'s config: its own run directory, and its own checkpoint directory (inside
@@ -511,7 +686,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
         hint = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:  # read as its values' type; _validate checks the value is one of them
+    if origin is Literal:  # read as its values' type; _Section checks the value is one of them
         hint, origin = type(args[0]), None
     if origin is tuple:
         if isinstance(value, str):
@@ -541,135 +716,3 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             raise TrainConfigError(f"{key}={value!r}: expected a string")
         return str(value)
     raise TrainConfigError(f"{key}: unsupported type {hint}")
-
-
-def _validate(c: TrainConfig) -> None:
-    def fail(key: str, value: Any, allowed: str) -> None:
-        raise TrainConfigError(f"{key}={value!r} is not allowed: {allowed}")
-
-    if c.fault_tolerance.restart == "inprocess":
-        fail("fault_tolerance.restart", "inprocess", "one of ['injob', 'both'] (both: the Wrapper restarts the "
-             "ranks in their processes first, then ft_launcher restarts the worker group)")
-    for key in _keys(c):
-        allowed = _choices(key.hint)
-        if allowed and key.value not in allowed:
-            fail(key.name, key.value, f"one of {[v for v in allowed if v is not None]}")
-    if c.model.source == "huggingface" and not c.model.path:
-        fail("model.path", c.model.path, "the Hugging Face model's directory (config.json, optional *.safetensors) "
-             "with model.source=huggingface")
-    if c.model.source == "preset" and c.model.path is not None:
-        fail("model.path", c.model.path, "null with model.source=preset (a path is read with source=huggingface)")
-    t = c.training
-    for key in ("steps", "batch_size", "seq_len"):
-        if getattr(t, key) < 1:
-            fail(f"training.{key}", getattr(t, key), "at least 1")
-    if t.global_batch_size is not None and (t.global_batch_size < 1 or t.global_batch_size % t.batch_size):
-        below = t.batch_size * max(t.global_batch_size // t.batch_size, 1)
-        fail("training.global_batch_size", t.global_batch_size,
-             f"a positive multiple of training.batch_size ({t.batch_size}), which each rank's micro-batches fill, "
-             f"e.g. {below} or {below + t.batch_size}; or null (world size x batch_size)")
-    if not t.lr > 0:
-        fail("training.lr", t.lr, "greater than 0")
-    if t.warmup_steps < 0:
-        fail("training.warmup_steps", t.warmup_steps, "0 or more")
-    if t.lr_decay_steps is not None and t.lr_decay_steps <= t.warmup_steps:
-        fail("training.lr_decay_steps", t.lr_decay_steps, f"more than training.warmup_steps ({t.warmup_steps}): the "
-             "decay follows the warmup; or null (training.steps)")
-    if t.weight_decay < 0:
-        fail("training.weight_decay", t.weight_decay, "0 or more")
-    if t.grad_clip < 0:
-        fail("training.grad_clip", t.grad_clip, "0 (off) or more")
-    if not t.collective_timeout_s > 0:
-        fail("training.collective_timeout_s", t.collective_timeout_s, "greater than 0")
-    ck = c.checkpoint
-    if ck.interval < 1:
-        fail("checkpoint.interval", ck.interval, "at least 1 step")
-    if ck.keep < 1:
-        fail("checkpoint.keep", ck.keep, "at least 1 (the newest complete checkpoint is never deleted)")
-    ft = c.fault_tolerance
-    if ft.max_restarts < 0:
-        fail("fault_tolerance.max_restarts", ft.max_restarts, "0 or more")
-    if ft.max_restarts_total < ft.max_restarts:
-        fail("fault_tolerance.max_restarts_total", ft.max_restarts_total,
-             f"at least max_restarts ({ft.max_restarts}): it caps every restart, with progress or not")
-    for key in ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "setup_section_timeout",
-                "step_section_timeout", "checkpoint_section_timeout", "out_of_section_timeout"):
-        if not getattr(ft, key) > 0:
-            fail(f"fault_tolerance.{key}", getattr(ft, key), "greater than 0 seconds")
-    if not ft.rank_check_interval_s > 0:
-        fail("fault_tolerance.rank_check_interval_s", ft.rank_check_interval_s, "greater than 0 seconds")
-    if ft.initial_rank_heartbeat_timeout < ft.rank_heartbeat_timeout:
-        raise TrainConfigError(
-            "fault_tolerance.initial_rank_heartbeat_timeout "
-            f"({ft.initial_rank_heartbeat_timeout}) must be at least rank_heartbeat_timeout "
-            f"({ft.rank_heartbeat_timeout}): the first heartbeat comes after setup, which is slower than a step"
-        )
-    if ft.checkpoint_section_timeout < ft.step_section_timeout:
-        raise TrainConfigError(
-            f"fault_tolerance.checkpoint_section_timeout ({ft.checkpoint_section_timeout}) must be at least "
-            f"step_section_timeout ({ft.step_section_timeout}): a save never takes less than a step"
-        )
-    if not ft.drain_timeout_s > 0:
-        fail("fault_tolerance.drain_timeout_s", ft.drain_timeout_s, "greater than 0 seconds")
-    ps = c.peer_state
-    if ps.interval is not None and ps.interval < 1:
-        fail("peer_state.interval", ps.interval, "at least 1 step, or null (chosen from the measured cost)")
-    if ps.replicas < 1:
-        fail("peer_state.replicas", ps.replicas, "at least 1 (other nodes holding each rank's copy)")
-    if not ft.rendezvous_join_timeout_s >= 60:
-        fail("fault_tolerance.rendezvous_join_timeout_s", ft.rendezvous_join_timeout_s,
-             "at least 60 seconds (a round must outlast a node's restart)")
-    if ft.rendezvous_last_call_s is not None and ft.rendezvous_last_call_s < 0:
-        fail("fault_tolerance.rendezvous_last_call_s", ft.rendezvous_last_call_s,
-             "0 or more whole seconds (0: spares are taken at once), or null (derived from the worker-stop timeout)")
-    if ft.inprocess_max_restarts < 0:
-        fail("fault_tolerance.inprocess_max_restarts", ft.inprocess_max_restarts, "0 or more")
-    if not 0 < ft.inprocess_soft_timeout < ft.inprocess_hard_timeout:
-        raise TrainConfigError(
-            f"fault_tolerance.inprocess_soft_timeout ({ft.inprocess_soft_timeout}) must be greater than 0 and "
-            f"less than inprocess_hard_timeout ({ft.inprocess_hard_timeout}): the Wrapper first tries to "
-            "interrupt a hung rank, then kills it")
-    if ft.restart != "injob":
-        for key in ("step_section_timeout", "out_of_section_timeout", "rank_heartbeat_timeout"):
-            if not ft.inprocess_hard_timeout < getattr(ft, key):
-                raise TrainConfigError(
-                    f"fault_tolerance.inprocess_hard_timeout ({ft.inprocess_hard_timeout}) must be less than "
-                    f"{key} ({getattr(ft, key)}) with restart={ft.restart}: otherwise the launcher's rank "
-                    "monitor kills a hung rank before the Wrapper can restart it in-process")
-    if ft.calculate_timeouts_after < 1:
-        fail("fault_tolerance.calculate_timeouts_after", ft.calculate_timeouts_after, "at least 1 step")
-    if ft.timeout_safety_factor < 1:
-        fail("fault_tolerance.timeout_safety_factor", ft.timeout_safety_factor, "1 or more")
-    _validate_parallel(c.parallel, t)
-    m = c.metrics
-    if not (m.port == 0 or 1024 <= m.port <= 65535):
-        fail("metrics.port", m.port, "0 (off) or a TCP port from 1024 to 65535")
-    if m.gpu_peak_tflops is not None and not m.gpu_peak_tflops > 0:
-        fail("metrics.gpu_peak_tflops", m.gpu_peak_tflops, "greater than 0, or null (no MFU)")
-    if m.event_log_refresh_s < 0:
-        fail("metrics.event_log_refresh_s", m.event_log_refresh_s, "0 (every scrape) or more seconds")
-    if c.logging.log_interval < 1:
-        fail("logging.log_interval", c.logging.log_interval, "at least 1 step")
-    if not c.run_dir:
-        fail("run_dir", c.run_dir, "a directory path")
-
-
-def _validate_parallel(p: ParallelConfig, t: TrainingConfig) -> None:
-    def fail(key: str, value: Any, allowed: str) -> None:
-        raise TrainConfigError(f"parallel.{key}={value!r} is not allowed: {allowed}")
-
-    if p.replica_groups < 1:
-        fail("replica_groups", p.replica_groups, "1 (plain FSDP2) or more (replica groups on torchft)")
-    for key in ("step_timeout_s", "quorum_timeout_s", "heartbeat_timeout_s", "join_timeout_s", "node_pulse_timeout_s"):
-        if not getattr(p, key) > 0:
-            fail(key, getattr(p, key), "greater than 0 seconds")
-    if p.node_pulse_timeout_s < 2:
-        fail("node_pulse_timeout_s", p.node_pulse_timeout_s, "at least 2 seconds: four of a node's beats, 0.5 s apart")
-    if p.quorum_timeout_s <= p.heartbeat_timeout_s:
-        fail("quorum_timeout_s", p.quorum_timeout_s, f"more than heartbeat_timeout_s ({p.heartbeat_timeout_s}): "
-             "the quorum after a group dies forms once its heartbeats are that old")
-    if p.replica_groups > 1 and t.global_batch_size is not None:
-        problem = split_problem(t.global_batch_size // t.batch_size, p.replica_groups)
-        if problem:
-            fail("replica_groups", p.replica_groups, f"training.global_batch_size={t.global_batch_size} in "
-                 f"micro-batches of {t.batch_size}: {problem}")
