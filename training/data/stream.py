@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.contract.config import DataConfig, TrainingConfig
 from training.data.token_file import token_dtype
 
 # Synthetic structure: next = (MULT * prev + ADD) mod vocab, replaced by a random token with
@@ -43,6 +44,15 @@ class TokenStream:
             self._tokens = np.memmap(path, dtype=np.dtype(token_dtype(path, dtype, vocab_size)), mode="r")
             if len(self._tokens) < seq_len + 1:
                 raise ValueError(f"{path}: {len(self._tokens)} tokens, need at least seq_len+1 = {seq_len + 1}")
+
+    @classmethod
+    def of(cls, training: TrainingConfig, data: DataConfig, *, rank: int, world_size: int, rows: int,
+           vocab_size: int) -> TokenStream:
+        """The stream a training config reads: shape and seed from `training`, tokens from `data` (synthetic
+        without a path); `rows` micro-batches per rank and step (TrainConfig.rows_per_step)."""
+        return cls(seq_len=training.seq_len, batch_size=training.batch_size, rank=rank, world_size=world_size,
+                   vocab_size=vocab_size, seed=training.seed, accumulation_steps=rows, path=data.path,
+                   dtype=data.dtype)
 
     def sample(self, index: int) -> np.ndarray:
         """Sample `index`: from a token file, the window of `seq_len + 1` tokens at index * seq_len, wrapping

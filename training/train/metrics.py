@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from training.contract.config import TrainConfig
 from training.contract.events import EventTail
 from training.contract.flops import mfu
 from training.report import saved_tally
@@ -144,6 +145,15 @@ class TrainingMetrics:
         self._closed = threading.Event()
         self._binder = threading.Thread(target=self._bind, name="metrics-bind", daemon=True)
         self._binder.start()
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, *, world_size: int, flops_per_token: int,
+           gpu_peak_tflops: float | None) -> TrainingMetrics | None:
+        """The endpoint the metrics section asks for; None where metrics.port is 0 (off)."""
+        m = cfg.metrics
+        if not m.port:
+            return None
+        return cls(m.port, cfg.run_dir, m.event_log_refresh_s, world_size, flops_per_token, gpu_peak_tflops)
 
     def _bind(self) -> None:
         warned = False

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from training.contract.capacity import PeerSchedule
+from training.contract.config import TrainConfig
 from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
@@ -295,6 +296,15 @@ class PeerState:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._replicate_loop, name="peer-state", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, fingerprint: str, events: EventLog | None = None) -> PeerState:
+        """The peer state of the config's section, in the node memory directory (peer_state.memory_dir, else
+        $TRAINING_NODE_MEMORY), its exchanges bounded by the collective timeout. `fingerprint` names what a copy
+        must match to be loaded here."""
+        p = cfg.peer_state
+        return cls(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
+                   cfg.training.collective_timeout_s, events)
 
     @property
     def send_s(self) -> float:

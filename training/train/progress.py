@@ -5,6 +5,7 @@ import logging
 import time
 from datetime import timedelta
 
+from training.contract.config import TrainConfig
 from training.contract.flops import mfu
 
 log = logging.getLogger("training.train.progress")
@@ -18,6 +19,12 @@ class Progress:
         self._t_last = time.monotonic()
         self._tokens = 0
         self._steps = 0
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, *, enabled: bool, flops_per_token: int, gpus: int,
+           gpu_peak_tflops: float | None) -> Progress:
+        """A line every logging.log_interval steps of training.steps (and at the last one) where `enabled`."""
+        return cls(cfg.training.steps, cfg.logging.log_interval, enabled, flops_per_token, gpus, gpu_peak_tflops)
 
     def update(self, step: int, loss: float, step_time_s: float, tokens: int) -> None:
         self._tokens += tokens

@@ -50,7 +50,7 @@ from training.train.metrics import TrainingMetrics
 from training.train.monitor import RankMonitor
 from training.train.optimizer_step import OptimizerStep, StepDiscarded
 from training.train.parallelize import parallelize
-from training.train.peer_state import PeerState, memory_root
+from training.train.peer_state import PeerState
 from training.train.progress import Progress
 from training.train.recovery import DiskTier, InProcessTier, PeerTier, RecoveryTier, Restored, restore_first
 
@@ -181,14 +181,12 @@ def build(cfg: TrainConfig, spec: ModelSpec, info: DistInfo) -> tuple[torch.nn.M
 
 
 def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo, events: EventLog) -> PeerState | None:
-    p = cfg.peer_state
-    if not p.enabled:
+    if not cfg.peer_state.enabled:
         return None
     t = cfg.training
     # copies made for another world size, model layout or data layout cannot be loaded here
     fingerprint = f"{spec.fingerprint}:{info.world_size}:{t.batch_size}:{t.global_batch(info.world_size)}:{t.seq_len}:{t.seed}"
-    return PeerState(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
-                     t.collective_timeout_s, events)
+    return PeerState.of(cfg, fingerprint, events)
 
 
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
@@ -266,10 +264,8 @@ class Trainer:
             self.model, self.optimizer = build(cfg, self.spec, self.info)
             self.gradient_reduce = gradient_reduce(t.gradient_reduce, self.spec.shape.parameters,
                                                    device_memory_bytes(self.info.device))
-            self.stream = TokenStream(seq_len=t.seq_len, batch_size=t.batch_size, rank=self.info.rank,
-                                      world_size=self.info.world_size, accumulation_steps=self.rows,
-                                      vocab_size=self.spec.shape.vocab_size, seed=t.seed,
-                                      path=cfg.data.path, dtype=cfg.data.dtype)
+            self.stream = TokenStream.of(t, cfg.data, rank=self.info.rank, world_size=self.info.world_size,
+                                         rows=self.rows, vocab_size=self.spec.shape.vocab_size)
             self.train_state = TrainState(self.stream, self.monitor)
             self.rng = RngState(self.info.device)
             self.state = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
@@ -321,11 +317,10 @@ class Trainer:
         self.tokens_per_step = self.stream.global_batch_size * cfg.training.seq_len  # every rank's micro-batches
         per_token = flops_per_token(self.spec.shape, cfg.training.seq_len)
         gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
-        self.progress = Progress(cfg.training.steps, cfg.logging.log_interval, enabled=self.lead,
-                                 flops_per_token=per_token, gpus=info.world_size, gpu_peak_tflops=gpu_peak)
-        self.metrics = (TrainingMetrics(cfg.metrics.port, cfg.run_dir, cfg.metrics.event_log_refresh_s,
-                                        info.world_size, per_token, gpu_peak)
-                        if self.lead and cfg.metrics.port else None)
+        self.progress = Progress.of(cfg, enabled=self.lead, flops_per_token=per_token, gpus=info.world_size,
+                                    gpu_peak_tflops=gpu_peak)
+        self.metrics = (TrainingMetrics.of(cfg, world_size=info.world_size, flops_per_token=per_token,
+                                           gpu_peak_tflops=gpu_peak) if self.lead else None)
         self.samples = _sample_log(cfg, info.rank)
 
     # ---- resume --------------------------------------------------------------------------------
