@@ -30,12 +30,13 @@ from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir,
 from training.contract.launcher import DRAIN_MARKER_ENV
 from training.contract.replica_groups import replica_group
 from training.train.checkpoint.layout import committed_checkpoints
-from training.train.node_strike import Strike
+from training.train.node_strike import WAIT_S as NODE_STRIKE_WAIT_S, Strike
 from training.train.outage import begin_outage, in_outage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CONTROLLER_WAIT_S = 30.0  # a drain or partition fault waits this long for the controller to act
+STRIKE_WAIT_S = NODE_STRIKE_WAIT_S + 10.0  # a struck rank waits this long for its node's strike
 
 
 class FaultInjected(RuntimeError):
@@ -65,12 +66,14 @@ def _hang(spec: FaultSpec, ctx: FireContext) -> None:
         time.sleep(1)
 
 
-def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker: str = "") -> None:
+def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker: str = "") -> NoReturn:
     """Halfway through the step (half the previous one's duration from now: a failing node mostly fails
     mid-step, not at a step's edge), send `sig` to this node's top process first (the pod's PID 1,
     training.pod.launch, or else ft_launcher; so that nothing can restart or report anything), then to every
     process under it, this one last: what a lost or hung machine does to a pod. This rank's striker process
-    strikes (training.train.node_strike), after the other node faults of this step fired too."""
+    strikes (training.train.node_strike), after the other node faults of this step fired too. Meanwhile this
+    rank does nothing more, as a struck node does: on a loaded machine the striker may run late, and the
+    node's ranks must not complete further steps (and fire later faults) before it lands."""
     me = psutil.Process()
     node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
                                             for part in p.cmdline())]
@@ -81,6 +84,10 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker:
     striker.stdin.write(Strike(time.monotonic() + ctx.step_s / 2, int(sig), node[-1].pid, me.pid,
                                tuple(map(str, ctx.together)), marker).line())
     striker.stdin.flush()
+    deadline = time.monotonic() + ctx.step_s / 2 + STRIKE_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise FaultInjected(f"injected fault {spec.text}: its strike did not land within {STRIKE_WAIT_S:.0f} s")
 
 
 _striker_process: subprocess.Popen | None = None
@@ -106,13 +113,13 @@ def _forget_the_parents_striker() -> None:
 os.register_at_fork(after_in_child=_forget_the_parents_striker)
 
 
-def _lose_node(spec: FaultSpec, ctx: FireContext) -> None:
+def _lose_node(spec: FaultSpec, ctx: FireContext) -> NoReturn:
     """The strike marks the node lost first: whoever plays the Job (training.local) then replaces its pod as
     the Job does a lost node's, uncounted, and not as a pod whose PID 1 was killed (an OOM kill: counted)."""
     _signal_node(spec, ctx, signal.SIGKILL, str(lost_marker(ctx.run_dir, node_index())))
 
 
-def _hang_node(spec: FaultSpec, ctx: FireContext) -> None:
+def _hang_node(spec: FaultSpec, ctx: FireContext) -> NoReturn:
     """Every process of the node stops, none dies: its sockets stay open and answer nothing, as on a
     machine whose kernel hangs; only whoever plays the kubelet can tell (training.local's controller)."""
     _signal_node(spec, ctx, signal.SIGSTOP)
