@@ -9,7 +9,7 @@ from training.contract import exit_codes
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS, TERMINATED
 from training.contract.job_rules import (JOB_RULES, Action, Decision, DisruptionRule, ExitRule, FailReason, Outcome,
                                          PodEnd, decide, matching_action)
-from training.local.cluster import local_pod_end
+from training.local.kubelet import local_pod_end
 
 RETRY_LIMIT = 3
 DONE = Decision(Outcome.DONE)

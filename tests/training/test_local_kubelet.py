@@ -113,10 +113,10 @@ def test_a_cut_off_nodes_own_timeouts_are_no_fault_and_its_evicted_pod_logs_apar
     monkeypatch.setattr(controller, "start", lambda node: None)  # the replacement pod is not started here
     controller.unreachable.append(local_cluster.Unreachable(None, victim.index, time.monotonic(), float("inf"),
                                                             hung=True))
-    victim.log_path.parent.mkdir(parents=True, exist_ok=True)
-    victim.log_path.write_text(_NVRX_TIMEOUT)  # logged while cut off
+    victim.log.path.parent.mkdir(parents=True, exist_ok=True)
+    victim.log.path.write_text(_NVRX_TIMEOUT)  # logged while cut off
     assert controller.tick() is None  # read, then evicted (--replacement-delay 0)
-    evicted_log = victim.log_path.with_name(f"{victim.log_path.stem}.evicted1.log")
+    evicted_log = victim.log.path.with_name(f"{victim.log.path.stem}.evicted1.log")
     with evicted_log.open("a") as old_pod:
         old_pod.write(_NVRX_TIMEOUT)  # the old pod, still running cut off
     controller.read_output(victim, detect=True)
@@ -125,4 +125,4 @@ def test_a_cut_off_nodes_own_timeouts_are_no_fault_and_its_evicted_pod_logs_apar
     assert [e["detail"] for e in detected] == [
         f"node {victim.index} unreachable for 0 s: its pod is replaced on another machine; the old pod's processes "
         "stay stopped on the hung machine"]
-    assert evicted_log.read_text() == _NVRX_TIMEOUT * 2 and not victim.log_path.exists()
+    assert evicted_log.read_text() == _NVRX_TIMEOUT * 2 and not victim.log.path.exists()

@@ -15,8 +15,8 @@ import pytest
 from training.contract.config import load_train_config
 from training.contract.events import read_events
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_fault
-from training.local import cluster as cluster_module
 from training.local.cluster import Cluster
+from training.local.kubelet import pod_top_process
 from training.report.goodput import build_report
 from training_helpers import (COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named, load_final_state,
                               run_local)
@@ -79,7 +79,7 @@ def test_a_daemon_of_a_local_pod_is_struck_with_its_node(tmp_path):
     processes too; the local pod's top process is a child subreaper for the same effect."""
     top_code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {_DAEMONIZING_RANK!r}]); time.sleep(60)"
     top = psutil.Popen([sys.executable, "-c", top_code, "ft_launcher"], cwd=Path(__file__).resolve().parents[2],
-                       start_new_session=True, preexec_fn=cluster_module._pod_top_process)
+                       start_new_session=True, preexec_fn=pod_top_process)
     try:
         # the rank and its daemon, re-parented to the top process (not to init) once its parent left
         assert _wait_until(lambda: len(top.children()) == 2)

@@ -5,16 +5,15 @@ It is how everything runs and is tested without AWS or a GPU, so it runs what th
 runs the pod's own command (training.pod.launch around ft_launcher) with its JOB_COMPLETION_INDEX; the
 rendezvous store is its own process. Cluster plays what Kubernetes does around them: the Job, replacing or
 failing pods by the table the chart renders (training.contract.job_rules); the kubelet, for drains, hangs and
-stops; with --netns, the network that a partition cuts. It turns NVRx's log lines into fault_detected events,
-so that the report measures detection time. EKS's delays it cannot play are parameters (--replacement-delay).
+stops (its process handling: training.local.kubelet); with --netns, the network that a partition cuts. It
+turns NVRx's log lines (training.local.pod_log) into fault_detected events, so that the report measures
+detection time. EKS's delays it cannot play are parameters (--replacement-delay).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -43,7 +42,9 @@ from training.contract.model_source import ModelSourceError, check_model_source
 from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, check_torchft, lighthouse_command
 from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
+from training.local.kubelet import GONE, kill_processes, local_pod_end, pod_top_process, process_group, stopped
 from training.local.netns import Machine, NetworkUnavailable, VirtualNetwork
+from training.local.pod_log import PodLog, detection, rendezvous_role
 from training.local.replica_groups import Lighthouse, LighthouseError, run_groups, stall_summary
 from training.pod.launch import exit_code
 from training.pod.prefork import die_with_parent
@@ -70,21 +71,6 @@ DEMO_OVERRIDES = ("model.preset=tiny", "checkpoint.mode=async", "checkpoint.inte
                   "training.collective_timeout_s=30", "logging.log_interval=20",
                   "fault_tolerance.timeout_safety_factor=10", "peer_state.enabled=true", "peer_state.interval=1")
 STOP_GRACE_S = 10.0
-# NVRx 0.7.0 log lines that report a detected fault: (pattern, kind, detecting party). Its logger tags
-# lines with the rank a rank monitor watches, [workload:<rank>(<local rank>) infra:…], and the
-# monitor's messages start with the restart cycle, [Cycle N].
-_DETECTIONS = (
-    (re.compile(r"\[workload:[^(\]]*\((?P<local_rank>\d+)\)[^\]]*\] rank_monitor_server\.py:\d+ (\[Cycle \d+\] )?"
-                r"(?P<what>(Section '\w+' has been open|Was out of section|Did not get (initial|subsequent) heartbeat).*)"),
-     "hang", "nvrx rank monitor"),
-    (re.compile(r"\] (?P<what>failed \(exitcode: -?\d+\)) local_rank: (?P<local_rank>\d+)"), "rank", "ft_launcher"),
-)
-# NVRx 0.7.0's rendezvous log lines: a launcher that will train, one left out of a round (standby, late).
-# A launcher that trained stays active while it waits for the next round: it is the one that opens it.
-_ACTIVE_RANK = "Assigned active rank"
-_LEFT_OUT = ("Standby (rank=", "Late joiner detected")
-_GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
-_PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphans below this process are re-parented to it, not to init
 
 
 @dataclass
@@ -102,7 +88,7 @@ class Unreachable:
 @dataclass
 class Node:
     index: int
-    log_path: Path
+    log: PodLog
     proc: psutil.Popen | None = None
     retries: int = 0
     done: bool = False
@@ -113,8 +99,6 @@ class Node:
     active: bool = False  # its launcher's last rendezvous round made it train
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
-    _log_offset: int = 0
-    _partial: str = ""
 
     def refresh_descendants(self) -> None:
         if self.proc is None:
@@ -126,27 +110,6 @@ class Node:
         known = {p.pid for p in self.descendants}
         self.descendants += [p for p in current if p.pid not in known]
         self.descendants = [p for p in self.descendants if p.is_running()]
-
-    def hand_over_log(self) -> Path:
-        """Rename the log to `<stem>.evicted<k>.log` for the evicted pod, whose processes keep writing to the open
-        file, and read the replacement's new log from its start. Returns the evicted pod's log."""
-        earlier = len(list(self.log_path.parent.glob(f"{self.log_path.stem}.evicted*.log")))
-        evicted = self.log_path.with_name(f"{self.log_path.stem}.evicted{earlier + 1}.log")
-        if self.log_path.exists():
-            self.log_path.rename(evicted)
-        self._log_offset, self._partial = 0, ""
-        return evicted
-
-    def new_output_lines(self) -> list[str]:
-        if not self.log_path.exists():
-            return []
-        with self.log_path.open("rb") as f:
-            f.seek(self._log_offset)
-            chunk = f.read().decode(errors="replace")
-            self._log_offset = f.tell()
-        lines = (self._partial + chunk).split("\n")
-        self._partial = lines.pop()
-        return lines
 
 
 class Cluster:
@@ -168,7 +131,7 @@ class Cluster:
         self.training_nodes, self.spares, self.replacement_delay_s = nodes, spares, replacement_delay_s
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.nodes = [Node(i, self.run_dir / "logs" / f"node{i}.log") for i in range(nodes + spares)]
+        self.nodes = [Node(i, PodLog(self.run_dir / "logs" / f"node{i}.log")) for i in range(nodes + spares)]
         self.events = EventLog(self.run_dir, "controller")
         self.replica_group, self.lighthouse = replica_group, lighthouse
         self.name = "controller" if replica_group is None else f"group{replica_group} controller"
@@ -252,10 +215,10 @@ class Cluster:
             env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         # Its own session: a terminal's Ctrl-C reaches the controller alone, which stops each node as the
         # kubelet stops a pod (stop_all), and kill_node can kill the node's process group.
-        with node.log_path.open("ab") as log_file:
+        with node.log.path.open("ab") as log_file:
             node.proc = psutil.Popen(command, cwd=REPO_ROOT, env=env, stdout=log_file,
                                      stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_pod_top_process)
+                                     preexec_fn=pod_top_process)
         node.descendants = []
         node.active = False
 
@@ -373,7 +336,7 @@ class Cluster:
             node.drain_deadline = time.monotonic() + grace
             self.drain_marker(node).parent.mkdir(parents=True, exist_ok=True)
             self.drain_marker(node).touch()  # the pod's preStop hook: SIGTERM now means drain
-            with contextlib.suppress(*_GONE):
+            with contextlib.suppress(*GONE):
                 node.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
             if node.drain_deadline is not None and time.monotonic() > node.drain_deadline:
@@ -423,7 +386,7 @@ class Cluster:
         replacement comes --replacement-delay seconds after the hang, uncounted; the stopped processes stay
         where they are until the run ends."""
         for node in self.nodes:
-            if node.proc is None or node.start_at is not None or self.cut_off(node) or not _stopped(node.proc):
+            if node.proc is None or node.start_at is not None or self.cut_off(node) or not stopped(node.proc):
                 continue
             self.unreachable.append(Unreachable(node.machine, node.index, time.monotonic(), float("inf"), hung=True))
             detail = (f"node {node.index} stopped responding (every process of its pod is stopped): its kubelet "
@@ -436,7 +399,8 @@ class Cluster:
         """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
         node.refresh_descendants()
         self.read_output(node, detect=False)
-        partition.evicted = Node(node.index, node.hand_over_log(), proc=node.proc, descendants=node.descendants)
+        partition.evicted = Node(node.index, PodLog(node.log.hand_over()), proc=node.proc,
+                                 descendants=node.descendants)
         node.proc, node.descendants, node.active = None, [], False
         left = "stay stopped on the hung machine" if partition.hung else "run on, cut off"
         detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
@@ -538,14 +502,14 @@ class Cluster:
         (https://kubernetes.io/docs/concepts/workloads/pods/pod-termination/). Not its whole process group: the
         launcher would get SIGTERM twice, from here and from PID 1."""
         # a hung node's processes cannot act on SIGTERM (stopped): they are killed below, without the grace wait
-        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None and not _stopped(n.proc)]
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None and not stopped(n.proc)]
         for node in live:
             node.refresh_descendants()
-            with contextlib.suppress(*_GONE):
+            with contextlib.suppress(*GONE):
                 node.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for node in live:
-            with contextlib.suppress(*_GONE):
+            with contextlib.suppress(*GONE):
                 node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         for node in self.nodes:
             self.kill_node(node)
@@ -555,32 +519,32 @@ class Cluster:
         Every process of its group, so that no nvrx-control outlives it on the port."""
         if self.store is not None:
             kill_processes(process_group(self.store.pid))  # its leader may be gone, its store not
-            with contextlib.suppress(*_GONE):
+            with contextlib.suppress(*GONE):
                 self.store.wait(timeout=5)  # reaped
 
     def kill_node(self, node: Node) -> None:
         node.refresh_descendants()
         if node.proc is not None:
-            with contextlib.suppress(*_GONE):
+            with contextlib.suppress(*GONE):
                 os.killpg(node.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(*_GONE):
+            with contextlib.suppress(*GONE):
                 node.proc.wait(timeout=5)
         kill_processes(node.descendants)
 
     def read_output(self, node: Node, detect: bool) -> None:
         """Echo rank 0's lines; with `detect`, record the faults that NVRx's log lines report (a rank monitor's
         timeout, ft_launcher's failed worker) as fault_detected, so that the report measures detection time."""
-        for line in node.new_output_lines():
+        for line in node.log.new_lines():
             if "[rank0]" in line:
                 print(line if self.replica_group is None else f"[group{self.replica_group}] {line}", flush=True)
-            if _ACTIVE_RANK in line:
-                node.joined = node.active = True
-            elif any(w in line for w in _LEFT_OUT):
-                node.active = False
-            for pattern, kind, party in _DETECTIONS if detect else ():
-                m = pattern.search(line)
-                if m:
-                    self.detect(kind, f"{party} (node {node.index})", f"local rank {m.group('local_rank')}: {m.group('what')}")
+            role = rendezvous_role(line)
+            if role is not None:
+                node.active = role
+                node.joined |= role
+            found = detection(line) if detect else None
+            if found is not None:
+                self.detect(found.kind, f"{found.party} (node {node.index})",
+                            f"local rank {found.local_rank}: {found.what}")
 
     def detect(self, kind: str, by: str, detail: str) -> None:
         """Record a fault the controller saw (the report measures detection from it)."""
@@ -589,62 +553,6 @@ class Cluster:
 
     def say(self, message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] [{self.name}] {message}", flush=True)
-
-
-def _pod_top_process() -> None:
-    """A node's top process plays its pod's PID 1. A killed controller leaves no cluster behind: it gets
-    SIGTERM and stops its own workers. And it is a child subreaper: what daemonizes below it (the Wrapper's
-    monitor processes fork twice and leave their parent) stays in its tree, as in the pod, where an orphan
-    goes to the PID namespace's init (pid_namespaces(7)); so a node fault (training.train.node_strike)
-    and the node's kill reach it, and training.pod.launch reaps it. The attribute survives execve (prctl(2)),
-    through `ip netns exec` and `unshare`."""
-    die_with_parent(signal.SIGTERM)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def process_group(pgid: int) -> list[psutil.Process]:
-    """The processes of a process group (its leader's children, and what it left behind when it died)."""
-    members = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(*_GONE):
-            if os.getpgid(proc.pid) == pgid:
-                members.append(proc)
-    return members
-
-
-def local_pod_end(returncode: int, drained: bool, lost: bool, retries_used: int) -> PodEnd:
-    """A node's launcher that exited, as the Job sees its pod. A lost node (a node-loss strike): on EKS the
-    taint manager evicts the pod of a node that stopped reporting, or PodGC deletes it once the Node object is
-    gone, both with DisruptionTarget, and no exit code reaches the Job. A drain (the controller plays the
-    Eviction API) is a disruption too. A launcher killed by signal N otherwise is a container whose PID 1 died
-    of it: exit code 128 + N and no condition (an OOM kill: 137, no DisruptionTarget; the Kubernetes docs,
-    https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions)."""
-    if lost:
-        return PodEnd(None, disrupted=True, retries_used=retries_used)
-    return PodEnd(exit_code(returncode), disrupted=drained, retries_used=retries_used)
-
-
-def kill_processes(processes: list[psutil.Process]) -> None:
-    for p in processes:
-        with contextlib.suppress(*_GONE):
-            if p.is_running():
-                p.kill()
-    psutil.wait_procs([p for p in processes if _alive(p)], timeout=5)
-
-
-def _stopped(p: psutil.Process) -> bool:
-    """Stopped by a signal (SIGSTOP): a process that can neither run nor report."""
-    try:
-        return p.status() == psutil.STATUS_STOPPED
-    except psutil.Error:
-        return False
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def last_step(run_dir: Path) -> int:
