@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.local.cluster import build_clusters, build_config, parse_args, run_clusters
+from training.local.cli import build_clusters, build_config, parse_args, run_clusters
 from training.local.netns import VirtualNetwork
 
 

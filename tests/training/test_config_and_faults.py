@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from training.local import cluster as local
+from training.local import cli as local
 from training.pod import launch, store
 from training.train import trainer as train
 from training.contract.config import (CheckpointConfig, FaultToleranceConfig, ParallelConfig, TrainConfig,

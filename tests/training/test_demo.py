@@ -10,7 +10,8 @@ import pytest
 from training.contract.config import load_train_config
 from training.contract.events import read_events
 from training.contract.launcher import NVRX_LAST_CALL_S, rendezvous_last_call_s
-from training.local.cluster import DEMO_FAULTS, DEMO_OVERRIDES, WORKERS_STOP_TIMEOUT_S, parse_args
+from training.local.cli import DEMO_FAULTS, DEMO_OVERRIDES, parse_args
+from training.local.cluster import WORKERS_STOP_TIMEOUT_S
 from training.report.goodput import build_report
 from training_helpers import completed, events_named, run_local
 

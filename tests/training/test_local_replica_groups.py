@@ -12,7 +12,7 @@ import pytest
 
 from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
-from training.local import cluster as local
+from training.local import cli as local
 from training.contract.replica_groups import group_run_dir
 from training.local.netns import unavailable_reason
 from training.local.replica_groups import longest_stall

@@ -1,2 +1,3 @@
-"""The local cluster: `python -m training.local` plays the Indexed Job, its nodes and their network on one
-machine (`cluster`; `netns` for nodes with their own addresses)."""
+"""The local cluster: `python -m training.local` (`cli`) plays the Indexed Job (`cluster`), the kubelet
+(`kubelet`), its nodes' logs (`pod_log`) and their network (`netns`, for nodes with their own addresses) on one
+machine."""

@@ -1,6 +1,6 @@
-"""`python -m training.local [--demo] …`: the emulated cluster (`cluster`)."""
+"""`python -m training.local [--demo] …`: the emulated cluster (`cli`, `cluster`)."""
 import sys
 
-from training.local.cluster import main
+from training.local.cli import main
 
 sys.exit(main())
