@@ -7,10 +7,9 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from training.contract.shapes import PRESETS
 from training.data.stream import TokenStream, write_token_file
 from training.models.llama import build_model
 from training.models.spec import model_spec
-from training.train.checkpoint import manager
+from training.train.checkpoint import manager, writer_process
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager
 from training.train import trainer
@@ -36,7 +35,7 @@ from training.train.faults import FaultInjected
 from training.train.optimizer_step import OptimizerStep
 from training.train.trainer import build, lr_at, run
 from nvrx_fakes import FakeQueue, fake_nvrx  # noqa: F401 (a fixture)
-from training_helpers import REPO_ROOT
+from training_helpers import fork_rank, fork_ranks
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -275,70 +274,72 @@ def test_the_writer_process_is_out_of_reach_of_a_signal_to_the_ranks_process_gro
     assert os.getpgid(m.writer_pid) != os.getpgid(0)
 
 
-# A rank as training.train's main starts it: the writer zygote forked before the run's first thread, then
-# a save, an in-process restart's abort, another save; finally the rank is SIGKILLed.
-_RANK_WITH_ZYGOTE = r"""
-import os, sys, psutil, torch
-from training.train.checkpoint import writer_process
-from training.train.checkpoint.manager import CheckpointManager
-writer_process.start_zygote()
-first = CheckpointManager(sys.argv[1], mode="async", keep=3)
-first.save(1, {"w": torch.ones(4)}); first.wait()
-first_writer = first.writer_pid
-first.abort()  # the iteration died
-second = CheckpointManager(sys.argv[1], mode="async", keep=3)
-second.save(2, {"w": torch.ones(4)}); second.wait()
-print(first_writer, second.writer_pid, psutil.Process(second.writer_pid).ppid(), flush=True)
-sys.stdin.read()  # until the test kills it
-"""
+def _rank_with_zygote(directory: Path, pids: Path) -> None:
+    """A rank as training.train's main starts it: the writer zygote forked before the run's first thread, then
+    a save, an in-process restart's abort, another save; it writes its writers' and zygote's pids to `pids` and
+    waits for the test to SIGKILL it."""
+    writer_process.start_zygote()
+    first = CheckpointManager(directory, mode="async", keep=3)
+    first.save(1, {"w": torch.ones(4)})
+    first.wait()
+    first_writer = first.writer_pid
+    first.abort()  # the iteration died
+    second = CheckpointManager(directory, mode="async", keep=3)
+    second.save(2, {"w": torch.ones(4)})
+    second.wait()
+    pids.write_text(f"{first_writer} {second.writer_pid} {psutil.Process(second.writer_pid).ppid()}")
+    time.sleep(600)
 
 
 def test_writers_are_forked_from_the_ranks_zygote_and_die_with_the_rank(tmp_path):
     """An in-process restart (abort, new manager) and an in-job restart (a new rank) wait for no new
     interpreter: the zygote, a fork of the rank with torch imported, forks each writer; a SIGKILLed rank
     leaves neither behind."""
-    rank = subprocess.Popen([sys.executable, "-c", _RANK_WITH_ZYGOTE, str(tmp_path / "ckpt")], cwd=REPO_ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    first, second, zygote = map(int, rank.stdout.readline().split())
-    assert first != second, "the aborted iteration's writer wrote the next iteration's save"
-    assert psutil.Process(zygote).ppid() == rank.pid
-    assert psutil.Process(zygote).cmdline() == psutil.Process(rank.pid).cmdline(), "a new interpreter, not a fork"
-    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2, 1]
-    rank.kill()
-    rank.wait()
+    pids = tmp_path / "pids"
+    rank = fork_rank(lambda: _rank_with_zygote(tmp_path / "ckpt", pids), tmp_path / "rank.log", {})
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first, second, zygote = map(int, pids.read_text().split())
+        assert first != second, "the aborted iteration's writer wrote the next iteration's save"
+        assert psutil.Process(zygote).ppid() == rank
+        assert psutil.Process(zygote).cmdline() == psutil.Process(rank).cmdline(), "a new interpreter, not a fork"
+        assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [2, 1]
+    finally:
+        os.kill(rank, signal.SIGKILL)
+        os.waitpid(rank, 0)
     for pid in (zygote, second):
         with contextlib.suppress(psutil.NoSuchProcess):
             psutil.Process(pid).wait(timeout=10)
 
 
-# A rank as training.pod.prefork starts it: forked with os.fork, which runs none of multiprocessing's
-# after-fork hooks, from a process that had handed a shared tensor to another process through
-# multiprocessing (its fd-passing listener started; the fork copies the listener's state, not its thread)
-# and had a writer process of its own.
-_FORKED_RANK = r"""
-import os, sys, torch
-import torch.multiprocessing  # torch's reductions: a shared tensor pickles as a handle to its memory
-from multiprocessing.reduction import ForkingPickler
-from training.train.checkpoint.manager import CheckpointManager
-ForkingPickler.dumps(torch.ones(4).share_memory_())
-parent = CheckpointManager(sys.argv[1] + "-parent", mode="async", keep=1)
-parents = parent.writer_pid
-pid = os.fork()
-parent.abort()  # (in both) its writer's imports would only slow the child's down
-if pid == 0:
-    m = CheckpointManager(sys.argv[1], mode="async", keep=1)
-    assert m.writer_pid != parents, "the forked rank writes through its parent's writer process"
-    m.save(1, {"w": torch.full((1024,), 1.0)})
-    m.close()
-    os._exit(0)
-os.waitpid(pid, 0)
-"""
+def _forked_rank_saves(directory: Path) -> None:
+    """A rank as training.pod.prefork starts it: forked with os.fork, which runs none of multiprocessing's
+    after-fork hooks, from a process that had handed a shared tensor to another process through
+    multiprocessing (its fd-passing listener started; the fork copies the listener's state, not its thread)
+    and had a writer process of its own. The forked rank saves through a writer of its own."""
+    ForkingPickler.dumps(torch.ones(4).share_memory_())  # torch's reductions: a handle to the tensor's memory
+    parent = CheckpointManager(f"{directory}-parent", mode="async", keep=1)
+    parents = parent.writer_pid
+    pid = os.fork()
+    parent.abort()  # (in both) its writer's imports would only slow the child's down
+    if pid == 0:
+        code = 3
+        try:
+            m = CheckpointManager(directory, mode="async", keep=1)
+            assert m.writer_pid != parents, "the forked rank writes through its parent's writer process"
+            m.save(1, {"w": torch.full((1024,), 1.0)})
+            m.close()
+            code = 0
+        finally:
+            os._exit(code)
+    os.waitpid(pid, 0)
 
 
 def test_a_rank_forked_without_multiprocessings_hooks_saves_through_its_own_writer_process(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _FORKED_RANK, str(tmp_path / "ckpt")], cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=120)
-    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [1], proc.stderr[-2000:]
+    [rank] = fork_ranks(lambda _: _forked_rank_saves(tmp_path / "ckpt"), tmp_path / "logs", world=1, timeout=120)
+    assert [s for s, _ in committed_checkpoints(tmp_path / "ckpt")] == [1], rank.output[-2000:]
 
 
 def _bytes_written(pid):
