@@ -117,8 +117,9 @@ def _preload() -> None:
     if torch.cuda.is_initialized():
         raise RuntimeError("CUDA was initialised while importing; workers forked from here could not use it")
     # The imports' ~300k objects live as long as the worker: frozen, a full collection skips them. NVRx's
-    # Wrapper collects until nothing is freed at every in-process restart (two passes of ~0.1 s each
-    # otherwise), and fewer pages are written after the fork. Python's gc.freeze docs recommend it before fork.
+    # Wrapper collects until nothing is freed at every in-process restart (0.7.0 inprocess/wrap.py; two passes
+    # of ~0.1 s each otherwise), and fewer pages are written after the fork. Python's gc.freeze docs recommend
+    # it before fork.
     gc.freeze()
 
 

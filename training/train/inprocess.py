@@ -298,8 +298,9 @@ def _handle_failure(report: _FaultReporter, call_wrapper: inprocess.CallWrapper,
     abort broke our collective before our monitor noticed) makes the Wrapper fail with
     InternalError instead of restarting. So a rank whose peer's abort broke its collective waits
     here for its own interrupt, a few monitor intervals at most. A peer aborts only after some rank's
-    interruption is recorded: with none recorded the peer died (a lost node), no interrupt is on its
-    way before this rank's own record, and the rank raises at once."""
+    interruption is recorded (NVRx 0.7.0 inprocess/monitor_thread.py, MonitorThread.run): with none
+    recorded the peer died (a lost node), no interrupt is on its way before this rank's own record, and
+    the rank raises at once."""
     reported = False
     try:
         report(call_wrapper, err)

@@ -101,8 +101,8 @@ class RankMonitor:
         self._client.send_heartbeat()
         self._steps_seen += 1
         if not self._calculated and self._steps_seen >= self._cfg.calculate_timeouts_after:
-            if self._learned is not None:  # NVRx merges the new timings with the current timeouts: not the floor
-                self._client.load_state_dict(self._learned)
+            if self._learned is not None:  # NVRx merges the new timings with the current timeouts, not the floor
+                self._client.load_state_dict(self._learned)  # (0.7.0 TimeoutsCalc._get_merged_section_timeouts)
             selected = [s for s in self._learned_sections if s in self._observed]
             self._client.calculate_and_set_section_timeouts(selected_sections=selected, calc_out_of_section=False)
             self._calculated = True
