@@ -24,6 +24,7 @@ from training.contract.launcher import REJOIN_POLLS_S
 from training.contract.replica_groups import check_torchft, group_run_dir
 from training.local.cluster import WORKERS_STOP_TIMEOUT_S
 from training.local.netns import unavailable_reason as netns_unavailable_reason
+from training.local.shape import ClusterShape
 from training.models.tiny import write_tiny_model
 from training.report.goodput import GoodputReport, ReportError, report_run
 
@@ -175,14 +176,14 @@ def cluster_spec(m: Mechanism, profile: Profile, run_dir: Path) -> ClusterSpec:
     retries = (profile.faults + 1) * (1 if m.in_job_restarts else 2)
     budgets = (f"fault_tolerance.max_restarts={retries if m.in_job_restarts else 0}",
                *((f"fault_tolerance.inprocess_max_restarts={retries}",) if m.restart == "both" else ()))
+    shape = ClusterShape(profile.nodes, profile.nproc_per_node, m.spares, REPLACEMENT_DELAY_S if m.spares else 0.0,
+                         retries, m.replica_groups, m.netns)
     return ClusterSpec(
-        run_dir=run_dir, nodes=profile.nodes, nproc_per_node=profile.nproc_per_node,
-        steps=m.fault_schedule(profile)[1],
+        run_dir=run_dir, shape=shape, steps=m.fault_schedule(profile)[1],
         overrides=(*BASE_OVERRIDES, *model_overrides(m, profile, run_dir), f"training.device={profile.device}",
                    f"checkpoint.interval={profile.checkpoint_interval}", f"fault_tolerance.restart={m.restart}",
                    *budgets, *m.overrides),
-        faults=fault_specs(m, profile), node_retries=retries, spares=m.spares, netns=m.netns,
-        replacement_delay_s=REPLACEMENT_DELAY_S if m.spares else 0.0, replica_groups=m.replica_groups)
+        faults=fault_specs(m, profile))
 
 
 def measure_mechanism(m: Mechanism, profile: Profile, run_dir: Path) -> MechanismResult:

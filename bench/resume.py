@@ -17,6 +17,7 @@ from pathlib import Path
 from bench.cluster import ClusterSpec, run_cluster
 from bench.run import NO_CUDA, REPO_ROOT
 from training.contract.events import read_events
+from training.local.shape import ClusterShape
 from training.train.final_state import bitwise_mismatch, load_final_state
 
 LABEL = "exact resume on CUDA (NVRx async checkpoints, in-job restart)"
@@ -29,8 +30,8 @@ OVERRIDES = ("model.preset=tiny", "training.device=cuda", "checkpoint.mode=async
 
 def _run(run_dir: Path, faults: tuple[str, ...]) -> int:
     shutil.rmtree(run_dir, ignore_errors=True)
-    return run_cluster(ClusterSpec(run_dir, nodes=1, nproc_per_node=1, steps=STEPS, overrides=OVERRIDES,
-                                   faults=faults))
+    shape = ClusterShape(nodes=1, nproc_per_node=1, node_retries=0)
+    return run_cluster(ClusterSpec(run_dir, shape, steps=STEPS, overrides=OVERRIDES, faults=faults))
 
 
 def mismatch(reference: Path, interrupted: Path, scratch: Path) -> str | None:

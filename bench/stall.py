@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from bench.cluster import ClusterSpec, run_cluster
 from training.contract.events import EventLog
 from training.contract.launcher import free_port
+from training.local.shape import ClusterShape
 from training.report.goodput import report_run
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.distributed import init_distributed, teardown
@@ -164,7 +165,7 @@ def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int
     state_bytes = 0
     for mode, run_dir in run_dirs.items():
         status = run_cluster(ClusterSpec(
-            run_dir=run_dir, nodes=1, nproc_per_node=world, steps=steps,
+            run_dir=run_dir, shape=ClusterShape(nodes=1, nproc_per_node=world, node_retries=0), steps=steps,
             overrides=(f"model.preset={preset}", f"training.device={device}", f"checkpoint.mode='{mode}'",  # quoted: YAML reads a bare off as false
                        f"checkpoint.interval={interval}", "checkpoint.keep=1", "logging.log_interval=1")))
         if status != 0:

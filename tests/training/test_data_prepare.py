@@ -16,6 +16,7 @@ from training.contract.shapes import PRESETS
 from training.data.prepare import PrepareError, prepare, sha256_of
 from training.data.stream import TokenStream
 from training.data.token_file import DataError, check_token_file, sidecar_path
+from training.local.shape import ClusterShape
 from training_helpers import REPO_ROOT, completed, events_named, run_local
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -123,7 +124,7 @@ def test_a_model_vocabulary_smaller_than_the_tokenizers_is_refused(tmp_path):
         check_token_file(str(out), None, PRESETS["tiny"].vocab_size)
     check_token_file(str(out), None, PRESETS["small"].vocab_size)  # 32000 ids: fits
     # the local cluster (and training.train) refuse it before any rank starts
-    run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",
+    run = run_local(tmp_path / "run", *ClusterShape(nodes=1, nproc_per_node=1).argv(), "--steps", "2",
                     f"data.path={out}", timeout=60)
     assert run.returncode == CONFIG_ERROR and "larger than the model's 256" in run.output
 
@@ -142,7 +143,7 @@ def test_the_sidecar_fixes_the_dtype_and_catches_a_truncated_file(tmp_path, toke
 def test_a_short_run_trains_on_the_prepared_file(tmp_path, tokenizer_json):
     out = tmp_path / "corpus.bin"
     prepare([JSONL, TEXT], tokenizer_json, out)
-    run = completed(run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "2", "--steps", "30",
+    run = completed(run_local(tmp_path / "run", *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", "30",
                               f"data.path={out}", "training.seq_len=32", "checkpoint.interval=10",
                               "logging.sample_log=true"))
     steps = events_named(run.run_dir, "step")

@@ -14,6 +14,7 @@ from training.contract.events import read_events
 from training.export.export import export
 from training.models.tiny import write_tiny_model
 from training.report.goodput import build_report
+from training.local.shape import ClusterShape
 from training_helpers import (COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed, events_named,
                               load_final_state, run_local)
 
@@ -100,7 +101,7 @@ def test_a_hf_checkpoint_reshards_to_another_world_size_and_exports(llama, llama
     in the spare-and-drain run above)."""
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(llama_reference.run_dir / "checkpoints" / "step_00000010", checkpoints / "step_00000010")
-    run = completed(run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", *COMMON,
+    run = completed(run_local(tmp_path / "run", *ClusterShape(nodes=1, nproc_per_node=1).argv(), *COMMON,
                               "checkpoint.mode=sync", *hf(llama), timeout=420))
     assert [(e["step"], e["saved_world_size"]) for e in events_named(run.run_dir, "resume")] == [(10, 2)]
     # the finished run's model, exported, loads with transformers and computes what the run's final state does

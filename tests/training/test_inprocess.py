@@ -45,8 +45,8 @@ from training.train import rollback as rollback_module
 from training.train.rollback import KEEP, MemoryRollback, copy_into
 from training.train.optimizer_step import OptimizerStep
 from training.train.trainer import ModelState, OptimizerState, RngState, TrainState, build
-from training_helpers import (assert_bitwise_equal, completed, events_named, fork_ranks, load_final_state,
-                              run_local)
+from training_helpers import (ONE_NODE, TWO_NODES, assert_bitwise_equal, completed, events_named, fork_ranks,
+                              load_final_state, run_local)
 
 # ---- the Wrapper adapter and the config ---------------------------------------------------------
 
@@ -719,8 +719,7 @@ COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.
           "training.batch_size=2", "training.global_batch_size=8")  # 2 ranks x 2 micro-batches of 2
 # The fault runs' shape is training_helpers.COMMON's: their uninterrupted run is conftest's `reference` (the
 # Wrapper's timeouts above change no arithmetic).
-ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
-TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")  # two launchers, one host: the stores must not collide
+# TWO_NODES: two launchers, one host, so the stores must not collide
 RUNS = {
     "exception": (ONE_NODE, "both", f"exception@{FAULT_STEP}:rank=1"),
     "hang": (TWO_NODES, "both", f"hang@{FAULT_STEP}:rank=1"),

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from training.contract.events import read_events
+from training.local.shape import ClusterShape
 from training_helpers import start_local as _start, wait_for_step as _wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 def test_controller_replaces_a_dead_node(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "40",
+    proc = _start(run_dir, *ClusterShape(nodes=2, nproc_per_node=1).argv(), "--steps", "40",
                   "checkpoint.interval=5", "training.collective_timeout_s=20",
                   "fault_tolerance.timeout_safety_factor=50")
     _wait_for_step(run_dir, 8, proc)

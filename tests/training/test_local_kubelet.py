@@ -15,6 +15,7 @@ from training.contract.events import read_events
 from training.contract.faults import lost_marker
 from training.local import cluster as local_cluster
 from training.local.cluster import Cluster
+from training.local.shape import ClusterShape
 from training_helpers import REPO_ROOT
 
 
@@ -24,7 +25,7 @@ def controller(tmp_path):
     cfg = load_train_config(None, [f"run_dir={tmp_path / 'run'}", "training.steps=10"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(cfg.to_yaml())
-    c = Cluster(cfg, config_path, nodes=2, nproc_per_node=1, node_retries=0)
+    c = Cluster(cfg, config_path, ClusterShape(nodes=2, nproc_per_node=1, node_retries=0))
     yield c
     for node in c.nodes:
         c.kill_node(node)

@@ -31,6 +31,7 @@ from training.models.spec import model_spec
 from training.models.tiny import FAMILIES, write_tiny_model
 from training.train.distributed import DistInfo, init_distributed, teardown
 from training.train.trainer import build
+from training.local.shape import ClusterShape
 from training_helpers import run_local
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -283,7 +284,7 @@ def _big_tokenizer(d: Path) -> str:
 @pytest.mark.parametrize("make", [_no_config, _not_causal, _missing, _misshaped, _mixtral_experts, _big_tokenizer])
 def test_a_model_directory_that_cannot_train_is_refused_before_any_rank_starts(tmp_path, make):
     expected = make(tmp_path / "model")
-    run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",
+    run = run_local(tmp_path / "run", *ClusterShape(nodes=1, nproc_per_node=1).argv(), "--steps", "2",
                     "model.source=huggingface", f"model.path={tmp_path / 'model'}", timeout=120)
     assert run.returncode == CONFIG_ERROR and expected in run.output, run.output[-2000:]
     assert not (tmp_path / "run").exists()  # nothing written
@@ -297,7 +298,7 @@ def test_the_model_directory_tokenizes_the_data_and_its_vocabulary_bounds_it(tmp
     info = prepare([corpus], model, tmp_path / "tokens.bin")  # the directory, for its tokenizer.json
     assert info["vocab_size"] == 300 and info["tokenizer"]["path"] == str(model / "tokenizer.json")
     # the same token file against the 256 ids of another model: refused before any rank starts
-    run = run_local(tmp_path / "run", "--nodes", "1", "--nproc-per-node", "1", "--steps", "2",
+    run = run_local(tmp_path / "run", *ClusterShape(nodes=1, nproc_per_node=1).argv(), "--steps", "2",
                     "model.source=huggingface", f"model.path={tiny_models['llama']}",
                     f"data.path={tmp_path / 'tokens.bin'}", timeout=120)
     assert run.returncode == CONFIG_ERROR and "larger than the model's 256" in run.output

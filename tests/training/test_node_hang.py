@@ -16,6 +16,7 @@ from training.contract.config import load_train_config
 from training.contract.events import read_events
 from training.contract.faults import DESTRUCTIVE_KINDS, FaultSpecError, parse_fault
 from training.local.cluster import Cluster
+from training.local.shape import ClusterShape
 from training.local.kubelet import pod_top_process
 from training.report.goodput import build_report
 from training_helpers import (COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named, load_final_state,
@@ -94,8 +95,8 @@ def test_a_daemon_of_a_local_pod_is_struck_with_its_node(tmp_path):
 @pytest.fixture
 def cluster(tmp_path):
     cfg = load_train_config(None, [f"run_dir={tmp_path / 'run'}"])
-    cluster = Cluster(cfg, tmp_path / "config.yaml", nodes=2, nproc_per_node=1, node_retries=3,
-                      replacement_delay_s=1.0)
+    cluster = Cluster(cfg, tmp_path / "config.yaml",
+                      ClusterShape(nodes=2, nproc_per_node=1, node_retries=3, replacement_delay_s=1.0))
     for node in cluster.nodes:
         node.proc, node.joined, node.active = psutil.Popen(["sleep", "60"], start_new_session=True), True, True  # both training
     yield cluster

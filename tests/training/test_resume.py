@@ -16,6 +16,7 @@ from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.launcher import RESUME_STEP_FILE
 from training.train.checkpoint.inspection import Damaged, Held, inspect_checkpoint
 from training.train.checkpoint.layout import committed_checkpoints
+from training.local.shape import ClusterShape
 from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
                                                FreshStartRefused)
 from training_helpers import completed, events_named, run_local, samples_by_step
@@ -184,7 +185,7 @@ COMMON = ("checkpoint.mode=sync", "checkpoint.interval=10", "logging.sample_log=
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """2 nodes x 2 ranks to step 20: checkpoints at 10 and 20."""
-    return completed(run_local(tmp_path_factory.mktemp("four") / "run", "--nodes", "2", "--nproc-per-node", "2",
+    return completed(run_local(tmp_path_factory.mktemp("four") / "run", *ClusterShape(nodes=2, nproc_per_node=2).argv(),
                          "--steps", str(FIRST), *COMMON))
 
 
@@ -199,9 +200,11 @@ def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_
     the gradient sums are taken in another order (micro-batches, ranks) at each world size."""
     run_dir = tmp_path / "run"
     shutil.copytree(four_ranks.run_dir, run_dir)
-    shrunk = completed(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON))
-    grown = completed(run_local(run_dir, "--nodes", "3", "--nproc-per-node", "2", "--steps", str(LAST), *COMMON))
-    unresized = completed(run_local(tmp_path / "unresized", "--nodes", "1", "--nproc-per-node", "2",
+    shrunk = completed(run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN),
+                                 *COMMON))
+    grown = completed(run_local(run_dir, *ClusterShape(nodes=3, nproc_per_node=2).argv(), "--steps", str(LAST),
+                                *COMMON))
+    unresized = completed(run_local(tmp_path / "unresized", *ClusterShape(nodes=1, nproc_per_node=2).argv(),
                                     "--steps", str(LAST), *COMMON))
     resumes = [(e["step"], e["source_kind"], e["saved_world_size"]) for e in events_named(run_dir, "resume")]
     assert resumes[1:] == [(FIRST, "disk", 4), (THEN, "disk", 2)]
@@ -229,10 +232,10 @@ def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(
     for _, path in committed_checkpoints(run_dir / "checkpoints"):
         for shard in _shards(path):
             shard.write_bytes(b"")
-    refused = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON)
+    refused = run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN), *COMMON)
     _failed_at_once(refused, "refusing to start at step 0")
     assert len(events_named(run_dir, "step")) == FIRST  # not one step trained from scratch
-    fresh = completed(run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+    fresh = completed(run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN), *COMMON,
                           "checkpoint.allow_fresh_start=true"))
     assert "starting at step 0" in fresh.output
     assert [e["step"] for e in events_named(run_dir, "resume")][-1] == 0
@@ -254,7 +257,7 @@ def test_checkpoints_of_another_model_fail_the_job_at_once_in_every_restart_mode
     """A changed preset: no restart can load the checkpoints, so none is tried, in-job or in-process."""
     run_dir = tmp_path / "run"
     shutil.copytree(four_ranks.run_dir, run_dir)
-    run = run_local(run_dir, "--nodes", "1", "--nproc-per-node", "2", "--steps", str(THEN), *COMMON,
+    run = run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN), *COMMON,
                     "model.preset=small", f"fault_tolerance.restart={mode}")
     _failed_at_once(run, "step_00000020 is intact but cannot be loaded into this run's model and optimizer "
                          "(ValueError: Size mismatch between saved torch.Size([256, 64]) and current: "

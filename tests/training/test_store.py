@@ -17,6 +17,7 @@ from training.contract.config import load_train_config
 from training.contract.events import EventLog, events_dir
 from training.contract.launcher import free_port
 from training.local.cluster import Cluster
+from training.local.shape import ClusterShape
 from training.pod import store
 from training.pod.store import stalled
 from training_helpers import REPO_ROOT
@@ -117,8 +118,8 @@ def test_the_local_cluster_restarts_its_store_on_a_free_port(tmp_path, monkeypat
     leaves_its_store_behind = (
         "import subprocess, sys, time\n"
         f"subprocess.Popen([sys.executable, '-c', {_HOLDER.format(port=port)!r}]); time.sleep(60)\n")
-    cluster = Cluster(load_train_config(None, [f"run_dir={tmp_path / 'run'}"]), _config(tmp_path), nodes=1,
-                      nproc_per_node=1, node_retries=0)
+    cluster = Cluster(load_train_config(None, [f"run_dir={tmp_path / 'run'}"]), _config(tmp_path),
+                      ClusterShape(nodes=1, nproc_per_node=1, node_retries=0))
     port_free_at_start = []
     monkeypatch.setattr(cluster, "start_store", lambda: port_free_at_start.append(_port_free(port)))
     cluster.store = psutil.Popen([sys.executable, "-c", leaves_its_store_behind], start_new_session=True)

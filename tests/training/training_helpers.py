@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from training.contract.events import read_events
 from training.contract.launcher import free_port
+from training.local.shape import ClusterShape
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +37,8 @@ COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
           "fault_tolerance.timeout_safety_factor=50")
 # Both shapes have world size RANKS (2) with the same shards: one uninterrupted run is the reference of all.
-ONE_NODE = ("--nodes", "1", "--nproc-per-node", "2")
-TWO_NODES = ("--nodes", "2", "--nproc-per-node", "1")
+ONE_NODE = ClusterShape(nodes=1, nproc_per_node=2).argv()
+TWO_NODES = ClusterShape(nodes=2, nproc_per_node=1).argv()
 
 
 @dataclass

@@ -25,6 +25,7 @@ from training.local.cluster import REPO_ROOT, WORKERS_STOP_TIMEOUT_S, Cluster
 from training.local.cluster import __doc__ as CLUSTER_DOC
 from training.local.netns import NetworkUnavailable, VirtualNetwork
 from training.local.replica_groups import Lighthouse, LighthouseError, run_groups, stall_summary
+from training.local.shape import ClusterShape
 from training.report.cli import write_report
 from training.report.goodput import ReportError
 
@@ -146,6 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.spares < 0 or args.replacement_delay < 0 or args.save_delay < 0:
         p.error("--spares, --replacement-delay and --save-delay must be 0 or more")
     args.run_dir = args.run_dir or f"runs/{'demo' if args.demo else 'local'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.shape = ClusterShape(args.nodes, args.nproc_per_node, args.spares, args.replacement_delay, args.node_retries,
+                              args.replica_groups, args.netns)
     return args
 
 
@@ -200,15 +203,13 @@ def build_clusters(cfg: TrainConfig, config_path: Path, args: argparse.Namespace
     """The Job's controller, or with replica groups one per group and the Lighthouse they share."""
     groups = cfg.parallel.replica_groups
     if groups == 1:
-        return [Cluster(cfg, config_path, args.nodes, args.nproc_per_node, args.node_retries, args.spares,
-                        args.replacement_delay, network)], None
+        return [Cluster(cfg, config_path, args.shape, network)], None
     port = free_port()
     command = lighthouse_command(cfg.parallel.lighthouse_options(), port, str(Path(sys.executable).parent))
     lighthouse = Lighthouse(command, port, Path(cfg.run_dir) / "lighthouse.log")
     address = f"http://{network.host_address if network else '127.0.0.1'}:{port}"
-    return [Cluster(*write_group_config(cfg, g), args.nodes // groups, args.nproc_per_node, args.node_retries,
-                    args.spares, args.replacement_delay, network, replica_group=g, lighthouse=address)
-            for g in range(groups)], lighthouse
+    return [Cluster(*write_group_config(cfg, g), args.shape.of_group(groups), network, replica_group=g,
+                    lighthouse=address) for g in range(groups)], lighthouse
 
 
 def run_clusters(clusters: list[Cluster], lighthouse: Lighthouse | None) -> int:

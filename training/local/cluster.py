@@ -38,6 +38,7 @@ from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.local.kubelet import GONE, kill_processes, local_pod_end, pod_top_process, process_group, stopped
 from training.local.netns import Machine, VirtualNetwork
 from training.local.pod_log import PodLog, detection, rendezvous_role
+from training.local.shape import ClusterShape
 from training.pod.launch import exit_code
 from training.pod.prefork import die_with_parent
 
@@ -88,25 +89,24 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, cfg: TrainConfig, config_path: Path, nodes: int, nproc_per_node: int,
-                 node_retries: int, spares: int = 0, replacement_delay_s: float = 0.0,
+    def __init__(self, cfg: TrainConfig, config_path: Path, shape: ClusterShape,
                  network: VirtualNetwork | None = None, replica_group: int | None = None,
                  lighthouse: str | None = None) -> None:
         """Args:
             cfg: the training config its ranks load (config_path holds it)
-            nodes: training nodes; `spares` more wait as hot spares
-            node_retries: replacements per node after its launcher failed (the Job's backoffLimitPerIndex)
-            replacement_delay_s: from a node's loss to its replacement's start
+            shape: this Job's nodes (one replica group's: ClusterShape.of_group), spares and retries
             network: with --netns, the emulated machines' network (its owner closes it)
             replica_group: this Job's replica group (training.local.replica_groups); None without groups
             lighthouse: the torchft Lighthouse's address, with replica groups
         """
         self.cfg, self.config_path = cfg, config_path
-        self.nproc_per_node, self.node_retries = nproc_per_node, node_retries
-        self.training_nodes, self.spares, self.replacement_delay_s = nodes, spares, replacement_delay_s
+        self.nproc_per_node, self.node_retries = shape.nproc_per_node, shape.node_retries
+        self.training_nodes, self.spares = shape.nodes, shape.spares
+        self.replacement_delay_s = shape.replacement_delay_s
         self.run_dir = Path(cfg.run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.nodes = [Node(i, PodLog(self.run_dir / "logs" / f"node{i}.log")) for i in range(nodes + spares)]
+        self.nodes = [Node(i, PodLog(self.run_dir / "logs" / f"node{i}.log"))
+                      for i in range(shape.nodes + shape.spares)]
         self.events = EventLog(self.run_dir, "controller")
         self.replica_group, self.lighthouse = replica_group, lighthouse
         self.name = "controller" if replica_group is None else f"group{replica_group} controller"
