@@ -7,6 +7,7 @@ import typing
 import pytest
 
 from training.local import cli as local
+from training.local.shape import ClusterShape
 from training.pod import launch, store
 from training.train import trainer as train
 from training.contract.config import (CheckpointConfig, FaultToleranceConfig, ParallelConfig, TrainConfig,
@@ -189,3 +190,12 @@ def test_bad_cli_flags_exit_with_config_error(main, argv, capsys):
         main(argv)
     assert exit_info.value.code == CONFIG_ERROR
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [ClusterShape(), ClusterShape(nodes=4, nproc_per_node=1, spares=1,
+                                                 replacement_delay_s=2.5, node_retries=0, replica_groups=2,
+                                                 netns=True)])
+def test_a_cluster_shape_is_the_one_its_flags_give(shape):
+    # the bench and the tests start a cluster with a shape's flags; the command line reads the same shape back
+    assert local.parse_args(list(shape.argv())).shape == shape
+    assert shape.of_group(2) == dataclasses.replace(shape, nodes=shape.nodes // 2, replica_groups=1)
