@@ -65,23 +65,25 @@ def build_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         overrides.append(f"training.steps={args.steps}")
     if args.max_restarts is not None:
         overrides.append(f"fault_tolerance.max_restarts={args.max_restarts}")
-    if args.replica_groups is not None:
-        overrides.append(f"parallel.replica_groups={args.replica_groups}")
+    shape: ClusterShape = args.shape
+    if shape.replica_groups is not None:
+        overrides.append(f"parallel.replica_groups={shape.replica_groups}")
     if args.faults is not None:
         specs = [spec.strip() for group in args.faults for spec in group.split(",") if spec.strip()]
         overrides.append("faults=[" + ",".join(specs) + "]")
     cfg = with_env_faults(load_train_config(args.config, overrides))
     groups = cfg.parallel.replica_groups
-    if args.nodes % groups:
-        raise TrainConfigError(f"--replica-groups={groups} does not divide --nodes={args.nodes}: each group has as "
-                               f"many whole nodes; allowed: {[r for r in range(1, args.nodes + 1) if args.nodes % r == 0]}")
+    if shape.nodes % groups:
+        allowed = [r for r in range(1, shape.nodes + 1) if shape.nodes % r == 0]
+        raise TrainConfigError(f"--replica-groups={groups} does not divide --nodes={shape.nodes}: each group has as "
+                               f"many whole nodes; allowed: {allowed}")
     if groups > 1 and (missing := check_torchft()):
         raise TrainConfigError(missing)
-    group_nodes = args.nodes // groups
-    group_world_size = group_nodes * args.nproc_per_node
+    group = shape.of_group(groups)
+    group_world_size = group.nodes * group.nproc_per_node
     cfg.rows_per_step(group_world_size)  # a shape that cannot reach global_batch_size starts nothing
-    specs = parse_faults(cfg.faults, world_size=group_world_size, nodes=group_nodes + args.spares, groups=groups)
-    if not args.netns and any(spec.kind == "partition" for spec in specs):
+    specs = parse_faults(cfg.faults, world_size=group_world_size, nodes=group.nodes + group.spares, groups=groups)
+    if not shape.netns and any(spec.kind == "partition" for spec in specs):
         raise FaultSpecError("partition faults need --netns: only nodes with a network of their own can be cut off")
     check_token_file(cfg.data.path, cfg.data.dtype, check_model(cfg.model).vocab_size)
     run_dir = Path(cfg.run_dir)
@@ -156,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg, config_path = config_or_exit("training.local", lambda: build_config(args),
                                       FaultSpecError, DataError, ModelSourceError)
+    shape: ClusterShape = args.shape
     try:
-        network = VirtualNetwork() if args.netns else None
+        network = VirtualNetwork() if shape.netns else None
     except NetworkUnavailable as err:
         print(f"training.local: --netns: {err}", file=sys.stderr)
         return CONFIG_ERROR
@@ -167,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     clusters, lighthouse = build_clusters(cfg, config_path, args, network)
     _stop_on_signals(clusters)
     if lighthouse is None:
-        shape, where = f"{args.nodes} node(s)", f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/"
+        nodes, where = f"{shape.nodes} node(s)", f"run directory {cfg.run_dir}; logs in {cfg.run_dir}/logs/"
     else:
-        shape = f"{groups} replica groups of {args.nodes // groups} node(s)"
+        nodes = f"{groups} replica groups of {shape.of_group(groups).nodes} node(s)"
         where = f"run directories {cfg.run_dir}/group<g>, logs in their logs/; the Lighthouse's log {lighthouse.log_path}"
-    spares = f" + {args.spares} spare(s){' each' if groups > 1 else ''}" if args.spares else ""
-    clusters[0].say(f"{shape}{spares} x {args.nproc_per_node} rank(s), {cfg.training.steps} steps, checkpoints "
+    spares = f" + {shape.spares} spare(s){' each' if groups > 1 else ''}" if shape.spares else ""
+    clusters[0].say(f"{nodes}{spares} x {shape.nproc_per_node} rank(s), {cfg.training.steps} steps, checkpoints "
                     f"{cfg.checkpoint.mode}, faults: {', '.join(cfg.faults) or 'none'}; {where}")
     started = time.monotonic()
     try:
