@@ -86,7 +86,7 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker:
     striker.stdin.flush()
     deadline = time.monotonic() + ctx.step_s / 2 + STRIKE_WAIT_S
     while time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.05)  # short sleeps: the Wrapper's asynchronous interrupt lands between two calls
     raise FaultInjected(f"injected fault {spec.text}: its strike did not land within {STRIKE_WAIT_S:.0f} s")
 
 
