@@ -21,9 +21,10 @@ from training.train.checkpoint.layout import committed_checkpoints
 from training.train.final_state import bitwise_mismatch, load_final_state
 from training_helpers import completed, exit_code, run_local, samples_by_step
 
-STEPS, GLOBAL_BATCH = 300, 16  # 16: a row of 4 sequences per rank of a group, one row per group
-# the hang lands once the lost node's group is back: its restart takes ~70 of these steps here
-NODE_LOSS, LIGHTHOUSE_LOSS, HANG = 40, 130, 200
+STEPS, GLOBAL_BATCH = 350, 16  # 16: a row of 4 sequences per rank of a group, one row per group
+# the Lighthouse's loss and the hang land once the lost node's group is back: its restart takes 70-90 of these
+# steps here (a Lighthouse lost while the group heals stalls the other group until a reused quorum id fails)
+NODE_LOSS, LIGHTHOUSE_LOSS, HANG = 40, 160, 240
 DRAIN, SAVE_INTERVAL = 120, 50
 STEP_TIMEOUT_S = 3  # parallel.step_timeout_s: what a restarted Lighthouse's reused quorum id can cost a step
 # heartbeat_timeout_s (1 s) plus re-forming the quorum's process group after a group's fault; a restarted
