@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
+import select
 import signal
 import sys
 import time
@@ -141,8 +142,9 @@ def _lighthouse(cfg: ParallelConfig, scratch: Path) -> Iterator[str]:
             os._exit(1)
     os.close(write)
     try:
-        address = os.read(read, 200).decode()
-        assert address, "the Lighthouse did not start"
+        started, _, _ = select.select([read], [], [], 60)
+        address = os.read(read, 200).decode() if started else ""
+        assert address, "the Lighthouse did not start within 60 s"
         yield address
     finally:
         os.close(read)

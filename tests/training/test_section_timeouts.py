@@ -23,11 +23,13 @@ from training.contract.config import CheckpointMode, FaultToleranceConfig
 from training.contract.launcher import section_timeouts
 from training.train.hang_watch import HangWatch
 from training.train.monitor import RankMonitor
+from training_helpers import fork_rank, reap
 
 QUICK_S = 0.01  # a step, an async save's hand-off
 WAIT_S = 1.5  # a wait for the save in flight: thirty times the quick one, far below the configured 600 s
 FT = FaultToleranceConfig(calculate_timeouts_after=3)
 HANG_SEEN = 5
+RANK_TIMEOUT_S = 60
 
 
 @pytest.fixture()
@@ -50,32 +52,32 @@ def _rank(socket_path: str, mode: CheckpointMode, load: str | None, wait_s: floa
     `wait_in` (`across_groups`: within it, outside it, as ReplicaGroups.across_groups puts the waits for other
     groups); it writes its monitor's state to `state_file`. Its exit code (HANG_SEEN: restart=both's hang watch
     found the wait overdue), or minus the signal that killed it."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.environ.update(FT_RANK_MONITOR_IPC_SOCKET=socket_path, RANK="0")
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            watch = HangWatch() if ft.restart == "both" else None
-            monitor = RankMonitor(ft, mode, watch)
-            if load is not None:
-                monitor.load_state_dict(load)
-            monitor.end_setup()
-            for _ in range(FT.calculate_timeouts_after + 1):
-                with monitor.section("step"):
-                    time.sleep(QUICK_S)
-                with monitor.section("checkpoint"):
-                    time.sleep(QUICK_S)
-                monitor.step_done()
-            state_file.write_text(monitor.state_dict())
-            with monitor.section(wait_in), monitor.outside(wait_in) if across_groups else contextlib.nullcontext():
-                time.sleep(wait_s)
-                overdue = watch is not None and watch.overdue() is not None
-            monitor.shutdown()
-            os._exit(HANG_SEEN if overdue else 0)
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    def body() -> int:
+        os.environ.update(FT_RANK_MONITOR_IPC_SOCKET=socket_path, RANK="0")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        watch = HangWatch() if ft.restart == "both" else None
+        monitor = RankMonitor(ft, mode, watch)
+        if load is not None:
+            monitor.load_state_dict(load)
+        monitor.end_setup()
+        for _ in range(FT.calculate_timeouts_after + 1):
+            with monitor.section("step"):
+                time.sleep(QUICK_S)
+            with monitor.section("checkpoint"):
+                time.sleep(QUICK_S)
+            monitor.step_done()
+        state_file.write_text(monitor.state_dict())
+        with monitor.section(wait_in), monitor.outside(wait_in) if across_groups else contextlib.nullcontext():
+            time.sleep(wait_s)
+            overdue = watch is not None and watch.overdue() is not None
+        monitor.shutdown()
+        return HANG_SEEN if overdue else 0
+
+    log = state_file.with_suffix(".log")
+    pid = fork_rank(body, log, {})
+    codes = reap([pid], RANK_TIMEOUT_S)
+    assert pid in codes, f"the rank still ran after {RANK_TIMEOUT_S} s: {log.read_text()[-2000:]}"
+    return codes[pid]
 
 
 def _checkpoint_timeout(state_file: Path) -> float:

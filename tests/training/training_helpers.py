@@ -127,6 +127,24 @@ def fork_rank(body: Callable[[], object], log: Path, env: dict[str, str]) -> int
         os._exit(code)
 
 
+def reap(pids: list[int], timeout: float) -> dict[int, int]:
+    """pid -> exit code (minus the signal that ended it) of each of `pids` that exits within `timeout`; those
+    still running then are SIGKILLed and left out. A forked child can block for good (a lock another thread
+    of the test process held at the fork), so no test waits for one without a deadline."""
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for pid in (p for p in pids if p not in codes):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    for pid in (p for p in pids if p not in codes):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return codes
+
+
 @dataclass(frozen=True)
 class ForkedRank:
     code: int  # its exit code: 3 if its body raised; minus the signal that killed it
@@ -142,17 +160,7 @@ def fork_ranks(body: Callable[[int], object], logs: Path, world: int = 2, timeou
     env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     pids = [fork_rank(lambda rank=rank: body(rank), logs / f"rank{rank}.log",
                       {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(world)]
-    codes: dict[int, int] = {}
-    deadline = time.monotonic() + timeout
-    while len(codes) < world and time.monotonic() < deadline:
-        for pid in (p for p in pids if p not in codes):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    for pid in (p for p in pids if p not in codes):
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    codes = reap(pids, timeout)
     outputs = [(logs / f"rank{rank}.log").read_text() if (logs / f"rank{rank}.log").exists() else ""
                for rank in range(world)]
     if len(codes) < world:
