@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from training.train.checkpoint.manager import Loaded
-from training.train.recovery import DiskTier, InProcessTier, PeerTier, Restored, SourceKind, restore_first
+from training.train.recovery import (DiskTier, InProcessTier, LiveGroupTier, PeerTier, Restored, SourceKind,
+                                     restore_first)
 
 
 @dataclass
@@ -108,3 +109,36 @@ def test_disk_tier_reports_the_checkpoint_and_what_it_lacked():
     assert restored.origin == str(path)
     assert ckpt.calls == [(frozenset({"rng_rank3"}), False)]
     assert DiskTier(_Checkpoints(None), frozenset(), True).restore({}, not_older_than=0) is None  # type: ignore[arg-type]
+
+
+class _Groups:
+    """Stands in for ReplicaGroups: its first quorum heals it to `live` (None: no group ahead of it)."""
+
+    def __init__(self, live: int | None) -> None:
+        self.live, self.calls = live, []
+
+    def heal(self) -> int | None:
+        self.calls.append("heal")
+        return self.live
+
+    def resumed_at(self, step: int) -> None:
+        self.calls.append(f"resumed at {step}")
+
+
+def test_the_live_tier_heals_before_the_disk_is_read_and_otherwise_reports_what_the_disk_loaded():
+    """A restarted replica group with a live group to heal from reads no checkpoint; with none (every group
+    lost), the disk tier loads and the group reports that step to its next quorum. Asked once: a second
+    quorum would take a step the live groups train without it."""
+    asked: list[str] = []
+    healing, joined = _Groups(live=40), []
+    tier = LiveGroupTier(lambda step: joined.append(step) or healing)  # type: ignore[arg-type,return-value]
+    disk = FakeTier(30, asked)
+    assert restore_first([tier, disk], {}, not_older_than=0) == Restored(40, "live")
+    assert asked == [] and joined == [0] and healing.calls == ["heal"]  # the disk tier was never asked
+    assert Restored(40, "live").origin == "a live replica group"
+
+    alone = _Groups(live=None)
+    tier = LiveGroupTier(lambda step: alone)  # type: ignore[arg-type,return-value]
+    assert restore_first([tier, BoundedTier(30, asked)], {}, not_older_than=0) == Restored(30, "peer")
+    assert alone.calls == ["heal", "resumed at 30"]
+    assert tier.restore({}, not_older_than=31) is None and alone.calls == ["heal", "resumed at 30"]  # asked again

@@ -2,14 +2,14 @@
 
 A tier loads the newest state it holds into the Stateful dict and says what it loaded (`Restored`), or
 leaves the dict untouched and returns None. `restore_first` asks the tiers fastest first (`InProcessTier`,
-`PeerTier`, `DiskTier`) and the first that restores wins. Every tier is collective and its answer the same
-on every rank, so every rank walks the list alike. Cost: a tier with nothing to give keeps its copies until
+`PeerTier`, `LiveGroupTier`, `DiskTier`) and the first that restores wins. Every tier is collective and its
+answer the same on every rank, so every rank walks the list alike. Cost: a tier with nothing to give keeps its copies until
 another tier's load has succeeded (`RecoveryTier.superseded`): a checkpoint that fails to load must not
 have cost them.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     from training.train.checkpoint.manager import CheckpointManager
     from training.train.inprocess import Iteration
     from training.train.peer_state import PeerState
+    from training.train.replica_groups import ReplicaGroups
 
-SourceKind = Literal["memory", "peer", "disk"]  # the `resume` event's source_kind (training.contract.events)
+# the `resume` event's source_kind (training.contract.events)
+SourceKind = Literal["memory", "peer", "live", "disk"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class Restored:
         return str(self.path) if self.path is not None else _MEMORY_ORIGIN[self.source_kind]
 
 
-_MEMORY_ORIGIN = {"memory": "process memory", "peer": "node memory"}
+_MEMORY_ORIGIN = {"memory": "process memory", "peer": "node memory", "live": "a live replica group"}
 
 
 class RecoveryTier(Protocol):
@@ -87,6 +89,29 @@ class PeerTier:
 
     def superseded(self, restored: Restored | None) -> None:
         self.peer.discard()
+
+
+@dataclass
+class LiveGroupTier:
+    """The `live` tier, with replica groups, asked before the disk: a live group's state, sent by torchft's
+    heal in this group's first quorum (ReplicaGroups.heal), so that a restarted group reads no checkpoint
+    while another group trains. None where no group is ahead (every group lost, or a fresh start): the disk
+    tier loads, and the group reports that step (`superseded`). Asked once: the quorum it forms is the next
+    step's. Not asked where an earlier tier restored; then the first step's quorum heals a group behind."""
+    join: Callable[[int], ReplicaGroups]  # this rank's ReplicaGroups, reporting a step (0: nothing loaded)
+    replicas: ReplicaGroups | None = None
+    name: ClassVar[SourceKind] = "live"
+
+    def restore(self, state: dict[str, Stateful], *, not_older_than: int) -> Restored | None:
+        if self.replicas is not None:  # asked again by restore_first: its quorum is formed already
+            return None
+        self.replicas = self.join(0)  # a heal loads into the state the ReplicaGroups hold: `state`
+        step = self.replicas.heal()
+        return None if step is None else Restored(step, self.name)
+
+    def superseded(self, restored: Restored | None) -> None:
+        assert self.replicas is not None
+        self.replicas.resumed_at(restored.step if restored is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ class ReplicaGroups:
         info: the group's own process group (its rank and world size are the group rank and size)
         state: the Stateful dict that checkpoints hold; a heal sends and loads all of it
         rows: rows of micro-batches in every step's global batch
-        step: the step the group resumed at (0: a fresh start); a lower one than the others' heals
+        step: the step this group reports to the quorum: the one it resumed at, or 0 where nothing is loaded
+            yet (recovery.LiveGroupTier); a lower one than the others' heals
         events: rank 0's `quorum` events (None on the other ranks)
         outside_step: a context in which the rank monitor's step section is closed (RankMonitor.outside):
             the waits for the other groups, which torchft's timeouts end, are not this rank's work
@@ -69,6 +70,7 @@ class ReplicaGroups:
         self.share: Share | None = None
         self.writes_checkpoints = False  # the quorum's first group writes the periodic checkpoints
         self._live = 0  # live groups of the last quorum: a `quorum` event when they change
+        self._formed = False  # `heal` healed this group: the quorum it formed is the next step's
         timeout = timedelta(seconds=cfg.step_timeout_s)
         # torchft's reconfigurable process groups: each quorum re-forms it over the live groups' ranks with
         # this group rank (manager.py `_async_quorum`: pg.configure on "<store>/torchft/<quorum_id>/<rank>")
@@ -94,9 +96,31 @@ class ReplicaGroups:
         if self.pulse is not None:
             self.pulse.start()
 
+    def heal(self) -> int | None:
+        """A quorum asked before any other recovery tier: a group behind a live one loads the live state into
+        `state` (the heal), and the step healed to is returned; the next `begin_step` trains that quorum's step
+        with the live groups. None where no group is ahead of this one (every group lost, or a fresh start):
+        then every member is as far as this one, loads on its own and asks again in its `begin_step`."""
+        behind = self.manager.current_step()
+        self._quorum()
+        self._formed = self.manager.current_step() != behind
+        return self.manager.current_step() if self._formed else None
+
+    def resumed_at(self, step: int) -> None:
+        """A tier after this one loaded `step` (a fresh start: 0): the step this group reports to the quorum."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
     def begin_step(self) -> Share:
         """The quorum of the next step (a heal, if this group is behind, loads the live state into `state`
         before it returns) and this group's share of the step's rows; no rows when it takes no part."""
+        if self._formed:  # `heal` asked for this step's quorum
+            self._formed = False
+        else:
+            self._quorum()
+        assert self.share is not None
+        return self.share
+
+    def _quorum(self) -> None:
         behind = self.manager.current_step()
         self.manager.start_quorum()
         live, index = self.manager.num_participants(), self.manager.participating_rank()
@@ -112,7 +136,6 @@ class ReplicaGroups:
         self._live = live
         if dist.is_initialized():  # the group's ranks start the step together, whatever each one's heal took
             dist.barrier()
-        return self.share
 
     def across_groups(self) -> AbstractContextManager[None]:
         """Around the part of a step that waits for the other groups (`reduce` to `commit`): outside the

@@ -52,7 +52,8 @@ from training.train.optimizer_step import OptimizerStep, StepDiscarded
 from training.train.parallelize import parallelize
 from training.train.peer_state import PeerState
 from training.train.progress import Progress
-from training.train.recovery import DiskTier, InProcessTier, PeerTier, RecoveryTier, Restored, restore_first
+from training.train.recovery import (DiskTier, InProcessTier, LiveGroupTier, PeerTier, RecoveryTier, Restored,
+                                     restore_first)
 
 if TYPE_CHECKING:
     from training.train.inprocess import Iteration
@@ -283,22 +284,24 @@ class Trainer:
 
     def load(self) -> None:
         """The state, from the first recovery tier that holds it; then what reports on training, so that the
-        first rate counts steps only, and last the replica groups' manager. In NVRx's setup section."""
-        self.resume()
+        first rate counts steps only. With replica groups, the group's manager (made by the live tier, or
+        here where an earlier tier restored). In NVRx's setup section."""
         self.ckpt.wait_for_writer()  # in the setup section, not in the first saves'
+        self.resume()
         self._open_reporting()
-        if self.cfg.parallel.replica_groups > 1:
-            self.replicas = self._join_replica_groups()
+        if self.cfg.parallel.replica_groups > 1 and self.replicas is None:
+            self._join_replica_groups(self.train_state.step)
 
-    def _join_replica_groups(self) -> ReplicaGroups:
-        """This rank's manager of its replica group, once everything else is built: from its creation group
-        rank 0 heartbeats to the Lighthouse, and a group that heartbeats without asking for a quorum holds the
-        others' back (training.train.replica_groups)."""
+    def _join_replica_groups(self, step: int) -> ReplicaGroups:
+        """This rank's manager of its replica group at `step`, once everything else is built and just before
+        its first quorum: from its creation group rank 0 heartbeats to the Lighthouse, and a group that
+        heartbeats without asking for a quorum holds the others' back (training.train.replica_groups)."""
         from training.train.replica_groups import ReplicaGroups  # torchft, only with replica groups
 
-        return ReplicaGroups(self.cfg.parallel, replica_group(), self.info, self.state, self.rows,
-                             self.train_state.step, self.events if self.lead else None,
-                             outside_step=lambda: self.monitor.outside("step"))
+        self.replicas = ReplicaGroups(self.cfg.parallel, replica_group(), self.info, self.state, self.rows, step,
+                                      self.events if self.lead else None,
+                                      outside_step=lambda: self.monitor.outside("step"))
+        return self.replicas
 
     def _announce_attempt(self) -> None:
         """Rank 0's events for the start of a run (attempt): run_start, attempt_start and, after a fault, restart."""
@@ -330,6 +333,8 @@ class Trainer:
         tiers: list[RecoveryTier] = [InProcessTier(self.restart)] if self.restart is not None else []
         if self.peer is not None:
             tiers.append(PeerTier(self.peer))
+        if self.cfg.parallel.replica_groups > 1:
+            tiers.append(LiveGroupTier(self._join_replica_groups))
         tiers.append(DiskTier(self.ckpt, optional=frozenset({rng_key(self.info.rank)}),
                               allow_fresh_start=self.cfg.checkpoint.allow_fresh_start))
         restored = restore_first(tiers, self.state, not_older_than=self._newest_checkpoint_step())
