@@ -40,60 +40,51 @@ def llama_reference(tmp_path_factory, llama):
                                *hf(llama), timeout=420))
 
 
-def test_peer_state_onto_a_spare_and_a_drain_resume_a_hf_model_exactly(llama, llama_reference, tmp_path, scratch):
-    """Node 1 is lost: its rank's state comes from node 0's memory onto the spare. Then node 0 is drained: it
-    keeps the step reached (in the partner's memory, or committed) and the lost node's replacement, now the
-    spare, takes its place. The drained node's replacement, slow to import transformers, may reach the
-    rendezvous only after the run ended, in the store started again: it is stopped once the run completed
-    (training.pod.launch), where it used to wait for a round until the test's timeout. The pretrained weights
-    are read once, at the start; every resume loads the run's own state."""
-    faults = "node-loss@8:node=1,drain@14:node=0"
-    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync",
-                              *PEER_STATE, *hf(llama), "--faults", faults, timeout=420))
-    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == faults.split(",")
-    [drained] = events_named(run.run_dir, "drained")
-    resumes = [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
-    assert resumes[:2] in ([(0, "none"), (7, "peer")], [(0, "none"), (8, "peer")])  # not the checkpoint of step 5
-    assert resumes[2:] in ([(drained["step"], "peer")], [(drained["step"], "disk")])  # the step the drain kept
-    assert all(f.steps_lost == 0 for f in build_report(read_events(run.run_dir)).faults)
-    assert run.output.count("from its pretrained weights") == 1
-    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
+FAULTS = "exception@4:rank=1,node-loss@8:node=1,drain@14:node=0"
 
 
 @pytest.fixture(scope="module")
 def llama_faults(llama, tmp_path_factory):
-    """One Llama run for both in-memory ways back, under the in-process Wrapper with peer state and a spare:
-    rank 1 raises before step 6 (the Wrapper rolls back in memory), node 1 is lost in step 12 (its rank's
-    state comes from node 0's memory onto the spare)."""
+    """One Llama run for every way back, under the in-process Wrapper with peer state and a spare: rank 1
+    raises before step 4 (the Wrapper rolls back in memory); node 1 is lost in step 8 (its rank's state comes
+    from node 0's memory onto the spare); node 0 is drained at step 14 (it keeps the step reached, in the
+    partner's memory or committed, and node 1's replacement, now the spare, takes its place). The drained
+    node's replacement, slow to import transformers, may reach the rendezvous only after the run ended, in the
+    store started again: it is stopped once the run completed (training.pod.launch), where it used to wait
+    for a round until the test's timeout."""
     return completed(run_local(tmp_path_factory.mktemp("faults") / "run", *TWO_NODES, "--spares", "1", *COMMON,
                                "checkpoint.mode=sync", *PEER_STATE, *IN_PROCESS, *hf(llama),
-                               "--faults", "exception@6:rank=1,node-loss@12:node=1", timeout=420))
+                               "--faults", FAULTS, timeout=420))
 
 
 def _resumes(run) -> list[tuple[int, str]]:
     return [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
 
 
-# Issue 23's "no copy at all" loss, reproduced here once (clean clone, Dec 2): node 1's replacement and the spare
-# made the next round while node 0, holding every copy, was still stopping its rank (NVRx's 1 s last call for the
-# previous round's nodes), and the run resumed from the checkpoint of step 10. The round now waits for survivors
-# (fault_tolerance.rendezvous_last_call_s; tests/k8s/test_k8s_launcher.py pins it).
-def test_peer_state_onto_a_spare_resumes_a_hf_model_exactly(llama_faults, llama_reference, scratch):
-    """The pretrained weights are read once, at the start; the resume loads the run's own state."""
+def test_a_hf_model_rolls_back_in_memory_exactly(llama_faults, llama_reference, scratch):
+    """The pretrained weights are read once, at the start; every resume loads the run's own state."""
     run = llama_faults
-    assert _resumes(run)[2:] in ([(11, "peer")], [(12, "peer")])  # not the checkpoint of step 10
-    [lost] = [f for f in build_report(read_events(run.run_dir)).faults if f.kind == "node-loss"]
-    assert lost.steps_lost == 0
+    assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == FAULTS.split(",")
+    assert _resumes(run)[:2] == [(0, "none"), (3, "memory")]
+    [raised] = [f for f in build_report(read_events(run.run_dir)).faults if f.kind == "exception"]
+    assert raised.restart_kind == "inprocess"
     assert run.output.count("from its pretrained weights") == 1
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
 
 
-def test_a_hf_model_rolls_back_in_memory_exactly(llama_faults, llama_reference, scratch):
+# Issue 23's "no copy at all" loss, reproduced here once (clean clone, Dec 2): node 1's replacement and the spare
+# made the next round while node 0, holding every copy, was still stopping its rank (NVRx's 1 s last call for the
+# previous round's nodes), and the run resumed from the checkpoint of step 5. The round now waits for survivors
+# (fault_tolerance.rendezvous_last_call_s; tests/k8s/test_k8s_launcher.py pins it).
+def test_peer_state_onto_a_spare_and_a_drain_resume_a_hf_model_exactly(llama_faults):
+    """(The final state: test_a_hf_model_rolls_back_in_memory_exactly, on the same run.)"""
     run = llama_faults
-    assert _resumes(run)[:2] == [(0, "none"), (5, "memory")]
-    [raised] = [f for f in build_report(read_events(run.run_dir)).faults if f.kind == "exception"]
-    assert raised.restart_kind == "inprocess"
-    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(llama_reference.run_dir, scratch))
+    [drained] = events_named(run.run_dir, "drained")
+    resumes = _resumes(run)
+    assert resumes[2:3] in ([(7, "peer")], [(8, "peer")])  # not the checkpoint of step 5
+    assert resumes[3:] in ([(drained["step"], "peer")], [(drained["step"], "disk")])  # the step the drain kept
+    lost = [f.steps_lost for f in build_report(read_events(run.run_dir)).faults if f.kind in ("node-loss", "drain")]
+    assert lost == [0, 0]
 
 
 def test_a_hf_checkpoint_reshards_to_another_world_size_and_exports(llama, llama_reference, tmp_path):
