@@ -3,9 +3,9 @@
 A tier loads the newest state it holds into the Stateful dict and says what it loaded (`Restored`), or
 leaves the dict untouched and returns None. `restore_first` asks the tiers fastest first (`InProcessTier`,
 `PeerTier`, `LiveGroupTier`, `DiskTier`) and the first that restores wins. Every tier is collective and its
-answer the same on every rank, so every rank walks the list alike. Cost: a tier with nothing to give keeps its copies until
-another tier's load has succeeded (`RecoveryTier.superseded`): a checkpoint that fails to load must not
-have cost them.
+answer the same on every rank, so every rank walks the list alike. Cost: a tier with nothing to give keeps its
+copies until another tier's load has succeeded (`RecoveryTier.superseded`): a checkpoint that fails to load
+must not have cost them.
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ class ReplicaGroups:
             self.pulse.start()
 
     def heal(self) -> int | None:
-        """A quorum asked before any other recovery tier: a group behind a live one loads the live state into
+        """A quorum asked before the disk tier: a group behind a live one loads the live state into
         `state` (the heal), and the step healed to is returned; the next `begin_step` trains that quorum's step
         with the live groups. None where no group is ahead of this one (every group lost, or a fresh start):
         then every member is as far as this one, loads on its own and asks again in its `begin_step`."""
