@@ -101,9 +101,7 @@ class ReplicaGroups:
         `state` (the heal), and the step healed to is returned; the next `begin_step` trains that quorum's step
         with the live groups. None where no group is ahead of this one (every group lost, or a fresh start):
         then every member is as far as this one, loads on its own and asks again in its `begin_step`."""
-        behind = self.manager.current_step()
-        self._quorum()
-        self._formed = self.manager.current_step() != behind
+        self._formed = self._quorum()
         return self.manager.current_step() if self._formed else None
 
     def resumed_at(self, step: int) -> None:
@@ -120,7 +118,8 @@ class ReplicaGroups:
         assert self.share is not None
         return self.share
 
-    def _quorum(self) -> None:
+    def _quorum(self) -> bool:
+        """Ask for a quorum, take this group's share of it; whether it healed this group."""
         behind = self.manager.current_step()
         self.manager.start_quorum()
         live, index = self.manager.num_participants(), self.manager.participating_rank()
@@ -136,6 +135,7 @@ class ReplicaGroups:
         self._live = live
         if dist.is_initialized():  # the group's ranks start the step together, whatever each one's heal took
             dist.barrier()
+        return healed
 
     def across_groups(self) -> AbstractContextManager[None]:
         """Around the part of a step that waits for the other groups (`reduce` to `commit`): outside the
