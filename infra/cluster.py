@@ -64,6 +64,9 @@ ADDONS = (
     # Pod Identity, and a separate role is the recommended setup). aws-node needs them before a node can
     # run any pod, so this add-on, its association and the Pod Identity agent exist before any node does;
     # the agent runs in the host network and takes the node role's eks-auth:AssumeRoleForPodIdentity.
+    # DISABLE_CONTAINER_V6 stays unset: a replica group's heal server (torchft.http._IPv6HTTPServer) binds
+    # [::], which needs IPv6 in the pod's network namespace; with containerd the plugin leaves it on unless
+    # that variable is set (aws/amazon-vpc-cni-k8s PR 2499 and issue 2483).
     AddonSpec("vpc-cni", ADDON_PINS["vpc-cni"], {"enableNetworkPolicy": "true"},
               service_account="aws-node", managed_policies=("AmazonEKS_CNI_Policy",), before_nodes=True),
     AddonSpec("eks-pod-identity-agent", ADDON_PINS["eks-pod-identity-agent"], before_nodes=True),
