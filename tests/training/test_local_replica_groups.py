@@ -1,6 +1,7 @@
 """`python -m training.local --replica-groups R`: each group a Job of its own under one torchft Lighthouse.
-Two composed runs: a lost node in one group, the Lighthouse killed, a hung rank in the other group; then a node
-cut off from the network (--netns), which sends no TCP reset, as on EKS, and a drained node. What a user is
+Two composed runs: a lost node in one group, whose hot spare takes its place, the Lighthouse killed, a hung rank
+in the other group; then a node cut off from the network (--netns), which sends no TCP reset, as on EKS, and a
+drained node. What a user is
 promised: the other group trains on through each fault, the failed group heals from its live state, a
 restarted Lighthouse restarts no group, no completed step is lost, every sample is trained once, and both
 groups end with the same state, bit for bit."""
@@ -87,8 +88,10 @@ def _assert_the_uninterrupted_run(groups: list[Path], events: list[list[dict]], 
 
 @pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
 def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tmp_path, uninterrupted):
+    # a hot spare in each group; a lost node's replacement comes later, as on EKS, and stands by
     run = completed(run_local(
-        tmp_path / "run", "--nodes", "4", "--replica-groups", "2", *SHAPE,
+        tmp_path / "run", "--nodes", "4", "--replica-groups", "2", *SHAPE, "--spares", "1",
+        "--replacement-delay", str(local.DEMO_REPLACEMENT_DELAY_S),
         "--faults", f"node-loss@{NODE_LOSS}:node=1:group=1,lighthouse-loss@{LIGHTHOUSE_LOSS}:group=0,"
                     f"hang@{HANG}:rank=0:group=0", timeout=400))
     groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
@@ -98,6 +101,9 @@ def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tm
     fired = [[e["kind"] for e in group if e["event"] == "fault_injected"] for group in events]
     assert fired == [["lighthouse-loss", "hang"], ["node-loss"]], fired
     assert "the Lighthouse exited with code -9; starting it again" in run.output
+    # group 1's spare (its node 2) took the lost node's place; group 0's stood by through its in-job restart
+    assert "Assigned active rank" in (groups[1] / "logs" / "node2.log").read_text()
+    assert "Assigned active rank" not in (groups[0] / "logs" / "node2.log").read_text()
     # the restarted Lighthouse restarted no group: each resumed at its start and after its own fault only, that
     # time from the other group's live state, reading no checkpoint
     assert [[e["source_kind"] for e in group if e["event"] == "resume"][1:] for group in events] == [["live"]] * 2

@@ -2,7 +2,8 @@
 under a Lighthouse in this process, each rank forked from it (torch imported once), the test playing each
 group's ft_launcher: when a rank of a group dies, the rest of the group is killed and the group restarted.
 What a user is promised: the surviving group trains on after a short stall, the failed one heals from its
-live state, both end bitwise equal, the losses are an uninterrupted run's and every sample is trained once."""
+live state, both end bitwise equal, the losses are an uninterrupted run's and every sample is trained once; with
+the preset and with a Hugging Face model, whose state the heal sends as it is."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.launcher import free_port
 from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, check_torchft, share_of
+from training.models.tiny import write_tiny_model
 from training.train import trainer
 from training.train.checkpoint.layout import committed_checkpoints, step_dir_name
 from training.train.final_state import bitwise_mismatch, load_final_state
@@ -153,20 +155,44 @@ def _lighthouse(cfg: ParallelConfig, scratch: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The same global batch on one FSDP2 group of the same 2 ranks (parallel.replica_groups=1)."""
-    group = Group(0, tmp_path_factory.mktemp("reference") / "run", SHAPE, [])
-    _run([group], lighthouse=None)
-    return group.run_dir
+def model_args(tmp_path_factory) -> Callable[[str], tuple[str, ...]]:
+    """model_args(model): the overrides of the preset ("preset") or of a tiny Hugging Face Llama ("llama"),
+    written once from its config and trained from its safetensors."""
+    llama: list[Path] = []
+
+    def get(model: str) -> tuple[str, ...]:
+        if model == "preset":
+            return ()
+        if not llama:
+            llama.append(write_tiny_model(tmp_path_factory.mktemp("llama"), "llama"))
+        return ("model.source=huggingface", f"model.path={llama[0]}")
+    return get
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, model_args) -> Callable[[str], Path]:
+    """uninterrupted(model): the same global batch on one FSDP2 group of the same 2 ranks
+    (parallel.replica_groups=1), run once per model."""
+    runs: dict[str, Path] = {}
+
+    def get(model: str) -> Path:
+        if model not in runs:
+            group = Group(0, tmp_path_factory.mktemp("reference") / "run", (*SHAPE, *model_args(model)), [])
+            _run([group], lighthouse=None)
+            runs[model] = group.run_dir
+        return runs[model]
+    return get
 
 
 @pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
-@pytest.mark.parametrize("fault", ["sigkill@{}:rank=0:group=1", "exception@{}:rank=1:group=1"],
-                         ids=["sigkill-rank0", "exception-rank1"])
+@pytest.mark.parametrize("fault, model", [("sigkill@{}:rank=0:group=1", "preset"),
+                                          ("exception@{}:rank=1:group=1", "llama")],
+                         ids=["sigkill-rank0", "exception-rank1-hf-llama"])
 def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_live_state(
-        tmp_path, uninterrupted, fault):
-    survivor = Group(0, tmp_path / "group0", (*SHAPE, *GROUPS), [])
-    failing = Group(1, tmp_path / "group1", (*SHAPE, *GROUPS, f"faults={fault.format(FAULT_STEP)}"), [])
+        tmp_path, uninterrupted, model_args, fault, model):
+    shape = (*SHAPE, *model_args(model))
+    survivor = Group(0, tmp_path / "group0", (*shape, *GROUPS), [])
+    failing = Group(1, tmp_path / "group1", (*shape, *GROUPS, f"faults={fault.format(FAULT_STEP)}"), [])
     with _lighthouse(load_train_config(None, [*SHAPE, *GROUPS]).parallel, tmp_path) as address:
         started = time.monotonic()
         _run([survivor, failing], address, restart_when=lambda: _trained_alone(survivor.run_dir) >= ALONE_STEPS)
@@ -204,7 +230,7 @@ def test_a_failed_group_leaves_the_quorum_the_other_trains_on_and_it_heals_from_
     assert mismatch is None, mismatch
 
     # the losses are the uninterrupted run's (another split of the same samples: float tolerance)
-    reference = {e["step"]: e["loss"] for e in _steps(uninterrupted)}
+    reference = {e["step"]: e["loss"] for e in _steps(uninterrupted(model))}
     assert {e["step"]: e["loss"] for e in steps} == pytest.approx({s: reference[s] for s in range(first, STEPS + 1)},
                                                                   rel=1e-5, abs=1e-6)
 
@@ -249,7 +275,7 @@ def test_every_group_lost_at_once_resumes_from_the_one_copy_of_the_newest_checkp
     # the end: both groups bitwise equal, the uninterrupted run's losses, every sample of each step trained
     mismatch = bitwise_mismatch(load_final_state(dirs[0], tmp_path), load_final_state(dirs[1], tmp_path))
     assert mismatch is None, mismatch
-    reference = {e["step"]: e["loss"] for e in _steps(uninterrupted)}
+    reference = {e["step"]: e["loss"] for e in _steps(uninterrupted("preset"))}
     last = {e["step"]: e["loss"] for d in dirs for e in _steps(d)}  # a replayed step's last loss
     assert last == pytest.approx(reference, rel=1e-5, abs=1e-6)
     by_step = samples_by_step(dirs[0])
