@@ -36,6 +36,10 @@ from training_helpers import exit_code
     (["training.global_batch_size=10"], "training.global_batch_size=10 is not allowed: a positive multiple of "
                                         "training.batch_size (4), which each rank's micro-batches fill, e.g. 8 or 12"),
     (["training.global_batch_size=many"], "training.global_batch_size='many': expected a whole number"),
+    (["parallel.replica_groups=2", "parallel.quorum_timeout_s=300"],
+     "parallel.quorum_timeout_s=300.0 is not allowed: less than 300 s, the least of fault_tolerance."
+     "setup_section_timeout=600, rank_heartbeat_timeout=300, out_of_section_timeout=600: NVRx would end a rank's "
+     "wait for its quorum first"),
 ])
 def test_bad_config_values_are_named(overrides, message):
     with pytest.raises(TrainConfigError) as err:

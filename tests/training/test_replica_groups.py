@@ -22,6 +22,7 @@ import pytest
 from training.contract.config import ParallelConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
 from training.contract.exit_codes import CONFIG_ERROR
+from training.contract.k8s_delays import EKS
 from training.contract.launcher import free_port
 from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, check_torchft, share_of
 from training.models.tiny import write_tiny_model
@@ -306,6 +307,12 @@ def test_a_global_batch_the_groups_cannot_share_is_refused_naming_what_can():
         cfg.rows_per_step(5)
     assert cfg.rows_per_step(6) == 2  # rows of 6 micro-batches: one per group, or both for one live group
     assert load_train_config(None, ["parallel.replica_groups=2"]).rows_per_step(4) == 2  # null: a row per group
+
+
+def test_by_default_the_groups_wait_out_a_lighthouse_moved_to_another_system_node():
+    # its node lost, the Lighthouse runs again on another system node after this long; meanwhile every group
+    # keeps its state and asks every second (test_local_replica_groups kills it), so none restarts
+    assert ParallelConfig().quorum_timeout_s > EKS.system_pod_moved_s
 
 
 def test_replica_groups_without_torchft_stop_before_any_rank_trains(monkeypatch, tmp_path, capsys):

@@ -416,11 +416,15 @@ class ParallelConfig(_Section):
                                       "costs the others this long, 8 s keeping their stall within 10 s; the chart "
                                       "refuses one that a heal of a group's state would not fit (Capacity.heal_s; "
                                       "torchft's default: 60 s).")
-    quorum_timeout_s: float = _doc(30.0, "R >= 2: how long a group waits for the Lighthouse's quorum before its "
-                                         "ranks fail (an in-job restart follows): longer than a step and a "
-                                         "checkpoint save of the slowest group, and than a restart of the "
-                                         "Lighthouse, which is asked again every second meanwhile (torchft's "
-                                         "default: 60 s).")
+    quorum_timeout_s: float = _doc(240.0, "R >= 2: how long a group waits for the Lighthouse's quorum before its "
+                                          "ranks fail (an in-job restart follows, and a group with nothing in "
+                                          "memory then resumes from a live group or the checkpoint). Longer than "
+                                          "a step and a checkpoint save of the slowest group, and than the "
+                                          "Lighthouse's absence, during which it is asked again every second: a "
+                                          "restart in place takes seconds, a move to another system node after "
+                                          "its node was lost 90 s (training.contract.k8s_delays."
+                                          "system_pod_moved_s). Under the rank monitor's timeouts that judge the "
+                                          "wait too (torchft's default: 60 s).")
     heartbeat_timeout_s: float = _doc(1.0, "R >= 2, the Lighthouse's: a group whose manager has not heartbeaten "
                                            "(every 0.1 s) for this long is dead and leaves the quorum; the other "
                                            "groups' longest stall after a group dies (torchft's default: 5 s).")
@@ -456,13 +460,22 @@ class ParallelConfig(_Section):
                     f"({self.heartbeat_timeout_s}): the quorum after a group dies forms once its heartbeats are "
                     "that old")
 
-    def validate_with(self, t: TrainingConfig) -> None:
-        """The rule across sections: the groups can share training.global_batch_size."""
-        if self.replica_groups > 1 and t.global_batch_size is not None:
+    def validate_with(self, t: TrainingConfig, ft: FaultToleranceConfig) -> None:
+        """The rules across sections: the groups can share training.global_batch_size, and the rank monitor
+        lets a rank wait out its quorum (in setup, the first one; then outside every section, with no
+        heartbeat)."""
+        if self.replica_groups < 2:
+            return
+        if t.global_batch_size is not None:
             problem = split_problem(t.global_batch_size // t.batch_size, self.replica_groups)
             if problem:
                 _refuse("parallel.replica_groups", self.replica_groups, f"training.global_batch_size="
                         f"{t.global_batch_size} in micro-batches of {t.batch_size}: {problem}")
+        judges = ("setup_section_timeout", "rank_heartbeat_timeout", "out_of_section_timeout")
+        if self.quorum_timeout_s >= (bound := min(getattr(ft, key) for key in judges)):
+            _refuse("parallel.quorum_timeout_s", self.quorum_timeout_s, f"less than {bound:g} s, the least of "
+                    f"fault_tolerance.{', '.join(f'{key}={getattr(ft, key):g}' for key in judges)}: NVRx would "
+                    "end a rank's wait for its quorum first")
 
 
 @dataclass(frozen=True)
@@ -520,7 +533,7 @@ class TrainConfig:
     def __post_init__(self) -> None:  # each section has checked itself when it was built
         if not self.run_dir:
             _refuse("run_dir", self.run_dir, "a directory path")
-        self.parallel.validate_with(self.training)
+        self.parallel.validate_with(self.training, self.fault_tolerance)
 
     def for_group(self, group: int) -> "TrainConfig":
         """Replica group `group`'s config: its own run directory, and its own checkpoint directory (inside

@@ -59,6 +59,12 @@ class KubernetesDelays:
         """From a node's loss to its pod's replacement being created: NotReady, the toleration, the Job's new pod."""
         return self.node_not_ready_s + self.toleration_s + self.pod_replacement_s
 
+    @property
+    def system_pod_moved_s(self) -> float:
+        """From a system node's loss to a pod of it (a rendezvous store, the Lighthouse) running on another system
+        node that holds the image already, as those that run the training image's stores do."""
+        return self.lost_pod_replaced_s + self.container_start_s
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
