@@ -1,8 +1,8 @@
 """In-process restart (training/train/inprocess.py): unit checks of the Wrapper adapter, the config rules and
-the in-memory rollback; then runs in the local cluster (under ft_launcher, as the pods): an exception
-and a hang restart every rank in-process from the last step in memory, bitwise equal to an
-uninterrupted run; with restart=both a killed process falls back to an in-job restart from disk; a
-persistent fault ends the job after the in-process budget, naming the rank and the fault."""
+the in-memory rollback; then runs in the local cluster (under ft_launcher, as the pods): in one run an
+exception and a hang restart every rank in-process from the last step in memory, and a killed process falls
+back to an in-job restart from disk, bitwise equal to an uninterrupted run; a persistent fault ends the job
+after the in-process budget, naming the rank and the fault."""
 from __future__ import annotations
 
 import errno
@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -711,33 +711,28 @@ def test_a_restore_to_the_older_step_keeps_it_until_a_new_step_is_complete(one_r
 
 # ---- runs in the local cluster ------------------------------------------------------------------
 
-STEPS, FAULT_STEP, INTERVAL, GLOO_TIMEOUT_S = 20, 8, 5, 30
+STEPS, INTERVAL, GLOO_TIMEOUT_S = 20, 5, 30
 COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.mode=sync",
           "checkpoint.save_final=true", "logging.log_interval=10", f"training.collective_timeout_s={GLOO_TIMEOUT_S}",
           "fault_tolerance.timeout_safety_factor=50",  # calculated hang timeouts stay loose on 2 busy cores
           "fault_tolerance.inprocess_soft_timeout=4", "fault_tolerance.inprocess_hard_timeout=15",
           "training.batch_size=2", "training.global_batch_size=8")  # 2 ranks x 2 micro-batches of 2
-# The fault runs' shape is training_helpers.COMMON's: their uninterrupted run is conftest's `reference` (the
-# Wrapper's timeouts above change no arithmetic).
-# TWO_NODES: two launchers, one host, so the stores must not collide
-RUNS = {
-    "exception": (ONE_NODE, "both", f"exception@{FAULT_STEP}:rank=1"),
-    "hang": (TWO_NODES, "both", f"hang@{FAULT_STEP}:rank=1"),
-    "sigkill": (TWO_NODES, "both", f"sigkill@{FAULT_STEP}:rank=1"),
-}
+# The fault run's shape is training_helpers.COMMON's: its uninterrupted run is conftest's `reference` (the
+# Wrapper's timeouts above change no arithmetic). One run on two nodes (two launchers, one host, so the stores
+# must not collide): rank 1 raises, then hangs, each restarted in-process from memory at the last completed
+# step; then its process is killed, which no Wrapper survives: an in-job restart from the checkpoint.
+FAULTS = {"exception": 4, "hang": 9, "sigkill": 14}
+RESUMED = {"exception": (3, "memory"), "hang": (8, "memory"), "sigkill": (10, "disk")}
+# An exception is attributed to its rank; a hang to whichever ranks stopped making progress first: the
+# hung rank and the peers stuck in a collective with it stop together, and the Wrapper cannot tell them apart.
+WRAPPER_RECORDS = {"exception": "rank 1: EXCEPTION", "hang": ": SOFT_TIMEOUT"}
 
 
 @pytest.fixture(scope="module")
-def fault_run(tmp_path_factory):
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            shape, mode, spec = RUNS[name]
-            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *shape, *COMMON,
-                                       f"fault_tolerance.restart={mode}", "--faults", spec))
-        return runs[name]
-    return get
+def faults_run(tmp_path_factory):
+    spec = ",".join(f"{kind}@{step}:rank=1" for kind, step in FAULTS.items())
+    return completed(run_local(tmp_path_factory.mktemp("faults") / "run", *TWO_NODES, *COMMON,
+                               "fault_tolerance.restart=both", "--faults", spec))
 
 
 def _attempt_kinds(run):
@@ -748,44 +743,46 @@ def _resumes(run):
     return [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")]
 
 
-def _launcher_logs(run):
-    return "".join(p.read_text() for p in sorted((run.run_dir / "logs").glob("node*.log")))
+def _launcher_restarts(run) -> list[float]:
+    """When a launcher restarted its workers (ft_launcher's log lines, in this machine's local time)."""
+    return [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for path in sorted((run.run_dir / "logs").glob("node*.log"))
+            for line in path.read_text().splitlines() if "will restart worker group" in line]
+
+
+def _detected_after(run, kind: str) -> list[dict]:
+    """The detections from the injection of `kind` to the next fault's."""
+    injected = sorted(e["t"] for e in events_named(run.run_dir, "fault_injected"))
+    start = next(e["t"] for e in events_named(run.run_dir, "fault_injected") if e["kind"] == kind)
+    end = min((t for t in injected if t > start), default=math.inf)
+    return [e for e in events_named(run.run_dir, "fault_detected") if start <= e["t"] < end]
 
 
 @pytest.mark.slow
-# An exception is attributed to its rank; a hang to whichever ranks stopped making progress first: the
-# hung rank and the peers stuck in a collective with it stop together, and the Wrapper cannot tell them apart.
-@pytest.mark.parametrize("name, kind, records", [("exception", "exception", "rank 1: EXCEPTION"),
-                                                 ("hang", "hang", ": SOFT_TIMEOUT")])
-def test_fault_restarts_every_rank_in_process_from_memory(name, kind, records, fault_run, reference, scratch):
-    run = fault_run(name)
-    assert _attempt_kinds(run) == ["fresh", "inprocess"]
-    assert "will restart worker group" not in _launcher_logs(run)  # same processes: no launcher restart
-    assert _resumes(run) == [(0, "none"), (FAULT_STEP - 1, "memory")]  # the last completed step
-    detected = [e for e in events_named(run.run_dir, "fault_detected") if e["by"].startswith("inprocess wrapper")]
-    assert any(records in e["detail"] for e in detected)  # the Wrapper's interruption records
-    if kind == "exception":
-        assert {e["rank"] for e in detected} == {1}
-    [fault] = build_report(read_events(run.run_dir)).faults
-    assert (fault.kind, fault.rank, fault.restart_kind, fault.resumed_from) == (kind, 1, "inprocess", FAULT_STEP - 1)
-    assert fault.steps_lost is not None and fault.steps_lost <= 1
-    assert fault.detection_s is not None and fault.detection_s < GLOO_TIMEOUT_S  # the Wrapper, not gloo's timeout
-    assert math.isfinite(fault.recovery_s) and 0 < fault.recovery_s < GLOO_TIMEOUT_S
+def test_faults_restart_every_rank_in_process_from_memory_and_a_killed_process_from_disk(faults_run, reference,
+                                                                                          scratch):
+    run = faults_run
+    assert _attempt_kinds(run) == ["fresh", "inprocess", "inprocess", "injob"]  # a new process has no memory
+    assert _resumes(run) == [(0, "none"), *RESUMED.values()]  # the last completed step, or the checkpoint
+    faults = build_report(read_events(run.run_dir)).faults
+    assert [(f.kind, f.rank, f.restart_kind, f.resumed_from) for f in faults] == [
+        (kind, 1, "inprocess" if source == "memory" else "injob", step) for kind, (step, source) in RESUMED.items()]
+    # same processes: no launcher restarted its workers before the killed process
+    [killed] = [e["t"] for e in events_named(run.run_dir, "fault_injected") if e["kind"] == "sigkill"]
+    restarts = _launcher_restarts(run)
+    assert restarts and min(restarts) > killed - 1, restarts  # the log's clock is read to the millisecond
+    for fault in faults[:2]:
+        detected = [e for e in _detected_after(run, fault.kind) if e["by"].startswith("inprocess wrapper")]
+        assert any(WRAPPER_RECORDS[fault.kind] in e["detail"] for e in detected)  # its interruption records
+        if fault.kind == "exception":
+            assert {e["rank"] for e in detected} == {1}
+        assert fault.steps_lost is not None and fault.steps_lost <= 1
+        assert fault.detection_s is not None and fault.detection_s < GLOO_TIMEOUT_S  # the Wrapper, not gloo
+        assert math.isfinite(fault.recovery_s) and 0 < fault.recovery_s < GLOO_TIMEOUT_S
+    # the survivor's Wrapper saw its collective fail with the killed process: it must not blame itself
+    assert all(e["rank"] in (None, 1) for e in _detected_after(run, "sigkill"))
+    assert faults[2].recovery_s is not None
     # model, optimizer, data position and RNG rolled back exactly
-    assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
-
-
-@pytest.mark.slow
-def test_killed_process_falls_back_to_an_injob_restart_from_disk(fault_run, reference, scratch):
-    run = fault_run("sigkill")
-    assert _attempt_kinds(run) == ["fresh", "injob"]  # a new process has nothing in memory
-    assert "will restart worker group" in _launcher_logs(run)
-    # the survivor's Wrapper saw its collective fail: it must not blame itself
-    assert all(e["rank"] in (None, 1) for e in events_named(run.run_dir, "fault_detected"))
-    last_checkpoint = (FAULT_STEP - 1) // INTERVAL * INTERVAL
-    assert _resumes(run) == [(0, "none"), (last_checkpoint, "disk")]
-    [fault] = build_report(read_events(run.run_dir)).faults
-    assert fault.restart_kind == "injob" and fault.recovery_s is not None
     assert_bitwise_equal(load_final_state(run.run_dir, scratch), load_final_state(reference.run_dir, scratch))
 
 
