@@ -1,10 +1,9 @@
 """`python -m training.local --replica-groups R`: each group a Job of its own under one torchft Lighthouse.
 Two composed runs: a lost node in one group, whose hot spare takes its place, the Lighthouse killed, a hung rank
 in the other group; then a node cut off from the network (--netns), which sends no TCP reset, as on EKS, and a
-drained node. What a user is
-promised: the other group trains on through each fault, the failed group heals from its live state, a
-restarted Lighthouse restarts no group, no completed step is lost, every sample is trained once, and both
-groups end with the same state, bit for bit."""
+drained node. What a user is promised: the other group trains on through each fault, the failed group heals
+from its live state, a restarted Lighthouse restarts no group, no completed step is lost, every sample is
+trained once, and both groups end with the same state, bit for bit."""
 from __future__ import annotations
 
 from pathlib import Path

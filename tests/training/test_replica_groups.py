@@ -7,6 +7,7 @@ the preset and with a Hugging Face model, whose state the heal sends as it is.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import os
 import select
@@ -15,9 +16,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from training.contract.config import ParallelConfig, TrainConfigError, load_train_config
 from training.contract.events import read_events
@@ -29,7 +32,7 @@ from training.models.tiny import write_tiny_model
 from training.train import trainer
 from training.train.checkpoint.layout import committed_checkpoints, step_dir_name
 from training.train.final_state import bitwise_mismatch, load_final_state
-from training.train.replica_groups import start_lighthouse
+from training.train.replica_groups import _FreshPrefix, start_lighthouse
 from training_helpers import exit_code, fork_rank, samples_by_step
 
 STEPS, BATCH, GLOBAL_BATCH, RANKS = 96, 2, 8, 2  # 4 micro-batches a step: rows of 2, one row per group;
@@ -159,14 +162,11 @@ def _lighthouse(cfg: ParallelConfig, scratch: Path) -> Iterator[str]:
 def model_args(tmp_path_factory) -> Callable[[str], tuple[str, ...]]:
     """model_args(model): the overrides of the preset ("preset") or of a tiny Hugging Face Llama ("llama"),
     written once from its config and trained from its safetensors."""
-    llama: list[Path] = []
-
+    @functools.cache
     def get(model: str) -> tuple[str, ...]:
         if model == "preset":
             return ()
-        if not llama:
-            llama.append(write_tiny_model(tmp_path_factory.mktemp("llama"), "llama"))
-        return ("model.source=huggingface", f"model.path={llama[0]}")
+        return ("model.source=huggingface", f"model.path={write_tiny_model(tmp_path_factory.mktemp(model), model)}")
     return get
 
 
@@ -174,14 +174,11 @@ def model_args(tmp_path_factory) -> Callable[[str], tuple[str, ...]]:
 def uninterrupted(tmp_path_factory, model_args) -> Callable[[str], Path]:
     """uninterrupted(model): the same global batch on one FSDP2 group of the same 2 ranks
     (parallel.replica_groups=1), run once per model."""
-    runs: dict[str, Path] = {}
-
+    @functools.cache
     def get(model: str) -> Path:
-        if model not in runs:
-            group = Group(0, tmp_path_factory.mktemp("reference") / "run", (*SHAPE, *model_args(model)), [])
-            _run([group], lighthouse=None)
-            runs[model] = group.run_dir
-        return runs[model]
+        group = Group(0, tmp_path_factory.mktemp("reference") / "run", (*SHAPE, *model_args(model)), [])
+        _run([group], lighthouse=None)
+        return group.run_dir
     return get
 
 
@@ -307,6 +304,26 @@ def test_a_global_batch_the_groups_cannot_share_is_refused_naming_what_can():
         cfg.rows_per_step(5)
     assert cfg.rows_per_step(6) == 2  # rows of 6 micro-batches: one per group, or both for one live group
     assert load_train_config(None, ["parallel.replica_groups=2"]).rows_per_step(4) == 2  # null: a row per group
+
+
+def test_a_quorum_id_a_restarted_lighthouse_reuses_gets_a_store_prefix_of_its_own():
+    """torchft names a process group's store prefix by the quorum id, which a restarted Lighthouse counts from 1
+    again: the members of each configure must agree on a prefix that no earlier process group wrote to."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    configured: list[str] = []
+
+    class Recorded:
+        def configure(self, store_addr: str, *args: object) -> None:
+            configured.append(store_addr)
+
+    class Fresh(_FreshPrefix, Recorded):
+        _timeout = timedelta(seconds=5)
+
+    reused = f"127.0.0.1:{server.port}/torchft/2/0"
+    for _ in ("the first Lighthouse's quorum 2", "the restarted one's"):
+        for rank in (0, 1):
+            Fresh().configure(reused, f"group{rank}", rank, 2, 2)
+    assert configured == [f"{reused}/0"] * 2 + [f"{reused}/1"] * 2
 
 
 def test_by_default_the_groups_wait_out_a_lighthouse_moved_to_another_system_node():

@@ -24,6 +24,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 from torchft.coordination import LighthouseServer
+from torchft.process_group import create_store_client
 
 from training.contract.config import ParallelConfig
 from training.contract.events import EventLog
@@ -38,6 +39,31 @@ log = logging.getLogger(__name__)
 # 0.2.0's ManagerServer (src/manager.rs, `_quorum_with_retries`) sleeps quorum_timeout / (quorum_retries + 1)
 # after a failed request, connects anew and asks again; the rank's own request still ends after quorum_timeout.
 LIGHTHOUSE_POLL_S = 1.0
+
+
+class _FreshPrefix:
+    """A torchft process group whose every configure gets a store prefix of its own. torchft names the prefix by
+    the quorum id (manager.py `_async_quorum`: "<store>/torchft/<quorum_id>/<group rank>") and requires it unique
+    (ProcessGroup.configure), but a restarted Lighthouse counts quorum ids from 1 again: the ranks then read the
+    rank addresses of an earlier process group under that prefix, and gloo waits out its connect timeout on them.
+    Each member counts its arrival under the prefix: all of one configure land in the same block of world_size
+    arrivals, a sub-prefix no earlier configure used. Where an earlier configure under it lacked members, the
+    blocks split; that configure fails, the step does not commit, and the Lighthouse moves the id on."""
+
+    _timeout: timedelta
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args: Any) -> None:
+        arrival = create_store_client(store_addr, timeout=self._timeout).add("arrivals", 1)
+        block = (arrival - 1) // world_size
+        super().configure(f"{store_addr}/{block}", replica_id, rank, world_size, *args)  # type: ignore[misc]
+
+
+class _Gloo(_FreshPrefix, ProcessGroupGloo):
+    pass
+
+
+class _NCCL(_FreshPrefix, ProcessGroupNCCL):
+    pass
 
 
 def start_lighthouse(cfg: ParallelConfig, bind: str = "[::]:0") -> LighthouseServer:
@@ -74,7 +100,7 @@ class ReplicaGroups:
         timeout = timedelta(seconds=cfg.step_timeout_s)
         # torchft's reconfigurable process groups: each quorum re-forms it over the live groups' ranks with
         # this group rank (manager.py `_async_quorum`: pg.configure on "<store>/torchft/<quorum_id>/<rank>")
-        pg = ProcessGroupNCCL(timeout=timeout) if info.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        pg = _NCCL(timeout=timeout) if info.device.type == "cuda" else _Gloo(timeout=timeout)
         for name in ("torchft.manager", "torchft_quorums", "torchft_commits"):  # each logs every step at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
         self.manager = Manager(
