@@ -308,8 +308,7 @@ def _job_spec(job: JobConfig) -> dict:
         # next rendezvous round, and the lost node's replacement pod becomes the new standby.
         "completions": job.pods,
         "parallelism": job.pods,
-        # Every index must succeed, a standby's too (training.pod.launch exits 0 once the run completed):
-        # one out of retries fails the Job at once and stops its pods.
+        # One index out of retries fails the Job at once and stops its pods.
         "backoffLimitPerIndex": job.backoff_limit_per_index,
         "maxFailedIndexes": 0,
         # A replacement starts only once the old pod is gone: no two pods share a hostname.
@@ -318,6 +317,8 @@ def _job_spec(job: JobConfig) -> dict:
         # The table the local cluster decides by: disruptions ignored, config errors and restarts
         # without progress fail the Job.
         "podFailurePolicy": {"rules": [_pod_failure_rule(rule) for rule in JOB_RULES]},
+        # job_rules.job_succeeded: as many pods as training nodes exited 0, the run completed; the rest linger
+        "successPolicy": {"rules": [{"succeededCount": job.nodes}]},
         "template": {
             "metadata": {"labels": _pod_labels(job), **_scrape_annotations(job)},
             "spec": _pod_spec(job),

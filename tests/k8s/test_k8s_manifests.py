@@ -15,7 +15,7 @@ from k8s.launcher import FT_CONFIG_PATH, TRAIN_CONFIG_PATH
 from k8s.outputs import PLACEHOLDER_IMAGE
 from training.contract.config import RESTART_MODES
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE, NO_PROGRESS, TERMINATED
-from training.contract.job_rules import JOB_RULES, Decision, FailReason, Outcome, PodEnd, decide
+from training.contract.job_rules import JOB_RULES, Decision, FailReason, Outcome, PodEnd, decide, job_succeeded
 
 from k8s_render import IMAGE, fitting, render_into
 
@@ -100,6 +100,15 @@ def test_pod_failure_policy_is_the_table_the_local_cluster_decides_by(render):
     ignored = [r["onPodConditions"] for r in rules if r["action"] == "Ignore"]
     assert ignored == [[{"type": "DisruptionTarget", "status": "True"}]]
     assert decide(PodEnd(TERMINATED, disrupted=True, retries_used=3), 3, survivor=True) == Decision(Outcome.REPLACE)
+
+
+@pytest.mark.parametrize("nodes, spares", [(2, 1), (3, 0), (1, 3)])
+def test_the_job_succeeds_once_its_training_nodes_did_as_the_local_cluster_decides(render, nodes, spares):
+    spec = render("--nodes", str(nodes), "--spares", str(spares)).one("Job")["spec"]
+    [rule] = spec["successPolicy"]["rules"]
+    assert rule == {"succeededCount": nodes} and nodes <= spec["completions"]
+    # a lost node's replacement still pending, or a spare that never trained, does not hold the Job
+    assert job_succeeded(rule["succeededCount"], nodes) and not job_succeeded(rule["succeededCount"] - 1, nodes)
 
 
 def _services(r) -> dict[str, dict]:

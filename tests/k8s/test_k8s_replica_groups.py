@@ -40,6 +40,7 @@ def test_each_group_is_a_job_of_its_own_under_one_lighthouse(render, tmp_path):
         job = objects["Job", f"fsdp-train-g{g}"]["spec"]
         # 2 nodes in 2 groups: each 1 node and the spare of its own
         assert job["completions"] == job["parallelism"] == 2
+        assert job["successPolicy"] == {"rules": [{"succeededCount": 1}]}  # the group's one training node
         pod = job["template"]["spec"]
         env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
         assert env[REPLICA_GROUP_ENV] == str(g)

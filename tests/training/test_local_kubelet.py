@@ -22,10 +22,19 @@ from training_helpers import REPO_ROOT
 @pytest.fixture
 def controller(tmp_path):
     """A controller of two nodes and no retries, none started: the tests give each node its process."""
+    yield from _controller(tmp_path, spares=0)
+
+
+@pytest.fixture
+def controller_with_a_spare(tmp_path):
+    yield from _controller(tmp_path, spares=1)
+
+
+def _controller(tmp_path, spares):
     cfg = load_train_config(None, [f"run_dir={tmp_path / 'run'}", "training.steps=10"])
     config_path = tmp_path / "config.yaml"
     config_path.write_text(cfg.to_yaml())
-    c = Cluster(cfg, config_path, ClusterShape(nodes=2, nproc_per_node=1, node_retries=0))
+    c = Cluster(cfg, config_path, ClusterShape(nodes=2, nproc_per_node=1, spares=spares, node_retries=0))
     yield c
     for node in c.nodes:
         c.kill_node(node)
@@ -63,6 +72,24 @@ def test_a_lost_node_is_replaced_without_counting(controller):
     _killed(victim)
     assert controller._handle_exits() is None and controller.failure is None
     assert victim.start_at is not None and victim.retries == 0
+
+
+def _exited_0(node):
+    node.proc = psutil.Popen(["true"])
+    node.proc.wait(timeout=10)
+
+
+def test_the_job_succeeds_as_its_training_nodes_did_without_waiting_for_a_replacement(controller_with_a_spare):
+    """Node 1 lost, the spare took its place: once node 0 and the spare exited 0 (the run completed), the Job
+    succeeds (its successPolicy, job_rules.job_succeeded), though node 1's replacement is still to start."""
+    node0, lost, spare = controller_with_a_spare.nodes
+    lost.start_at = time.monotonic() + 3600  # its replacement, due in an hour
+    _exited_0(node0)
+    _sleeping(spare)
+    assert controller_with_a_spare._handle_exits() is None  # one of two: the spare still trains
+    spare.proc.kill()
+    _exited_0(spare)
+    assert controller_with_a_spare._handle_exits() == 0
 
 
 # A node's pod: PID 1 (training.pod.launch) and its launcher, which writes a line per SIGTERM it gets and leaves

@@ -111,3 +111,14 @@ def decide(end: PodEnd, retry_limit: int, survivor: bool) -> Decision:
     if counted and end.retries_used >= retry_limit:
         return Decision(Outcome.FAIL_JOB, reason=FailReason.NO_RETRIES_LEFT)
     return Decision(Outcome.REPLACE, counted=counted, start_over=not survivor)
+
+
+def job_succeeded(succeeded_pods: int, training_nodes: int) -> bool:
+    """The Job's successPolicy, `succeededCount: training_nodes`, which the chart renders. A pod exits 0 only once
+    the run completed (training.pod.launch), so that many successes mean the run is done; the pods left linger (a
+    lost node's replacement not yet scheduled, a standby, a node cut off that cannot hear of the end) and the Job
+    controller removes them as the Job succeeds. Without it every index must succeed: a Job whose run completed
+    stays active until a lost node's replacement runs, which, with no capacity left, is never. Source: the
+    Kubernetes docs, "Jobs: Success policy", GA in 1.33
+    (https://kubernetes.io/docs/concepts/workloads/controllers/job/#success-policy)."""
+    return succeeded_pods >= training_nodes

@@ -30,7 +30,7 @@ from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import NO_PROGRESS
 from training.contract.faults import controller_requests_dir, lost_marker, partitioned_marker
 from training.contract.job_failure import FailureRequests
-from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide
+from training.contract.job_rules import Decision, FailReason, Outcome, PodEnd, decide, job_succeeded
 from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain_grace_period_s, free_port,
                                         launch_command, launcher_ft_args, launcher_wrapper, rendezvous_args,
                                         resume_step_file, store_command, worker_entrypoint)
@@ -286,9 +286,9 @@ class Cluster:
                 return 1
             else:
                 self.replace(node, detail, decision)
-        # A node cut off from the network cannot hear that the run completed: it is stopped with the rest
-        # (on EKS its pod goes when the Job is deleted, or with a successPolicy as the Job succeeds).
-        if any(n.done for n in self.nodes) and all(n.done or self.cut_off(n) for n in self.nodes):
+        # The Job's successPolicy: the pods left (a replacement still to start, a node cut off from the network
+        # that cannot hear that the run completed) are stopped with the rest, as the Job controller removes them.
+        if job_succeeded(sum(n.done for n in self.nodes), self.training_nodes):
             return 0
         return None
 
