@@ -302,6 +302,7 @@ def test_a_pod_starts_once_the_run_directory_answers(config, tmp_path, monkeypat
 _PID_1 = ("import ctypes, sys\nfrom training.pod import launch\n"
           "ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER\n"
           "launch.POLL_S = 10.0\n{patch}\nsys.exit(launch.main(sys.argv[1:]))\n")
+_NOT_WOKEN_BY_ITS_END = "launch.WAKES = ()"  # the launcher's end waits for the next poll too
 
 
 def _pid_1(config, *command, patch=""):
@@ -331,7 +332,7 @@ def test_a_signal_just_after_the_launcher_exited_keeps_its_exit_code(config, tmp
     pid_file, orphan_file = tmp_path / "pid", tmp_path / "orphan"
     orphan_start = f"sleep 30 >/dev/null 2>&1 & echo $! > {orphan_file}; " if orphan else ""
     script = f"{orphan_start}echo $$ > {pid_file}; sleep 1; exit 3"  # PID 1 waits for its next poll meanwhile
-    proc = _pid_1(config, "sh", "-c", script)
+    proc = _pid_1(config, "sh", "-c", script, patch=_NOT_WOKEN_BY_ITS_END)
     try:
         _wait_for(lambda: pid_file.exists() and pid_file.read_text().strip())
         launcher = int(pid_file.read_text())
@@ -344,6 +345,12 @@ def test_a_signal_just_after_the_launcher_exited_keeps_its_exit_code(config, tmp
         if orphan and orphan_file.exists():
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(int(orphan_file.read_text())).kill()
+
+
+def test_pid_1_sees_the_launchers_end_at_once_not_at_its_next_poll(config):
+    proc = _pid_1(config, "sh", "-c", "sleep 1; exit 3")
+    out, _ = proc.communicate(timeout=8)  # its next poll would be 10 s after the start
+    assert proc.returncode == 3, out
 
 
 def test_a_signal_before_the_launcher_starts_reaches_it_and_one_after_its_exit_changes_nothing(config):

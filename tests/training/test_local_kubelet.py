@@ -15,6 +15,7 @@ from training.contract.events import read_events
 from training.contract.faults import lost_marker
 from training.local import cluster as local_cluster
 from training.local.cluster import Cluster
+from training.local.kubelet import KILL_WAIT_S, kill_processes
 from training.local.shape import ClusterShape
 from training_helpers import REPO_ROOT
 
@@ -90,6 +91,19 @@ def test_the_job_succeeds_as_its_training_nodes_did_without_waiting_for_a_replac
     spare.proc.kill()
     _exited_0(spare)
     assert controller_with_a_spare._handle_exits() == 0
+
+
+def test_a_killed_process_that_nobody_reaps_counts_as_gone_at_once():
+    """Its parent (killed with it, on a node) is not there to reap it: the zombie is not waited for."""
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; exec sleep 60"], stdout=subprocess.PIPE, text=True)
+    try:
+        orphan = psutil.Process(int(parent.stdout.readline()))  # a child of `sleep`, which never waits
+        started = time.monotonic()
+        kill_processes([orphan])
+        assert orphan.status() == psutil.STATUS_ZOMBIE and time.monotonic() - started < KILL_WAIT_S
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 # A node's pod: PID 1 (training.pod.launch) and its launcher, which writes a line per SIGTERM it gets and leaves

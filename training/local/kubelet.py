@@ -9,6 +9,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 
@@ -17,6 +18,7 @@ from training.pod.launch import exit_code
 from training.pod.prefork import die_with_parent
 
 GONE = (ProcessLookupError, psutil.Error, subprocess.TimeoutExpired)  # a process already gone or slow to go
+KILL_WAIT_S = 5.0  # SIGKILLed processes are gone within milliseconds; longer, and the kill is left to the kernel
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2): orphans below this process are re-parented to it, not to init
 
 
@@ -54,11 +56,15 @@ def local_pod_end(returncode: int, drained: bool, lost: bool, retries_used: int)
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:
+    """SIGKILL to each, then wait up to KILL_WAIT_S until none is alive. A zombie counts as gone: its parent,
+    killed with it, is not there to reap it, and init's reaping can take more than a second."""
     for p in processes:
         with contextlib.suppress(*GONE):
             if p.is_running():
                 p.kill()
-    psutil.wait_procs([p for p in processes if alive(p)], timeout=5)
+    deadline = time.monotonic() + KILL_WAIT_S
+    while (left := [p for p in processes if alive(p)]) and time.monotonic() < deadline:
+        psutil.wait_procs(left, timeout=0.05)  # reaps those that are this process's children
 
 
 def stopped(p: psutil.Process) -> bool:

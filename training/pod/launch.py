@@ -34,6 +34,7 @@ log = logging.getLogger("training.pod.launch")
 JOB_INDEX_ENV = "JOB_COMPLETION_INDEX"  # what an Indexed Job gives each pod (training.local too)
 MAX_PODS = 100_000  # indexes below it keep the infrastructure rank (ms x MAX_PODS + index) within int64
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+WAKES = (signal.SIGCHLD,)  # not passed on: a child that ends wakes the loop at once, not after POLL_S
 POLL_S = 0.5  # how often the child's exit and the job failure requests are looked at (one listing on FSx)
 STOP_GRACE_S = 10.0  # a rank that asked for the Job to fail has left: the others need only to stop
 COMPLETION_POLL_S = 5.0  # how often the event log's new lines are read for the run's completion
@@ -77,8 +78,8 @@ class PassedOn:
     """The PASSED_ON signals this process receives, queued for the loop that runs the command, which passes
     them on (`wait`). A handler that signalled the command itself would race that loop: Popen.send_signal
     reaps a command that has just exited (its poll()), and the loop's waitpid then never sees it exit.
-    signal.set_wakeup_fd writes each signal's number to a pipe, which also wakes the loop at once. A context
-    manager (signal handlers: main thread only); costs a pipe."""
+    signal.set_wakeup_fd writes each signal's number to a pipe, which also wakes the loop at once, as WAKES do.
+    A context manager (signal handlers: main thread only); costs a pipe."""
 
     def __enter__(self) -> PassedOn:
         self._read_fd, self._write_fd = os.pipe()
@@ -86,7 +87,7 @@ class PassedOn:
             os.set_blocking(fd, False)
         self._wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         # a Python handler, which does nothing, so that each signal reaches the pipe
-        self._handlers = {sig: signal.signal(sig, lambda _signum, _frame: None) for sig in PASSED_ON}
+        self._handlers = {sig: signal.signal(sig, lambda _signum, _frame: None) for sig in (*PASSED_ON, *WAKES)}
         return self
 
     def __exit__(self, *exc: object) -> None:
