@@ -98,6 +98,8 @@ def test_a_killed_process_that_nobody_reaps_counts_as_gone_at_once():
     parent = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; exec sleep 60"], stdout=subprocess.PIPE, text=True)
     try:
         orphan = psutil.Process(int(parent.stdout.readline()))  # a child of `sleep`, which never waits
+        while psutil.Process(parent.pid).name() != "sleep":  # until then the shell reaps its ended jobs
+            time.sleep(0.01)
         started = time.monotonic()
         kill_processes([orphan])
         assert orphan.status() == psutil.STATUS_ZOMBIE and time.monotonic() - started < KILL_WAIT_S
