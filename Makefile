@@ -54,12 +54,12 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# The fast tests (synthesis, manifests, units) on both cores; the multi-process training runs (marked slow)
-# one at a time, since their timeouts assume the machine is theirs. Each part lists its slowest tests, so a
-# suite that grows names what grew.
+# Every test on both cores (pytest-xdist; loadgroup keeps an xdist_group's tests on one worker), then those
+# marked alone one at a time: their time bounds assume the machine is theirs. Each part lists its slowest
+# tests, so a suite that grows names what grew.
 test: setup
-	$(PY) -m pytest -q -m "not slow" -n 2 --durations=10
-	$(PY) -m pytest -q -m slow --durations=20
+	$(PY) -m pytest -q -m "not alone" -n 2 --dist loadgroup --durations=20
+	$(PY) -m pytest -q -m alone --durations=5
 
 synth: setup
 	rm -rf cdk.out

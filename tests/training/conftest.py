@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from training.train.distributed import DistInfo
-from training_helpers import (COMMON, ONE_NODE, SmallFileSystem, StoppedRun, completed, run_local,
+from training_helpers import (COMMON, ONE_NODE, SmallFileSystem, StoppedRun, completed, once_per_session, run_local,
                               run_stopped_by_ctrl_c)
 
 
@@ -20,7 +20,8 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """The uninterrupted run that every fault run of the COMMON shape must end equal to, bit for bit."""
-    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync"))
+    return once_per_session(tmp_path_factory, "reference",
+                            lambda run_dir: completed(run_local(run_dir, *ONE_NODE, *COMMON, "checkpoint.mode=sync")))
 
 
 @pytest.fixture(scope="session")

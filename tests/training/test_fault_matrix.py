@@ -22,7 +22,8 @@ from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.faults import FaultInjected, FaultInjector
 from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, GLOBAL_BATCH, ONE_NODE, RANKS, STEPS, TWO_NODES,
-                              assert_bitwise_equal, completed, events_named, load_final_state, run_local)
+                              assert_bitwise_equal, completed, events_named, load_final_state, once_per_session,
+                              run_local)
 
 # ---- specs and the injector, in-process ---------------------------------------------------------
 
@@ -176,15 +177,12 @@ LOSS_CASES = {f"{shape}-{mode}": Case((*TWO_NODES, *options), "sync", LOSSES, No
 
 @pytest.fixture(scope="module")
 def fault_run(tmp_path_factory):
-    """fault_run(name): the run of CASES, LOSS_CASES or MIXED_CASES[name], run once per module."""
-    runs = {}
-
+    """fault_run(name): the run of CASES, LOSS_CASES or MIXED_CASES[name], run once per session."""
     def get(name):
-        if name not in runs:
-            case = {**CASES, **LOSS_CASES, **MIXED_CASES}[name]
-            env = {ENV_VAR: case.spec} if case.via_env else None
-            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", *case.args(), env=env, timeout=420))
-        return runs[name]
+        case = {**CASES, **LOSS_CASES, **MIXED_CASES}[name]
+        env = {ENV_VAR: case.spec} if case.via_env else None
+        return once_per_session(tmp_path_factory, f"fault-matrix-{name}",
+                                lambda run_dir: completed(run_local(run_dir, *case.args(), env=env, timeout=420)))
     return get
 
 
@@ -355,10 +353,13 @@ def test_run_ends_with_the_goodput_report_and_timeline(fault_run):
     assert f"Run: completed, final step {STEPS}, 2 attempt(s)" in out
     assert "Training goodput" in out and "Infra goodput" in out
     (fault_row,) = [line for line in out.splitlines() if line.strip().startswith("1  ckpt-crash")]
-    # rank 1, in-job restart, 5 steps recomputed (6-10) back to the checkpoint at step 5
-    assert fault_row.split()[2] == "1" and "injob" in fault_row and fault_row.endswith("5 (back to 5)")
     report = json.loads((run.run_dir / "report.json").read_text())
-    assert report["faults"][0]["time_lost_s"] > 0 and report["final_loss"] < report["first_loss"]
+    # rank 1, in-job restart, back to the checkpoint at step 5: steps 6-10 recomputed, and those rank 0 trained
+    # past 10 before it learned of the crash (none, or a few on a busy machine)
+    [fault] = report["faults"]
+    assert fault["steps_lost"] >= 5 and fault_row.endswith(f"{fault['steps_lost']} (back to 5)")
+    assert fault_row.split()[2] == "1" and "injob" in fault_row
+    assert fault["time_lost_s"] > 0 and report["final_loss"] < report["first_loss"]
     assert (run.run_dir / "timeline.png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -16,7 +16,7 @@ from training.models.tiny import write_tiny_model
 from training.report.goodput import build_report
 from training.local.shape import ClusterShape
 from training_helpers import (COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed, events_named,
-                              load_final_state, run_local)
+                              load_final_state, once_per_session, run_local)
 
 pytestmark = pytest.mark.slow
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
@@ -36,8 +36,8 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_reference(tmp_path_factory, llama):
-    return completed(run_local(tmp_path_factory.mktemp("ref") / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync",
-                               *hf(llama), timeout=420))
+    return once_per_session(tmp_path_factory, "llama-reference", lambda run_dir: completed(run_local(
+        run_dir, *ONE_NODE, *COMMON, "checkpoint.mode=sync", *hf(llama), timeout=420)))
 
 
 FAULTS = "exception@4:rank=1,node-loss@8:node=1,drain@14:node=0"
@@ -52,9 +52,9 @@ def llama_faults(llama, tmp_path_factory):
     node's replacement, slow to import transformers, may reach the rendezvous only after the run ended, in the
     store started again: it is stopped once the run completed (training.pod.launch), where it used to wait
     for a round until the test's timeout."""
-    return completed(run_local(tmp_path_factory.mktemp("faults") / "run", *TWO_NODES, "--spares", "1", *COMMON,
-                               "checkpoint.mode=sync", *PEER_STATE, *IN_PROCESS, *hf(llama),
-                               "--faults", FAULTS, timeout=420))
+    return once_per_session(tmp_path_factory, "llama-faults", lambda run_dir: completed(run_local(
+        run_dir, *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync", *PEER_STATE, *IN_PROCESS, *hf(llama),
+        "--faults", FAULTS, timeout=420)))
 
 
 def _resumes(run) -> list[tuple[int, str]]:

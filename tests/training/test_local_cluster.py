@@ -51,6 +51,7 @@ def test_controller_replaces_a_dead_node(tmp_path):
     assert not _alive(orphans)
 
 
+@pytest.mark.xdist_group("ctrl-c")  # one worker makes the run for both (conftest's stopped_by_ctrl_c)
 def test_ctrl_c_stops_every_process(stopped_by_ctrl_c):
     """The run: training_helpers.run_stopped_by_ctrl_c (its metrics: test_metrics.py)."""
     run = stopped_by_ctrl_c

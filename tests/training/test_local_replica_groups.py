@@ -19,7 +19,7 @@ from training.local.replica_groups import longest_stall
 from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.final_state import bitwise_mismatch, load_final_state
-from training_helpers import completed, exit_code, run_local, samples_by_step
+from training_helpers import completed, exit_code, once_per_session, run_local, samples_by_step
 
 STEPS, GLOBAL_BATCH = 350, 16  # 16: a row of 4 sequences per rank of a group, one row per group
 # the Lighthouse's loss and the hang land once the lost node's group is back: its restart takes 70-90 of these
@@ -42,7 +42,8 @@ SHAPE = ("--nproc-per-node", "1", "--steps", str(STEPS), f"training.global_batch
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     """The same global batch on one FSDP2 group of 2 nodes (--replica-groups 1), no fault."""
-    return completed(run_local(tmp_path_factory.mktemp("reference") / "run", "--nodes", "2", *SHAPE)).run_dir
+    return once_per_session(tmp_path_factory, "local-replica-groups-reference",
+                            lambda run_dir: completed(run_local(run_dir, "--nodes", "2", *SHAPE)).run_dir)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -85,7 +86,8 @@ def _assert_the_uninterrupted_run(groups: list[Path], events: list[list[dict]], 
     assert mismatch is None, mismatch
 
 
-@pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
+@pytest.mark.slow
+@pytest.mark.alone  # its stall bound
 def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tmp_path, uninterrupted):
     # a hot spare in each group; a lost node's replacement comes later, as on EKS, and stands by
     run = completed(run_local(
@@ -128,6 +130,7 @@ PARTITION_STALL_BOUND_S = 10.0
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its stall bound
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"network namespaces unavailable: {unavailable_reason()}")
 def test_a_cut_off_node_and_a_drained_one_take_only_their_group_out_and_the_other_trains_on(tmp_path, uninterrupted):
     # group 1's second node cut off: its rank 0 (the group's Manager) heartbeats on, so the nodes' pulse or the

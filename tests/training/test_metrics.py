@@ -11,6 +11,7 @@ from training.report.goodput import build_report
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.xdist_group("ctrl-c")  # one worker makes the run for both (conftest's stopped_by_ctrl_c)
 def test_rank0_metrics_match_the_event_log(stopped_by_ctrl_c):
     """The run: training_helpers.run_stopped_by_ctrl_c (rank 1 fails at step 15, scraped at step 25)."""
     run_dir, metrics = stopped_by_ctrl_c.run_dir, stopped_by_ctrl_c.metrics

@@ -16,7 +16,7 @@ from training.contract.events import read_events
 from training.local.netns import VirtualNetwork, unavailable_reason
 from training.report.goodput import build_report
 from training_helpers import (COLLECTIVE_TIMEOUT_S, COMMON, TWO_NODES, assert_bitwise_equal, completed, events_named,
-                              load_final_state, run_local)
+                              load_final_state, once_per_session, run_local)
 
 NO_NETNS = unavailable_reason()
 pytestmark = pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces unavailable: {NO_NETNS}")
@@ -109,14 +109,12 @@ DETECTED_BY_NVRX = ("spare", "heals")  # evicted: the controller's eviction come
 
 @pytest.fixture(scope="module")
 def partition_run(tmp_path_factory):
-    runs = {}
-
+    """partition_run(name): the run of CASES[name], run once per session."""
     def get(name):
-        if name not in runs:
-            extra, overrides, spec = CASES[name]
-            runs[name] = completed(run_local(tmp_path_factory.mktemp(name) / "run", "--netns", *TWO_NODES, *extra,
-                                             *COMMON, *PARTITION_OVERRIDES, *overrides, "--faults", spec, timeout=300))
-        return runs[name]
+        extra, overrides, spec = CASES[name]
+        return once_per_session(tmp_path_factory, f"partition-{name}", lambda run_dir: completed(run_local(
+            run_dir, "--netns", *TWO_NODES, *extra, *COMMON, *PARTITION_OVERRIDES, *overrides, "--faults", spec,
+            timeout=300)))
     return get
 
 

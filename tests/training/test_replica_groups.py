@@ -182,7 +182,8 @@ def uninterrupted(tmp_path_factory, model_args) -> Callable[[str], Path]:
     return get
 
 
-@pytest.mark.slow  # its stall bound assumes the machine is its own (the Makefile runs slow tests one at a time)
+@pytest.mark.slow
+@pytest.mark.alone  # its stall bound
 @pytest.mark.parametrize("fault, model", [("sigkill@{}:rank=0:group=1", "preset"),
                                           ("exception@{}:rank=1:group=1", "llama")],
                          ids=["sigkill-rank0", "exception-rank1-hf-llama"])

@@ -19,7 +19,7 @@ from training.train.checkpoint.layout import committed_checkpoints
 from training.local.shape import ClusterShape
 from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
                                                FreshStartRefused)
-from training_helpers import completed, events_named, run_local, samples_by_step
+from training_helpers import completed, events_named, once_per_session, run_local, samples_by_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -185,8 +185,8 @@ COMMON = ("checkpoint.mode=sync", "checkpoint.interval=10", "logging.sample_log=
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """2 nodes x 2 ranks to step 20: checkpoints at 10 and 20."""
-    return completed(run_local(tmp_path_factory.mktemp("four") / "run", *ClusterShape(nodes=2, nproc_per_node=2).argv(),
-                         "--steps", str(FIRST), *COMMON))
+    return once_per_session(tmp_path_factory, "four-ranks", lambda run_dir: completed(run_local(
+        run_dir, *ClusterShape(nodes=2, nproc_per_node=2).argv(), "--steps", str(FIRST), *COMMON)))
 
 
 def _losses(run_dir: Path) -> list[float]:

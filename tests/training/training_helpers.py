@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 import pytest
@@ -84,6 +88,29 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         time.sleep(0.3)
     proc.kill()
     pytest.fail(f"no step {step} within {timeout} s: {proc.communicate()[0][-3000:]}")
+
+
+T = TypeVar("T")
+
+
+def once_per_session(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], T]) -> T:
+    """`make(path)` (a path of its own, not there yet) once per test session, shared by its xdist workers: the
+    first to ask makes it, the others wait for it (a file lock) and get what it returned (pickled). For the runs
+    several tests check; a test that changes a shared run's files copies them first. What failed is made again
+    by the next to ask. The xdist docs' recipe ("Making session-scoped fixtures execute only once"): the
+    workers' temporary folders share a parent."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    shared = root / "once" / name
+    shared.mkdir(parents=True, exist_ok=True)
+    with (shared / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        made = shared / "made.pickle"
+        if not made.exists():
+            shutil.rmtree(shared / "made", ignore_errors=True)  # what a failed try left
+            made.write_bytes(pickle.dumps(make(shared / "made")))
+        return pickle.loads(made.read_bytes())
 
 
 def completed(run: LocalRun) -> LocalRun:
