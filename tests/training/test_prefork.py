@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from training.pod.prefork import SERVER_ENV
+from training.pod.prefork import SERVER_ENV, _console_script
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = '''
@@ -165,6 +165,14 @@ def test_a_stub_refuses_a_socket_that_is_not_its_templates(probe_dir):
     assert stub.returncode == 0, err
     assert json.loads(out)["pid"] == stub.pid, "the stub must run the module itself"
     assert "refusing the worker template's address" in err
+
+
+def test_ft_launcher_runs_in_the_launch_process_and_any_other_command_is_execd():
+    """ft_launcher, a console script of this interpreter, is run by its entry point (its imports are then the
+    template's too); `sh` is exec'd."""
+    ft_launcher = _console_script(str(Path(sys.executable).parent / "ft_launcher"))
+    assert ft_launcher is not None and ft_launcher.value == "nvidia_resiliency_ext.fault_tolerance.launcher:main"
+    assert _console_script("sh") is None and _console_script("no-such-command") is None
 
 
 def test_usage_error_names_the_commands():

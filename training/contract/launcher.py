@@ -150,7 +150,7 @@ def launch_command(config_path: str, python: str = sys.executable) -> list[str]:
 
 def launcher_wrapper(ft: FaultToleranceConfig, python: str) -> list[str]:
     """What ft_launcher's command line starts with: with prefork_workers, `python -m
-    training.pod.prefork launch`, which starts the node's worker template and then execs ft_launcher."""
+    training.pod.prefork launch`, which forks the node's worker template and then runs ft_launcher."""
     return [python, "-m", "training.pod.prefork", "launch"] if ft.prefork_workers else []
 
 

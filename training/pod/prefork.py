@@ -3,10 +3,11 @@
 ft_launcher starts each worker as a fresh `python -m training.train`, so every in-job restart pays for
 the interpreter and the imports of torch, DCP/DTensor, torch._dynamo and NVRx, on all ranks of a node at
 once. Here one template process per node imports all that once and forks a pristine worker (nothing run:
-no tensor, no CUDA context, no process group) for each start ft_launcher asks for; `launch` starts the
-template, `worker` is the stdlib-only stub ft_launcher runs in its place. Cost: a template process per
-node, and what torch's and NVRx's imports read once (environment, rlimits) comes from the template. The
-protocol and every difference from a plain worker are in docs/recovery.md, "Pre-forked workers".
+no tensor, no CUDA context, no process group) for each start ft_launcher asks for; `launch` forks the
+template and runs ft_launcher, `worker` is the stdlib-only stub ft_launcher runs in its place. Cost: a
+template process per node, and what torch's and NVRx's imports read once (environment, rlimits) comes from
+the template. The protocol and every difference from a plain worker are in docs/recovery.md, "Pre-forked
+workers".
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ import socket
 import struct
 import sys
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<abstract socket name>", set by `launch`
 # What a training worker imports before its first step. torch._dynamo is imported lazily by
@@ -39,17 +43,48 @@ def die_with_parent(sig: signal.Signals) -> None:
 
 
 def launch(command: list[str]) -> NoReturn:
-    """Start the template as a child of this process, then become `command`."""
+    """Fork the template, then become `command`. A console script of this interpreter's distributions
+    (ft_launcher) runs in this process, its module imported before the fork: the template inherits
+    torch with it and imports only what the workers add, one torch import per node instead of two. Any
+    other command is exec'd."""
     import secrets
-    import subprocess
 
+    script = _console_script(command[0])
+    main = script.load() if script is not None else None
     # unguessable and unique per launch: pods that share a network namespace (hostNetwork) all run
     # ft_launcher as PID 1
     name = f"training-prefork-{secrets.token_hex(16)}"
-    template = subprocess.Popen([sys.executable, "-m", "training.pod.prefork", "serve", name, str(os.getpid())],
-                                stdin=subprocess.DEVNULL)
-    os.environ[SERVER_ENV] = f"{template.pid}:{name}"
-    os.execvp(command[0], command)
+    launcher = os.getpid()
+    template = os.fork()
+    if template == 0:
+        try:
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+            serve(name, launcher)
+        finally:
+            os._exit(0)
+    os.environ[SERVER_ENV] = f"{template}:{name}"
+    if main is None:
+        os.execvp(command[0], command)
+    sys.argv = command
+    sys.exit(main())
+
+
+def _console_script(command: str) -> EntryPoint | None:
+    """The entry point that `command` runs, where it is a console script in this interpreter's scripts
+    directory: a wrapper that calls its entry point and exits with what it returns ("Entry points
+    specification", use for scripts: https://packaging.python.org/en/latest/specifications/entry-points/)."""
+    import importlib.metadata
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    found = shutil.which(command)
+    if found is None or Path(found).resolve().parent != Path(sysconfig.get_path("scripts")).resolve():
+        return None
+    scripts = importlib.metadata.entry_points(group="console_scripts", name=Path(found).name)
+    return next(iter(scripts), None)
 
 
 def serve(name: str, launcher: int) -> None:
@@ -312,14 +347,12 @@ def _running(pid: int) -> bool:
 
 def main(argv: list[str]) -> None:
     usage = "usage: python -m training.pod.prefork {launch CMD [ARG ...] | worker MODULE [ARG ...]}"
-    if len(argv) < 2 or argv[0] not in ("launch", "worker", "serve") or (argv[0] == "serve" and len(argv) != 3):
+    if len(argv) < 2 or argv[0] not in ("launch", "worker"):
         sys.exit(usage)
     if argv[0] == "launch":
         launch(argv[1:])
-    elif argv[0] == "worker":
-        worker(argv[1], argv[2:])
     else:
-        serve(argv[1], int(argv[2]))
+        worker(argv[1], argv[2:])
 
 
 if __name__ == "__main__":
