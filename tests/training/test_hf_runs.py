@@ -14,9 +14,8 @@ from training.contract.events import read_events
 from training.export.export import export
 from training.models.tiny import write_tiny_model
 from training.report.goodput import build_report
-from training.local.shape import ClusterShape
 from training_helpers import (COMMON, ONE_NODE, TWO_NODES, assert_bitwise_equal, completed, events_named,
-                              load_final_state, once_per_session, run_local)
+                              load_final_state, once_per_session, run_forked, run_local)
 
 pytestmark = pytest.mark.slow
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
@@ -36,8 +35,9 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_reference(tmp_path_factory, llama):
-    return once_per_session(tmp_path_factory, "llama-reference", lambda run_dir: completed(run_local(
-        run_dir, *ONE_NODE, *COMMON, "checkpoint.mode=sync", *hf(llama), timeout=420)))
+    """The uninterrupted run, by 2 ranks forked from the test process (no launcher: nothing fails)."""
+    return once_per_session(tmp_path_factory, "llama-reference", lambda run_dir: completed(run_forked(
+        run_dir, 2, *COMMON, "checkpoint.mode=sync", *hf(llama), timeout=420)))
 
 
 FAULTS = "exception@4:rank=1,node-loss@8:node=1,drain@14:node=0"
@@ -92,8 +92,7 @@ def test_a_hf_checkpoint_reshards_to_another_world_size_and_exports(llama, llama
     in the spare-and-drain run above)."""
     checkpoints = tmp_path / "run" / "checkpoints"
     shutil.copytree(llama_reference.run_dir / "checkpoints" / "step_00000010", checkpoints / "step_00000010")
-    run = completed(run_local(tmp_path / "run", *ClusterShape(nodes=1, nproc_per_node=1).argv(), *COMMON,
-                              "checkpoint.mode=sync", *hf(llama), timeout=420))
+    run = completed(run_forked(tmp_path / "run", 1, *COMMON, "checkpoint.mode=sync", *hf(llama), timeout=420))
     assert [(e["step"], e["saved_world_size"]) for e in events_named(run.run_dir, "resume")] == [(10, 2)]
     # the finished run's model, exported, loads with transformers and computes what the run's final state does
     export(run.run_dir, tmp_path / "export")

@@ -19,7 +19,7 @@ from training.local.replica_groups import longest_stall
 from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.final_state import bitwise_mismatch, load_final_state
-from training_helpers import completed, exit_code, once_per_session, run_local, samples_by_step
+from training_helpers import completed, exit_code, once_per_session, run_forked, run_local, samples_by_step
 
 STEPS, GLOBAL_BATCH = 350, 16  # 16: a row of 4 sequences per rank of a group, one row per group
 # the Lighthouse's loss and the hang land once the lost node's group is back: its restart takes 70-90 of these
@@ -34,16 +34,16 @@ STEP_TIMEOUT_S = 3  # parallel.step_timeout_s: what a restarted Lighthouse's reu
 STALL_BOUND_S = 6.0
 
 
-SHAPE = ("--nproc-per-node", "1", "--steps", str(STEPS), f"training.global_batch_size={GLOBAL_BATCH}",
-         "checkpoint.mode=off", "checkpoint.save_final=true", "logging.sample_log=true",
-         f"parallel.step_timeout_s={STEP_TIMEOUT_S}")
+TRAINING = ("--steps", str(STEPS), f"training.global_batch_size={GLOBAL_BATCH}", "checkpoint.mode=off",
+            "checkpoint.save_final=true", "logging.sample_log=true", f"parallel.step_timeout_s={STEP_TIMEOUT_S}")
+SHAPE = ("--nproc-per-node", "1", *TRAINING)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """The same global batch on one FSDP2 group of 2 nodes (--replica-groups 1), no fault."""
+    """The same global batch on one FSDP2 group of 2 ranks, no fault: forked from the test process."""
     return once_per_session(tmp_path_factory, "local-replica-groups-reference",
-                            lambda run_dir: completed(run_local(run_dir, "--nodes", "2", *SHAPE)).run_dir)
+                            lambda run_dir: completed(run_forked(run_dir, 2, *TRAINING)).run_dir)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

@@ -19,7 +19,7 @@ from training.train.checkpoint.layout import committed_checkpoints
 from training.local.shape import ClusterShape
 from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
                                                FreshStartRefused)
-from training_helpers import completed, events_named, once_per_session, run_local, samples_by_step
+from training_helpers import completed, events_named, once_per_session, run_forked, run_local, samples_by_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -168,7 +168,7 @@ def test_resume_step_file_follows_commits(tmp_path):
     assert (m.dir / RESUME_STEP_FILE).read_text() == "6\n"
 
 
-# ---- runs at another world size (local cluster) ----------------------------------------------------
+# ---- runs at another world size (ranks forked from this process) ----------------------------------------------------
 
 BATCH, GLOBAL_BATCH, FIRST, THEN, LAST = 2, 24, 20, 30, 40
 # Measured here: at most 4.1e-7 apart over the 40 steps (a unit of the event log's sixth decimal), while
@@ -183,10 +183,12 @@ COMMON = ("checkpoint.mode=sync", "checkpoint.interval=10", "logging.sample_log=
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    """2 nodes x 2 ranks to step 20: checkpoints at 10 and 20."""
-    return once_per_session(tmp_path_factory, "four-ranks", lambda run_dir: completed(run_local(
-        run_dir, *ClusterShape(nodes=2, nproc_per_node=2).argv(), "--steps", str(FIRST), *COMMON)))
+def four_ranks(tmp_path_factory) -> Path:
+    """The run directory of 4 ranks to step 20: checkpoints at 10 and 20. Ranks forked from this process, as in
+    the resizes below: resharding and resuming are the trainer's (the local-cluster runs at the end test what the
+    Job does with a rank's exit)."""
+    return once_per_session(tmp_path_factory, "four-ranks",
+                            lambda run_dir: completed(run_forked(run_dir, 4, "--steps", str(FIRST), *COMMON)).run_dir)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -198,14 +200,11 @@ def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_
     """4 ranks to step 20, 2 ranks to 30, 6 ranks to 40, against 2 ranks all the way: each step holds the same
     24 samples, every sample is taken exactly once, and the loss curves agree to float tolerance. Not bitwise:
     the gradient sums are taken in another order (micro-batches, ranks) at each world size."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(four_ranks.run_dir, run_dir)
-    shrunk = completed(run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN),
-                                 *COMMON))
-    grown = completed(run_local(run_dir, *ClusterShape(nodes=3, nproc_per_node=2).argv(), "--steps", str(LAST),
-                                *COMMON))
-    unresized = completed(run_local(tmp_path / "unresized", *ClusterShape(nodes=1, nproc_per_node=2).argv(),
-                                    "--steps", str(LAST), *COMMON))
+    run_dir, unresized = tmp_path / "run", tmp_path / "unresized"
+    shutil.copytree(four_ranks, run_dir)
+    shrunk = completed(run_forked(run_dir, 2, "--steps", str(THEN), *COMMON))
+    grown = completed(run_forked(run_dir, 6, "--steps", str(LAST), *COMMON))
+    completed(run_forked(unresized, 2, "--steps", str(LAST), *COMMON))
     resumes = [(e["step"], e["source_kind"], e["saved_world_size"]) for e in events_named(run_dir, "resume")]
     assert resumes[1:] == [(FIRST, "disk", 4), (THEN, "disk", 2)]
     assert [e["keys"] for e in events_named(run_dir, "state_derived")] == [[], [f"rng_rank{r}" for r in range(2, 6)]]
@@ -216,10 +215,10 @@ def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_
     assert [e["step"] for e in steps] == list(range(1, LAST + 1))
     assert {e["tokens"] for e in steps} == {GLOBAL_BATCH * 64}  # the whole global batch at every world size
     # the same samples in each step as without the resizes, every sample exactly once
-    resized, reference = samples_by_step(run_dir), samples_by_step(unresized.run_dir)  # no fault: once each
+    resized, reference = samples_by_step(run_dir), samples_by_step(unresized)  # no fault: once each
     assert {s: sorted(ids) for s, ids in resized.items()} == {s: sorted(ids) for s, ids in reference.items()}
     assert sorted(i for ids in resized.values() for i in ids) == list(range(LAST * GLOBAL_BATCH))
-    assert _losses(run_dir) == pytest.approx(_losses(unresized.run_dir), rel=REL_LOSS_TOLERANCE)
+    assert _losses(run_dir) == pytest.approx(_losses(unresized), rel=REL_LOSS_TOLERANCE)
     checkpoints = run_dir / "checkpoints"
     assert [s for s, _ in committed_checkpoints(checkpoints)] == [40, 30, 20] and not list(checkpoints.glob("corrupt-*"))
     assert [e["status"] for e in events_named(run_dir, "run_end")] == ["completed"] * 3
@@ -228,15 +227,14 @@ def test_a_resize_from_4_to_2_to_6_ranks_keeps_the_global_batch_and_takes_every_
 @pytest.mark.slow
 def test_a_run_whose_checkpoints_cannot_load_refuses_then_starts_over_when_told(four_ranks, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(four_ranks.run_dir, run_dir)
+    shutil.copytree(four_ranks, run_dir)
     for _, path in committed_checkpoints(run_dir / "checkpoints"):
         for shard in _shards(path):
             shard.write_bytes(b"")
-    refused = run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN), *COMMON)
-    _failed_at_once(refused, "refusing to start at step 0")
+    refused = run_forked(run_dir, 2, "--steps", str(THEN), *COMMON)
+    assert refused.returncode == CONFIG_ERROR and "refusing to start at step 0" in refused.output, refused.output
     assert len(events_named(run_dir, "step")) == FIRST  # not one step trained from scratch
-    fresh = completed(run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN), *COMMON,
-                          "checkpoint.allow_fresh_start=true"))
+    fresh = completed(run_forked(run_dir, 2, "--steps", str(THEN), *COMMON, "checkpoint.allow_fresh_start=true"))
     assert "starting at step 0" in fresh.output
     assert [e["step"] for e in events_named(run_dir, "resume")][-1] == 0
 
@@ -256,7 +254,7 @@ def _failed_at_once(run, cause: str) -> None:
 def test_checkpoints_of_another_model_fail_the_job_at_once_in_every_restart_mode(four_ranks, tmp_path, mode):
     """A changed preset: no restart can load the checkpoints, so none is tried, in-job or in-process."""
     run_dir = tmp_path / "run"
-    shutil.copytree(four_ranks.run_dir, run_dir)
+    shutil.copytree(four_ranks, run_dir)
     run = run_local(run_dir, *ClusterShape(nodes=1, nproc_per_node=2).argv(), "--steps", str(THEN), *COMMON,
                     "model.preset=small", f"fault_tolerance.restart={mode}")
     _failed_at_once(run, "step_00000020 is intact but cannot be loaded into this run's model and optimizer "

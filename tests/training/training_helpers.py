@@ -5,12 +5,14 @@ import errno
 import fcntl
 import gc
 import json
+import logging
 import os
 import pickle
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -27,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from training.contract.events import read_events
 from training.contract.launcher import free_port
 from training.local.shape import ClusterShape
+from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +76,20 @@ def start_local(run_dir: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
                             cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_forked(run_dir: Path, world: int, *args: str, timeout: float = 240) -> LocalRun:
+    """The run that `run_local(run_dir, <world ranks>, *args)` makes when nothing fails, by `world` ranks
+    forked from this process (`fork_ranks`): no launcher, store or controller, which an uninterrupted run does
+    not use. `args` are config overrides and `--steps N`; the output is the ranks', rank 0's first."""
+    overrides = list(args)
+    if "--steps" in overrides:
+        at = overrides.index("--steps")
+        overrides[at:at + 2] = [f"training.steps={overrides[at + 1]}"]
+    logs = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}-logs-", dir=run_dir.parent))  # this run's alone
+    ranks = fork_ranks(lambda _: trainer.main([f"run_dir={run_dir}", *overrides]), logs, world=world, timeout=timeout)
+    failed = next((r.code for r in ranks if r.code != 0), 0)
+    return LocalRun(run_dir, failed, "".join(r.output for r in ranks))
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -144,6 +161,7 @@ def fork_rank(body: Callable[[], object], log: Path, env: dict[str, str]) -> int
         os.dup2(out, 1)
         os.dup2(out, 2)
         sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
+        logging.root.handlers.clear()  # pytest's too: a rank's logging.basicConfig then writes to its log
         os.environ.update(env)
         result = body()
         code = result if isinstance(result, int) else 0
