@@ -23,6 +23,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TEST_DEADLINE_S if _slow(item) else FAST_TEST_DEADLINE_S))
-    # The slow tests first: on two workers the fast ones fill the gaps they leave, and no minute-long run is
+    # The slow tests first: the fast ones fill the gaps they leave, and no minute-long run is
     # left to start when the rest is done. The sort is stable: files keep their order within each part.
     items.sort(key=lambda item: not _slow(item))
