@@ -19,7 +19,7 @@ from training.train.checkpoint.manager import CheckpointManager
 from training.train.metrics import RunCollector
 from training.train.outage import begin_outage
 from training_helpers import (COMMON, TWO_NODES, SmallFileSystem, assert_bitwise_equal, completed, events_named,
-                              load_final_state, run_local, scrape_when, start_local)
+                              load_final_state, run_forked, scrape_when, start_local)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -181,7 +181,7 @@ def _wait_for(run_dir, proc: subprocess.Popen, found, what: str, timeout: float 
 
 @pytest.mark.slow
 def test_a_two_node_run_survives_an_fsx_outage_and_a_file_system_that_fills_and_is_freed(tmp_path, scratch):
-    reference = completed(run_local(tmp_path / "reference", *TWO_NODES, *SHAPE))
+    reference = completed(run_forked(tmp_path / "reference", 2, *SHAPE))  # uninterrupted: no launcher needed
     fs = SmallFileSystem(tmp_path / "fs", 32 << 20)  # the run directory, checkpoints and logs included
     try:
         run_dir, port = fs.path / "run", free_port()
