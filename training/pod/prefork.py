@@ -62,8 +62,13 @@ def launch(command: list[str]) -> NoReturn:
             os.dup2(devnull, 0)
             os.close(devnull)
             serve(name, launcher)
-        finally:
             os._exit(0)
+        except BaseException:  # noqa: BLE001 - as a fresh interpreter would: print it, exit 1
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
     os.environ[SERVER_ENV] = f"{template}:{name}"
     if main is None:
         os.execvp(command[0], command)
