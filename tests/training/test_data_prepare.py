@@ -17,8 +17,7 @@ from training.data.prepare import PrepareError, prepare, sha256_of
 from training.data.stream import TokenStream
 from training.data.token_file import DataError, check_token_file, sidecar_path
 from training.local.shape import ClusterShape
-from training.train import trainer
-from training_helpers import REPO_ROOT, completed_ranks, events_named, fork_ranks, run_local
+from training_helpers import REPO_ROOT, completed, events_named, run_forked, run_local
 
 CORPUS = Path(__file__).parent / "corpus"
 TEXT, JSONL = CORPUS / "notes.txt", CORPUS / "records.jsonl"
@@ -143,10 +142,9 @@ def test_the_sidecar_fixes_the_dtype_and_catches_a_truncated_file(tmp_path, toke
 def test_a_short_run_trains_on_the_prepared_file(tmp_path, tokenizer_json):
     out = tmp_path / "corpus.bin"
     prepare([JSONL, TEXT], tokenizer_json, out)
-    run_dir = tmp_path / "run"  # two ranks forked from this process: the data path is tested, not the launcher
-    completed_ranks(fork_ranks(lambda _: trainer.main([f"run_dir={run_dir}", "training.steps=30", f"data.path={out}",
-                                                       "training.seq_len=32", "checkpoint.interval=10",
-                                                       "logging.sample_log=true"]), tmp_path / "logs", timeout=120))
-    steps = events_named(run_dir, "step")
+    # two ranks forked from this process: the data path is tested, not the launcher
+    run = completed(run_forked(tmp_path / "run", 2, "training.steps=30", f"data.path={out}", "training.seq_len=32",
+                               "checkpoint.interval=10", "logging.sample_log=true", timeout=120))
+    steps = events_named(run.run_dir, "step")
     assert [e["step"] for e in steps] == list(range(1, 31))
     assert steps[-1]["loss"] < steps[0]["loss"]  # it learns the corpus
