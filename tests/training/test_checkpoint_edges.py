@@ -1,6 +1,7 @@
 """The checkpoint directory's edges: a replacement or a deletion cut short by a crash, a full file system."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -15,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from training.contract.events import EventLog
+from training.contract.launcher import resume_step_file
 from training.train.checkpoint import layout
 from training.train.checkpoint.layout import committed_checkpoints, out_of_space
 from training.train.checkpoint.manager import CheckpointManager
@@ -151,3 +153,36 @@ def test_a_chained_no_space_error_counts():
     except RuntimeError as err:
         assert out_of_space(err)
     assert layout.free_bytes(REPO_ROOT) > 0
+
+
+class _Group:
+    writes_checkpoints = True
+
+
+def test_the_manager_saves_every_interval_inside_its_section_and_a_group_not_elected_advances_progress(tmp_path):
+    """The loop calls step_done after every step: the manager saves the interval's steps, each inside
+    around_save (NVRx's checkpoint section), and with replica groups only the elected group writes; the other
+    advances ft_launcher's progress file past the step, which a live group holds."""
+    sections: list[int] = []
+    state = {"w": torch.zeros(4)}
+    manager = CheckpointManager(tmp_path / "ckpt", mode="sync", keep=5, interval=3, final_dir=tmp_path / "final",
+                                around_save=lambda: _counted(sections))
+    group = _Group()
+    manager.shared_by(group)
+    for step in range(1, 8):
+        state["w"].fill_(step)
+        group.writes_checkpoints = step < 5
+        manager.step_done(step, state)
+    manager.close(final=state)
+    assert _steps(tmp_path / "ckpt") == [3]  # step 6's save was another group's
+    assert resume_step_file(tmp_path / "ckpt").read_text().strip() == "7"
+    assert len(sections) == 3  # steps 3 and 6, and the close
+    final = {"w": torch.zeros(4)}
+    dcp.load(final, checkpoint_id=tmp_path / "final")
+    assert torch.equal(final["w"], torch.full((4,), 7.0))
+
+
+@contextlib.contextmanager
+def _counted(sections: list[int]):
+    sections.append(1)
+    yield

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
@@ -39,7 +38,7 @@ from training.contract.replica_groups import Share, check_torchft, replica_group
 from training.data.stream import Batch, TokenStream
 from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
-from training.train.checkpoint.layout import committed_checkpoints, write_resume_step
+from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
 from training.train.checkpoint.writers import with_emulated_delay
 from training.train.checkpoint.writer_process import start_zygote as start_writer_zygote
@@ -274,7 +273,8 @@ class Trainer:
             self.injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, self.info.rank, self.events,
                                           cfg.checkpoint_dir)
             self.ckpt = CheckpointManager.of(cfg, events=self.events, device=self.info.device,
-                                             write_hook=with_emulated_delay(self.injector.around_write))
+                                             write_hook=with_emulated_delay(self.injector.around_write),
+                                             around_save=lambda: self.monitor.section("checkpoint"))
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
             self.drain = Drain(self.drain_signal, self.ckpt, self.peer, cfg.checkpoint_dir,
                                self.events if self.lead else None, self.info.world_size)
@@ -301,6 +301,7 @@ class Trainer:
         self.replicas = ReplicaGroups(self.cfg.parallel, replica_group(), self.info, self.state, self.rows, step,
                                       self.events if self.lead else None,
                                       outside_step=lambda: self.monitor.outside("step"))
+        self.ckpt.shared_by(self.replicas)
         return self.replicas
 
     def _announce_attempt(self) -> None:
@@ -421,16 +422,8 @@ class Trainer:
                     with monitor.section("checkpoint"), (self.restart.unwatched() if self.restart is not None
                                                          else contextlib.nullcontext()):
                         self.drain(step, step_time, self.state)
-                ckpt.after_step(self.state)
-                if ckpt.due(step):  # the section covers the interval's saves, not every step: NVRx learns from it
-                    with monitor.section("checkpoint"):
-                        self.checkpoint(step)
-
-            with monitor.section("checkpoint"):
-                ckpt.close()
-                if self.cfg.checkpoint.save_final:
-                    dcp.save({"model": self.state["model"], "optimizer": self.state["optimizer"]},
-                             checkpoint_id=Path(self.cfg.run_dir) / "final")
+                ckpt.step_done(step, self.state)
+            ckpt.close(final={"model": self.state["model"], "optimizer": self.state["optimizer"]})
         except BaseException:
             ckpt.abort()  # no checkpoint work of a dead iteration may run on into the next one
             raise
@@ -439,18 +432,6 @@ class Trainer:
         if self.lead:
             self.events.emit("run_end", step=self.train_state.step, status="completed")
             log.info("done: %d steps", self.train_state.step)
-
-    def checkpoint(self, step: int) -> None:
-        """The periodic save of `step`. With replica groups one group writes it, the quorum's first (their
-        states are equal); the others advance ft_launcher's progress file, as the step is held by a live group
-        and in the writer's directory, from which they also resume."""
-        if self.replicas is None or self.replicas.writes_checkpoints:
-            self.ckpt.save(step, self.state)
-        elif self.lead:
-            try:
-                write_resume_step(Path(self.cfg.checkpoint_dir), step + 1)
-            except OSError as err:  # an FSx error must not stop training; the next interval writes it
-                log.warning("step %d: ft_launcher's progress file could not be written (%s)", step, err)
 
     def after_step(self, step: int, micro_batches: list[Batch], mean_loss: float, step_time: float) -> None:
         """What follows every completed step, in this order: the NVRx heartbeat, the in-memory copy for

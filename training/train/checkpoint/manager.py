@@ -10,14 +10,16 @@ finished one. What each failure does, and how loading falls back: docs/training.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -97,6 +99,11 @@ class Loaded:
     missing: tuple[str, ...]  # optional keys the checkpoint does not hold
 
 
+class SharedState(Protocol):
+    """Replica groups that hold the same state (training.train.replica_groups.ReplicaGroups): one writes."""
+    writes_checkpoints: bool  # this rank's group writes the periodic checkpoints of the current quorum
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -110,14 +117,19 @@ class _InFlight:
 
 class CheckpointManager:
     """Saves, commits, prunes and loads checkpoints. Every method is called on every rank at the
-    same point of the program (they run collectives); only rank 0 renames, deletes and emits."""
+    same point of the program (they run collectives); only rank 0 renames, deletes and emits. The training
+    loop calls `step_done` after every step: the manager decides which steps it saves."""
 
     def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
                  interval: int = 1, events: EventLog | None = None, device: torch.device = torch.device("cpu"),
                  write_hook: WriteHook | None = None, deadlines: WriterDeadlines | None = None,
-                 also_resume_from: Sequence[str | os.PathLike] = ()) -> None:
+                 also_resume_from: Sequence[str | os.PathLike] = (), final_dir: str | os.PathLike | None = None,
+                 around_save: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> None:
         self.dir = Path(directory)
         self.interval = interval
+        self.final_dir = Path(final_dir) if final_dir is not None else None
+        self._around_save = around_save
+        self._shared: SharedState | None = None
         self.also_resume_from = tuple(Path(d) for d in also_resume_from)  # read only: another group's to manage
         self.mode, self.keep, self.when_busy = mode, keep, when_busy
         self.events = events
@@ -196,19 +208,29 @@ class CheckpointManager:
 
     @classmethod
     def of(cls, cfg: TrainConfig, *, events: EventLog | None, device: torch.device,
-           write_hook: WriteHook | None = None) -> CheckpointManager:
+           write_hook: WriteHook | None = None,
+           around_save: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> CheckpointManager:
         """The manager of a run's `checkpoint` section.
 
         Args:
-            cfg: the run's config: its checkpoint section, directory and writer deadlines.
+            cfg: the run's config: its checkpoint section, directory, final export and writer deadlines.
             events: where the saves are told (rank 0's log; None on other ranks is allowed).
             device: the training device (the async writer stages from it).
             write_hook: wraps each shard write (fault injection, an emulated slow file system).
+            around_save: the context of the periodic saves and of `close` (the rank monitor's checkpoint
+                section: NVRx learns how long saves take, apart from the steps).
         """
         ck = cfg.checkpoint
         return cls(cfg.checkpoint_dir, mode=ck.mode, keep=ck.keep, when_busy=ck.when_busy, interval=ck.interval,
                    events=events, device=device, write_hook=write_hook, deadlines=WriterDeadlines.of(cfg),
-                   also_resume_from=ck.also_resume_from)
+                   also_resume_from=ck.also_resume_from,
+                   final_dir=Path(cfg.run_dir) / "final" if ck.save_final else None, around_save=around_save)
+
+    def shared_by(self, groups: SharedState) -> None:
+        """The state is held by every live replica group alike: a periodic save is written by the group
+        `groups` elects, and the others' rank 0 only advances ft_launcher's progress file, as the step is held
+        by a live group and in the writer's directory, from which they also resume."""
+        self._shared = groups
 
     @property
     def writer_pid(self) -> int | None:
@@ -233,15 +255,22 @@ class CheckpointManager:
             self._writer.wait_ready()
 
     # ---- saving ----------------------------------------------------------------------------
-    def after_step(self, state: dict[str, Any]) -> None:
-        """Once per completed step, on every rank: the staging buffers start after the first (`prepare`), and
-        an async save this rank sees finished commits (`poll`)."""
+    def step_done(self, step: int, state: dict[str, Any]) -> None:
+        """Once per completed step, on every rank: the staging buffers start after the first (`prepare`), an
+        async save this rank sees finished commits (`poll`), and every `interval` steps a periodic save
+        starts, inside `around_save` (with replica groups, by the elected group alone: `shared_by`)."""
         self.prepare(state)
         self.poll()
-
-    def due(self, step: int) -> bool:
-        """Whether `step` is a periodic save's: every `interval` steps."""
-        return step % self.interval == 0
+        if step % self.interval:
+            return
+        with self._around_save():
+            if self._shared is None or self._shared.writes_checkpoints:
+                self.save(step, state)
+            elif self.rank == 0:
+                try:
+                    write_resume_step(self.dir, step + 1)
+                except OSError as err:  # an FSx error must not stop training; the next interval writes it
+                    log.warning("step %d: ft_launcher's progress file could not be written (%s)", step, err)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         if self.mode == "off" or (self.generation == 0 and not self._retry_generation(step)):
@@ -497,12 +526,16 @@ class CheckpointManager:
                  for step, path in committed_checkpoints(directory)]
         return [(step, path) for step, _, path in sorted(found, key=lambda f: (-f[0], f[1]))]
 
-    def close(self) -> None:
-        """End of the run, on every rank: commit the in-flight save, then release the writer."""
-        self.wait()
-        if self._writer is not None:
-            self._writer.close(abort=False)
-        self._deletion.wait()
+    def close(self, final: dict[str, Any] | None = None) -> None:
+        """End of the run, on every rank, inside `around_save`: commit the in-flight save, release the writer,
+        then write `final` (a synchronous DCP save) to `final_dir`, where the config asks for it."""
+        with self._around_save():
+            self.wait()
+            if self._writer is not None:
+                self._writer.close(abort=False)
+            self._deletion.wait()
+            if final is not None and self.final_dir is not None:
+                dcp.save(final, checkpoint_id=self.final_dir)
 
     def abort(self) -> None:
         """The run dies (an exception, an in-process restart): stop the in-flight save without a
