@@ -46,12 +46,24 @@ def from_rank0(compute: Callable[[], T]) -> T:
 
 def first_found(compute: Callable[[], T | None]) -> T | None:
     """`compute()` on every rank; the lowest rank's result that is not None, on every rank."""
-    here = compute()
+    return next((f for f in every_rank(compute()) if f is not None), None)
+
+
+def every_rank(value: T, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Each rank's `value`, in rank order, on every rank."""
     if not distributed():
-        return here
-    found: list[T | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, here)
-    return next((f for f in found if f is not None), None)
+        return [value]
+    gathered: list[T | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered  # type: ignore[return-value]
+
+
+def total(values: torch.Tensor) -> list[float]:
+    """Each of `values` summed over the ranks, on the device `values` is on: on GPUs one NCCL all-reduce of
+    the training group, so that a step's loss carries other numbers without a collective of their own."""
+    if distributed():
+        dist.all_reduce(values)
+    return values.tolist()
 
 
 def _reduce(values: tuple[float, ...], op: dist.ReduceOp, group: dist.ProcessGroup | None) -> list[float]:

@@ -22,14 +22,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Literal, NoReturn, Protocol
 
-import torch
-import torch.distributed as dist
-
 from training.contract.capacity import DRAIN_SAVE_MARGIN
 from training.contract.events import EventLog
 from training.contract.exit_codes import TERMINATED
 from training.contract.launcher import DRAIN_MARKER_ENV
-from training.train.agreement import every, least
+from training.train.agreement import every, every_rank, least
 from training.train.checkpoint.layout import write_resume_step
 
 log = logging.getLogger(__name__)
@@ -125,9 +122,6 @@ class DrainView:
     signalled: bool  # this rank got the SIGTERM: its node is being drained
     committed: bool = False  # the step reached is committed already (every rank knows it alike)
 
-    def row(self) -> list[float]:
-        return [self.time_left_s, self.checkpoint_s, self.peers_s, float(self.signalled), float(self.committed)]
-
 
 @dataclass(frozen=True)
 class DrainPlan:
@@ -196,14 +190,9 @@ def peers_cost(step: int, *, partners: bool, newest_step: int | None, copy_s: fl
     return (0.0 if newest_step == step else copy_s) + send_s
 
 
-def agree_on_plan(view: DrainView, ranks_per_node: int, replicas: int, distributed: bool) -> DrainPlan:
+def agree_on_plan(view: DrainView, ranks_per_node: int, replicas: int) -> DrainPlan:
     """`plan_drain` over every rank's view: one all-gather, then the same decision on every rank."""
-    rows = [torch.tensor(view.row(), dtype=torch.float64)]
-    if distributed:
-        mine, rows = rows[0], [torch.empty_like(rows[0]) for _ in range(dist.get_world_size())]
-        dist.all_gather(rows, mine)
-    views = [DrainView(*row[:3].tolist(), signalled=bool(row[3]), committed=bool(row[4])) for row in rows]
-    return plan_drain(views, ranks_per_node, replicas)
+    return plan_drain(every_rank(view), ranks_per_node, replicas)
 
 
 class CheckpointWay(Protocol):
@@ -272,7 +261,7 @@ class Drain:
                          signalled=self.signal.flag > 0, committed=self.ckpt.committed(step))
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         replicas = self.peer.replicas if self.peer is not None else 0
-        return agree_on_plan(view, ranks_per_node, replicas, self.world_size > 1)
+        return agree_on_plan(view, ranks_per_node, replicas)
 
     def _to_peers(self, step: int, step_time: float, state: dict[str, Any]) -> bool:
         """Peer state keeps the step reached; once every rank's partners hold it, rank 0 writes it as the step

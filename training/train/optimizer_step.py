@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from training.data.stream import Batch
+from training.train.agreement import total
 from training.train.distributed import DistInfo
 
 if TYPE_CHECKING:
@@ -84,9 +84,7 @@ class OptimizerStep:
             raise StepDiscarded("the step did not commit in this replica group")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        reduced = torch.cat([loss.reshape(1), loss.new_tensor([drain_flag])])
-        dist.all_reduce(reduced)
-        total_loss, drain = reduced.tolist()
+        total_loss, drain = total(torch.cat([loss.reshape(1), loss.new_tensor([drain_flag])]))
         return StepResult(total_loss / self.info.world_size, drain > 0, waited_s)
 
     def _accumulate(self, micro_batches: list[Batch]) -> torch.Tensor:

@@ -41,7 +41,7 @@ from training.contract.config import TrainConfig
 from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
-from training.train.agreement import least, most
+from training.train.agreement import every_rank, least, most
 from training.train.drain import peers_cost
 from training.train.rollback import CopyPlan, InPlaceState, load_into
 
@@ -573,9 +573,8 @@ class PeerState:
         nodes or more) is kept until every rank's copy of a newer step is acknowledged (`_release_held_over`),
         since it may be the restored step's only copy of that shard: a second loss soon after still finds
         every shard."""
-        reports: list[Any] = [None] * self.world
         mine = self.memory.copies() if self.local_rank == 0 else None
-        dist.all_gather_object(reports, (self.node, mine, not_older_than), group=self.group)
+        reports = every_rank((self.node, mine, not_older_than), group=self.group)
         node_of = [node for node, _, _ in reports]
         reporter = {node: rank for rank, (node, copies, _) in enumerate(reports) if copies is not None}
         newest_checkpoint = max(n for _, _, n in reports)  # a listing that races a commit differs between ranks
@@ -586,9 +585,8 @@ class PeerState:
                     held.setdefault((c.shard, c.step), []).append((node, c))
         while (step := self._newest_complete(held, newest_checkpoint)) is not None:
             data, meta, (source, copy) = self._exchange(step, held, node_of, reporter)
-            failed: list[Any] = [None] * self.world
-            dist.all_gather_object(failed, None if checksum(data, meta) == copy.checksum else (source, self.rank),
-                                   group=self.group)
+            failed = every_rank(None if checksum(data, meta) == copy.checksum else (source, self.rank),
+                                group=self.group)
             rejected = [f for f in failed if f is not None]
             if not rejected:
                 break
