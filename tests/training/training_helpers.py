@@ -344,4 +344,5 @@ class SmallFileSystem:
         self._filler.unlink(missing_ok=True)
 
     def unmount(self) -> None:
+        self.free()  # a top-up after the unmount would fill the disk beneath
         subprocess.run(["umount", "--lazy", str(self.path)], check=True)  # lazy: a process may still hold a file
