@@ -119,6 +119,7 @@ def rendezvous_args(ft: FaultToleranceConfig, endpoint: str, run_id: str, nodes:
 # the ranks: with restart=both the in-process Wrapper coordinates there, off the GPU nodes
 # (training.train.coordination).
 STORE_ENDPOINT_ENV = "TRAINING_STORE_ENDPOINT"
+POD_PID_ENV = "TRAINING_POD_PID"  # the pod's PID 1 (training.pod.launch), which a node fault strikes first
 _ENDPOINT_FLAGS = ("--rdzv-endpoint", "--rdzv_endpoint")  # ft_launcher takes both spellings, as torchrun does
 
 

@@ -26,7 +26,7 @@ from training.contract.config import ConfigArgumentParser, config_or_exit, load_
 from training.contract.events import EventTail, completes, run_completed
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
 from training.contract.job_failure import FailureRequest, FailureRequests, requests_dir
-from training.contract.launcher import STORE_ENDPOINT_ENV, rendezvous_endpoint
+from training.contract.launcher import POD_PID_ENV, STORE_ENDPOINT_ENV, rendezvous_endpoint
 from training.pod.read_errors import ReadErrors
 
 log = logging.getLogger("training.pod.launch")
@@ -59,14 +59,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launcher_env(environ: dict[str, str], started_s: float, command: list[str]) -> dict[str, str]:
-    """ft_launcher's environment, which its ranks inherit: `command`'s rendezvous endpoint in STORE_ENDPOINT_ENV,
+    """ft_launcher's environment, which its ranks inherit: this process's PID in POD_PID_ENV (a node fault
+    strikes it first), `command`'s rendezvous endpoint in STORE_ENDPOINT_ENV,
     where the in-process Wrapper coordinates off the GPU nodes (training.train.coordination). NVRx's
     rendezvous makes the nodes present when it closes a round active in the order of their infrastructure
     rank (outside SLURM read from GROUP_RANK), the rest standby. That rank is the pod's start time (ms) and then its index (JOB_COMPLETION_INDEX), unique
     in the Job: the older pods train, a new pod (a replacement, a late spare) stands by. Ranked by index
     alone, a lost node's replacement would take the place of a spare that already trains and holds
     the peer state copies of its partners (training.train.peer_state)."""
-    env = dict(environ)
+    env = {**environ, POD_PID_ENV: str(os.getpid())}
     if (endpoint := rendezvous_endpoint(command)) is not None:
         env[STORE_ENDPOINT_ENV] = endpoint
     if (index := environ.get(JOB_INDEX_ENV)) is not None:

@@ -27,7 +27,7 @@ import psutil
 from training.contract.events import EventLog
 from training.contract.faults import (KINDS, FaultSpec, controller_requests_dir, fired_dir, lighthouse_lost_marker,
                                       lost_marker, node_index, partitioned_marker)
-from training.contract.launcher import DRAIN_MARKER_ENV
+from training.contract.launcher import DRAIN_MARKER_ENV, POD_PID_ENV
 from training.contract.replica_groups import replica_group
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.node_strike import WAIT_S as NODE_STRIKE_WAIT_S, Strike
@@ -75,8 +75,9 @@ def _signal_node(spec: FaultSpec, ctx: FireContext, sig: signal.Signals, marker:
     rank does nothing more, as a struck node does: on a loaded machine the striker may run late, and the
     node's ranks must not complete further steps (and fire later faults) before it lands."""
     me = psutil.Process()
-    node = [p for p in me.parents() if any(part in ("training.pod.launch", "ft_launcher") or part.endswith("/ft_launcher")
-                                            for part in p.cmdline())]
+    pod = os.environ.get(POD_PID_ENV)  # set by training.pod.launch; a forked pod's command line is its parent's
+    node = [p for p in me.parents() if str(p.pid) == pod] or [
+        p for p in me.parents() if any(part == "ft_launcher" or part.endswith("/ft_launcher") for part in p.cmdline())]
     if not node:
         raise FaultInjected(f"injected fault {spec.text}: neither training.pod.launch nor ft_launcher among this rank's "
                             "parent processes")
