@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from training.pod.prefork import SERVER_ENV, _console_script
+from training.pod.forked import console_script
+from training.pod.prefork import SERVER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = '''
@@ -170,9 +171,9 @@ def test_a_stub_refuses_a_socket_that_is_not_its_templates(probe_dir):
 def test_ft_launcher_runs_in_the_launch_process_and_any_other_command_is_execd():
     """ft_launcher, a console script of this interpreter, is run by its entry point (its imports are then the
     template's too); `sh` is exec'd."""
-    ft_launcher = _console_script(str(Path(sys.executable).parent / "ft_launcher"))
+    ft_launcher = console_script(str(Path(sys.executable).parent / "ft_launcher"))
     assert ft_launcher is not None and ft_launcher.value == "nvidia_resiliency_ext.fault_tolerance.launcher:main"
-    assert _console_script("sh") is None and _console_script("no-such-command") is None
+    assert console_script("sh") is None and console_script("no-such-command") is None
 
 
 def test_usage_error_names_the_commands():

@@ -40,6 +40,8 @@ from training.local.netns import Machine, VirtualNetwork
 from training.local.pod_log import PodLog, detection, rendezvous_role
 from training.local.shape import ClusterShape
 from training.pod.launch import exit_code
+from training.pod import forked, prefork
+from training.pod.forked import forking, popen
 from training.pod.prefork import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -137,10 +139,9 @@ class Cluster:
                        *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
                                       self.spares, self.replacement_delay_s, bin_dir=str(Path(sys.executable).parent),
                                       workers_stop_timeout_s=WORKERS_STOP_TIMEOUT_S)]
-            self.store = psutil.Popen(command,
-                                      cwd=REPO_ROOT, env=self.env(), stdout=log_file, stderr=log_file,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+            self.store = popen(command, exec_with=psutil.Popen, cwd=REPO_ROOT, env=self.env(), stdout=log_file,
+                               stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
+                               preexec_fn=lambda: die_with_parent(signal.SIGTERM))
 
     def launcher_command(self, node: Node) -> list[str]:
         ft = self.cfg.fault_tolerance
@@ -191,9 +192,9 @@ class Cluster:
         # Its own session: a terminal's Ctrl-C reaches the controller alone, which stops each node as the
         # kubelet stops a pod (stop_all), and kill_node can kill the node's process group.
         with node.log.path.open("ab") as log_file:
-            node.proc = psutil.Popen(command, cwd=REPO_ROOT, env=env, stdout=log_file,
-                                     stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=pod_top_process)
+            node.proc = popen(command, exec_with=psutil.Popen, cwd=REPO_ROOT, env=env, stdout=log_file,
+                              stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
+                              preexec_fn=pod_top_process)
         node.descendants = []
         node.active = False
 
@@ -213,11 +214,22 @@ class Cluster:
 
     def begin(self) -> None:
         """The Job is created: its store, then its training nodes."""
+        if forking():
+            self.preload()
         self.events.emit("job_start", nodes=self.training_nodes, nproc_per_node=self.nproc_per_node,
                          spares=self.spares)
         self.start_store()
         for node in self.nodes[:self.training_nodes]:
             self.start(node)
+
+    def preload(self) -> None:
+        """With FORK_ENV (training.pod.forked): import what the pods' and the store's commands import, in the
+        environment they read as they load (OpenMP's thread count, c10's log level), before the first fork."""
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if self.cfg.fault_tolerance.restart != "injob":
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        forked.preload(["training.pod.launch", "training.pod.store"], scripts=["ft_launcher", "nvrx-control"])
+        prefork.preload()
 
     def tick(self) -> int | None:
         """One round of the controller: read the nodes' output, play the kubelet and the network, start what

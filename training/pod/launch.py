@@ -17,7 +17,6 @@ import logging
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from training.contract.events import EventTail, completes, run_completed
 from training.contract.exit_codes import CONFIG_ERROR, INCOMPLETE
 from training.contract.job_failure import FailureRequest, FailureRequests, requests_dir
 from training.contract.launcher import POD_PID_ENV, STORE_ENDPOINT_ENV, rendezvous_endpoint
+from training.pod.forked import popen
 from training.pod.read_errors import ReadErrors
 
 log = logging.getLogger("training.pod.launch")
@@ -114,7 +114,7 @@ class Child:
     and never another process that was given its pid afterwards."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self._proc = subprocess.Popen(command, env=env)
+        self._proc = popen(command, env=env)  # forked on the local cluster with FORK_ENV
 
     @property
     def returncode(self) -> int | None:

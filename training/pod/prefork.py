@@ -20,10 +20,7 @@ import socket
 import struct
 import sys
 import time
-from typing import TYPE_CHECKING, NoReturn
-
-if TYPE_CHECKING:
-    from importlib.metadata import EntryPoint
+from typing import NoReturn
 
 SERVER_ENV = "TRAINING_PREFORK_SERVER"  # "<template pid>:<abstract socket name>", set by `launch`
 # What a training worker imports before its first step. torch._dynamo is imported lazily by
@@ -49,7 +46,9 @@ def launch(command: list[str]) -> NoReturn:
     other command is exec'd."""
     import secrets
 
-    script = _console_script(command[0])
+    from training.pod.forked import console_script
+
+    script = console_script(command[0])
     main = script.load() if script is not None else None
     # unguessable and unique per launch: pods that share a network namespace (hostNetwork) all run
     # ft_launcher as PID 1
@@ -76,22 +75,6 @@ def launch(command: list[str]) -> NoReturn:
     sys.exit(main())
 
 
-def _console_script(command: str) -> EntryPoint | None:
-    """The entry point that `command` runs, where it is a console script in this interpreter's scripts
-    directory: a wrapper that calls its entry point and exits with what it returns ("Entry points
-    specification", use for scripts: https://packaging.python.org/en/latest/specifications/entry-points/)."""
-    import importlib.metadata
-    import shutil
-    import sysconfig
-    from pathlib import Path
-
-    found = shutil.which(command)
-    if found is None or Path(found).resolve().parent != Path(sysconfig.get_path("scripts")).resolve():
-        return None
-    scripts = importlib.metadata.entry_points(group="console_scripts", name=Path(found).name)
-    return next(iter(scripts), None)
-
-
 def serve(name: str, launcher: int) -> None:
     """The template: import PRELOAD, then fork a supervised worker per stub that connects."""
     die_with_parent(signal.SIGTERM)
@@ -104,7 +87,7 @@ def serve(name: str, launcher: int) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(_address(name))
     started = time.monotonic()
-    _preload()
+    preload()
     listener.listen(64)
     print(f"training.pod.prefork: worker template ready ({time.monotonic() - started:.1f} s of imports)",
           file=sys.stderr, flush=True)
@@ -143,7 +126,8 @@ def _check_peer(conn: socket.socket, pid: int | None) -> None:
         raise PermissionError(f"peer pid {peer_pid}, uid {uid}")
 
 
-def _preload() -> None:
+def preload() -> None:
+    """Import PRELOAD as the template does, ready to fork: no CUDA context, the imports frozen."""
     import gc
     import importlib
 
@@ -203,9 +187,7 @@ def _supervise(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
 def _become_worker(request: dict, fds: list[int], supervisor: int, ready: int) -> NoReturn:
     """In the forked worker: take the stub's session role, stdio, cwd, environment, umask, CPU
     affinity and argv, then run the module as `python -m` would, and exit with its status."""
-    import atexit
-    import runpy
-    import traceback
+    from training.pod.forked import run_here
 
     os.setsid()
     die_with_parent(signal.SIGKILL)
@@ -220,50 +202,10 @@ def _become_worker(request: dict, fds: list[int], supervisor: int, ready: int) -
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    os.chdir(request["cwd"])
     os.umask(request["umask"])
     os.sched_setaffinity(0, request["cpus"])  # e.g. a NUMA binding the launcher gave the stub
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # the import path a fresh `python -m` would have: the working directory, then PYTHONPATH
-    extra = [request["cwd"], *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    sys.path[:0] = [entry for entry in extra if entry not in sys.path]
-    sys.stdin = sys.__stdin__ = open(0, closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
-    _apply_thread_count()
-    sys.argv = [request["module"], *request["args"]]
-    sys.modules.pop(request["module"], None)  # as in `python -m`: it runs as __main__ only
-    try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exit_request:
-        code = _exit_code(exit_request.code)
-    except BaseException:  # noqa: BLE001 - as the interpreter would: print it, exit 1
-        traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _apply_thread_count() -> None:
-    """OpenMP read the template's environment when torch was loaded; apply the worker's."""
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
-
-
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
+    module = request["module"]
+    run_here(module, [sys.executable, "-m", module, *request["args"]], request["cwd"], request["env"])
 
 
 def worker(module: str, args: list[str]) -> NoReturn:

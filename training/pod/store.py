@@ -24,6 +24,7 @@ from typing import Callable
 from training.contract.config import ConfigArgumentParser, config_or_exit, load_train_config
 from training.contract.events import events_dir, run_completed
 from training.pod.launch import PASSED_ON, exit_code
+from training.pod.forked import popen
 from training.pod.prefork import die_with_parent
 from training.pod.read_errors import ReadErrors
 
@@ -58,7 +59,7 @@ def pass_on_signals(child: Callable[[], subprocess.Popen]) -> None:
 
 def start(command: list[str]) -> subprocess.Popen:
     """The store, killed by the kernel if this process dies first (nothing else would free its port)."""
-    return subprocess.Popen(command, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
+    return popen(command, env=dict(os.environ), preexec_fn=lambda: die_with_parent(signal.SIGKILL))
 
 
 def supervise(command: list[str], run_dir: str, steps: int, timeout_s: float) -> int:
