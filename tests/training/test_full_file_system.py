@@ -5,7 +5,6 @@ the file system takes writes again, checkpoints commit again."""
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from training.train.checkpoint.manager import CheckpointManager
 from training.train.metrics import RunCollector
 from training.train.outage import begin_outage
 from training_helpers import (COMMON, TWO_NODES, SmallFileSystem, assert_bitwise_equal, completed, events_named,
-                              load_final_state, run_forked, scrape_when, start_local)
+                              StartedRun, load_final_state, run_forked, scrape_when, start_local)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -163,7 +162,7 @@ FAULTS = (f"fs-eio@3:rank=0:duration={OUTAGE_S},fs-eio@3:rank=1:duration={OUTAGE
           f"exception@{KILL_STEP}:rank=1")
 
 
-def _wait_for(run_dir, proc: subprocess.Popen, found, what: str, timeout: float = 120) -> dict:
+def _wait_for(run_dir, proc: StartedRun, found, what: str, timeout: float = 120) -> dict:
     """The first event of the run for which `found(event)` holds (the run failing or `timeout` fails the test)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

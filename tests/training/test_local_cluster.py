@@ -3,22 +3,29 @@
 These test it as the adapter of the Job's rules; what the rules decide, case by case, test_job_rules.py tests."""
 from __future__ import annotations
 
-import subprocess
+import contextlib
 
 import psutil
 import pytest
 
 from training.contract.events import read_events
 from training.local.shape import ClusterShape
-from training_helpers import start_local as _start, wait_for_step as _wait_for_step
+from training_helpers import StartedRun, start_local as _start, wait_for_step as _wait_for_step
 
 pytestmark = pytest.mark.slow
 
 
-def _node(controller: subprocess.Popen, node: int) -> psutil.Process:
-    """The node's top process (a pod's PID 1: training.pod.launch)."""
-    return next(p for p in psutil.Process(controller.pid).children()
-                if p.environ().get("JOB_COMPLETION_INDEX") == str(node))
+def _node(controller: StartedRun, node: int) -> tuple[psutil.Process, dict[str, str]]:
+    """The node's top process (a pod's PID 1: training.pod.launch) and the environment its ranks have, read from
+    the first of its processes that was exec'd (a forked one's /proc/<pid>/environ is what its parent's exec had)."""
+    top = psutil.Process(controller.pid)
+    for process in top.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if (env := process.environ()).get("JOB_COMPLETION_INDEX") == str(node):
+                while process.ppid() != top.pid:
+                    process = process.parent()
+                return process, env
+    raise AssertionError(f"no process of node {node} under the controller")
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
@@ -36,9 +43,9 @@ def test_controller_replaces_a_dead_node(tmp_path):
                   "checkpoint.interval=5", "training.collective_timeout_s=20",
                   "fault_tolerance.timeout_safety_factor=50")
     _wait_for_step(run_dir, 8, proc)
-    victim = _node(proc, 1)
+    victim, _ = _node(proc, 1)
     # both launchers share this host: NVRx 0.7.0's rendezvous closes for good unless told it is a simulation
-    assert {_node(proc, n).environ().get("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE") for n in (0, 1)} == {"1"}
+    assert {_node(proc, n)[1].get("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE") for n in (0, 1)} == {"1"}
     orphans = victim.children(recursive=True)
     victim.kill()  # the pod's PID 1 dies alone (an OOM kill: counted), its launcher and ranks would be orphaned
     out, _ = proc.communicate(timeout=180)

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import gc
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -29,6 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from training.contract.events import read_events
 from training.contract.launcher import free_port
 from training.local.shape import ClusterShape
+from training.pod import forked
+from training.pod.forked import FORK_ENV
+from training.pod.prefork import PRELOAD
 from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
@@ -65,17 +70,107 @@ def exit_code(main: Callable[[list[str]], int], argv: list[str]) -> int:
 
 def run_local(run_dir: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> LocalRun:
     """`python -m training.local --run-dir RUN_DIR ARGS…`, to completion; `env` adds variables."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return LocalRun(run_dir, proc.returncode, proc.stdout + proc.stderr)
+    run = start_local(run_dir, *args, env=env)
+    try:
+        output, _ = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+        raise
+    return LocalRun(run_dir, run.returncode, output)
 
 
-def start_local(run_dir: Path, *args: str) -> subprocess.Popen:
-    """`python -m training.local --run-dir RUN_DIR ARGS…`, started (output piped)."""
-    return subprocess.Popen([sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args],
-                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_local(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> StartedRun:
+    """`python -m training.local --run-dir RUN_DIR ARGS…`, started; `env` adds variables. The controller is
+    forked from `_controllers`, and it forks its pods and store in turn (training.pod.forked)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), FORK_ENV: "1", **(env or {})}
+    command = [sys.executable, "-m", "training.local", "--run-dir", str(run_dir), *args]
+    # not beside the run directory: a test may fill that file system
+    output = Path(tempfile.mkdtemp(prefix=f"{run_dir.name}-controller-")) / "output"
+    controller = _controllers().Process(target=_controller, args=(command, env, str(output)))
+    controller.start()
+    return StartedRun(controller, output)
+
+
+class StartedRun:
+    """A controller started by `start_local`, with what the tests use of subprocess.Popen; its output is its
+    standard output and error in one."""
+
+    def __init__(self, controller: multiprocessing.process.BaseProcess, output: Path) -> None:
+        self.controller, self.output = controller, output
+        self.pid = controller.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.controller.exitcode
+
+    def poll(self) -> int | None:
+        return self.controller.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.controller.join(timeout)
+        if self.controller.exitcode is None:
+            raise subprocess.TimeoutExpired(f"training.local {self.output.parent}", timeout or 0.0)
+        return self.controller.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """Its output, once it exited (subprocess.TimeoutExpired after `timeout`); the output so far where it
+        is still running when the run failed (a test's assertion message)."""
+        if self.controller.exitcode is None and timeout is not None:
+            self.wait(timeout)
+        text = self.output.read_text(errors="replace") if self.output.exists() else ""
+        if self.controller.exitcode is not None:
+            shutil.rmtree(self.output.parent, ignore_errors=True)
+        return text, None
+
+    def send_signal(self, sig: int) -> None:
+        if self.controller.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# Imported before the fork server's first fork: the controller's, the pods' and the store's modules.
+CONTROLLER_PRELOAD = ("training.local.cli", "training.pod.launch", "training.pod.store", *PRELOAD,
+                      "nvidia_resiliency_ext.fault_tolerance.launcher",
+                      "nvidia_resiliency_ext.fault_tolerance.control_plane")
+# What a pod's imports read, in the environment the cluster gives its pods: OpenMP's thread count, and
+# c10's log level (in-process restarts abort gloo, whose sockets torch then warns about twice a second).
+CONTROLLER_IMPORT_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+@functools.cache
+def _controllers() -> multiprocessing.context.ForkServerContext:
+    """A fork server (multiprocessing's) of this test process: a fresh interpreter that imported
+    CONTROLLER_PRELOAD in CONTROLLER_IMPORT_ENV, and forks each controller of `run_local`. Forked from the
+    test process instead, a controller would inherit pytest's threads and exit functions."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(CONTROLLER_PRELOAD))
+    saved = {key: os.environ.get(key) for key in CONTROLLER_IMPORT_ENV}
+    os.environ.update(CONTROLLER_IMPORT_ENV)
+    try:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return context
+
+
+def _controller(command: list[str], env: dict[str, str], output: str) -> None:
+    """In a child of the fork server: `command` (`python -m training.local …`), its output in `output`."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    opened = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(opened, 1)
+    os.dup2(opened, 2)
+    os.close(opened)
+    forked.reset_signals()
+    forked.run_here("training.local", command, str(REPO_ROOT), env)
 
 
 def run_forked(run_dir: Path, world: int, *args: str, timeout: float = 240) -> LocalRun:
@@ -92,7 +187,7 @@ def run_forked(run_dir: Path, world: int, *args: str, timeout: float = 240) -> L
     return LocalRun(run_dir, failed, "".join(r.output for r in ranks))
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+def wait_for_step(run_dir: Path, step: int, proc: StartedRun, timeout: float = 90) -> None:
     """Until rank 0 logged `step` (the run failing or `timeout` fails the test)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
