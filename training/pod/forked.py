@@ -1,13 +1,13 @@
 """Commands of this interpreter run in a fork of the process that starts them: the local cluster's forked pods.
 
 A pod of the local cluster is a chain of fresh interpreters (its PID 1, ft_launcher, the worker template, and
-the store beside the pods) that import torch and NVRx again, some 4 CPU-s per pod start on a machine of two
-cores, where the test suite starts over a hundred. With FORK_ENV set, training.local's controller imports
-what those commands import once (`preload`) and `popen` forks each one, as a pod's PID 1 and the store do for
-their own command: the child takes the command's environment, working directory, standard streams, session
-and argv, as an exec would, then runs its module as `python -m` does or its console script's entry point.
-What differs from an exec: what an import read once (the environment, rlimits) is the controller's, and
-/proc/<pid>/cmdline shows the controller's command line. For the tests only; the chart never sets it.
+the store beside the pods) that import torch and NVRx again at every pod start, and the test suite starts
+over a hundred pods on two cores. With FORK_ENV set, training.local's controller imports what those commands
+import once (`preload`) and `popen` forks each one, as a pod's PID 1 and the store do for their own command:
+the child takes the command's environment, working directory, standard streams, session and argv, as an exec
+would, then runs its module as `python -m` does or its console script's entry point. What differs from an
+exec: what an import read once (the environment, rlimits) is the parent's, and /proc/<pid>/cmdline and
+/proc/<pid>/environ show what the parent was exec'd with. For the tests only; the chart never sets it.
 """
 from __future__ import annotations
 
