@@ -54,12 +54,12 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-# Every test on three workers (pytest-xdist; loadgroup keeps an xdist_group's tests on one worker): two cores
-# stay busy, where two workers leave them idle for a third of the time while local-cluster runs wait (a
-# timeout, a replacement's delay). Then those marked alone, one at a time: their time bounds assume the machine
-# is theirs. Each part lists its slowest tests, so a suite that grows names what grew.
+# Every test on four workers (pytest-xdist; loadgroup keeps an xdist_group's tests on one worker): two cores
+# stay busy while local-cluster runs wait (a timeout, a replacement's delay), which cost half the CPU time
+# with their commands forked (training.pod.forked). Then those marked alone, one at a time: their time bounds
+# assume the machine is theirs. Each part lists its slowest tests, so a suite that grows names what grew.
 test: setup
-	$(PY) -m pytest -q -m "not alone" -n 3 --dist loadgroup --durations=20
+	$(PY) -m pytest -q -m "not alone" -n 4 --dist loadgroup --durations=20
 	$(PY) -m pytest -q -m alone --durations=5
 
 synth: setup
