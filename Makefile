@@ -55,8 +55,8 @@ node_modules/.installed: package.json package-lock.json
 	touch $@
 
 # Every test on four workers (pytest-xdist; loadgroup keeps an xdist_group's tests on one worker): two cores
-# stay busy while local-cluster runs wait (a timeout, a replacement's delay), which cost half the CPU time
-# with their commands forked (training.pod.forked). Then those marked alone, one at a time: their time bounds
+# stay busy while local-cluster runs wait (a timeout, a replacement's delay), which forked commands
+# (training.pod.forked) make cheap in CPU time. Then those marked alone, one at a time: their time bounds
 # assume the machine is theirs. Each part lists its slowest tests, so a suite that grows names what grew.
 test: setup
 	$(PY) -m pytest -q -m "not alone" -n 4 --dist loadgroup --durations=20
