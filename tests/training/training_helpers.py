@@ -30,10 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from training.contract.events import read_events
 from training.contract.launcher import free_port
+from training.local.cluster import POD_MODULES, POD_SCRIPTS
 from training.local.shape import ClusterShape
 from training.pod import forked
 from training.pod.forked import FORK_ENV
-from training.pod.prefork import PRELOAD
 from training.train import trainer
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
@@ -132,9 +132,8 @@ class StartedRun:
 
 
 # Imported before the fork server's first fork: the controller's, the pods' and the store's modules.
-CONTROLLER_PRELOAD = ("training.local.cli", "training.pod.launch", "training.pod.store", *PRELOAD,
-                      "nvidia_resiliency_ext.fault_tolerance.launcher",
-                      "nvidia_resiliency_ext.fault_tolerance.control_plane")
+CONTROLLER_PRELOAD = ("training.local.cli", *POD_MODULES,
+                      *(script.module for name in POD_SCRIPTS if (script := forked.console_script(name)) is not None))
 # What a pod's imports read, in the environment the cluster gives its pods: OpenMP's thread count, and
 # c10's log level (in-process restarts abort gloo, whose sockets torch then warns about twice a second).
 CONTROLLER_IMPORT_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}

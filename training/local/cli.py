@@ -21,7 +21,7 @@ from training.contract.model_source import ModelSourceError, check_model_source
 from training.contract.replica_groups import check_torchft, lighthouse_command
 from training.contract.shapes import ModelShape
 from training.data.token_file import DataError, check_token_file
-from training.local.cluster import REPO_ROOT, WORKERS_STOP_TIMEOUT_S, Cluster
+from training.local.cluster import BIN_DIR, REPO_ROOT, WORKERS_STOP_TIMEOUT_S, Cluster
 from training.local.cluster import __doc__ as CLUSTER_DOC
 from training.local.netns import NetworkUnavailable, VirtualNetwork
 from training.local.replica_groups import Lighthouse, LighthouseError, run_groups, stall_summary
@@ -208,7 +208,7 @@ def build_clusters(cfg: TrainConfig, config_path: Path, args: argparse.Namespace
     if groups == 1:
         return [Cluster(cfg, config_path, args.shape, network)], None
     port = free_port()
-    command = lighthouse_command(cfg.parallel.lighthouse_options(), port, str(Path(sys.executable).parent))
+    command = lighthouse_command(cfg.parallel.lighthouse_options(), port, str(BIN_DIR))
     lighthouse = Lighthouse(command, port, Path(cfg.run_dir) / "lighthouse.log")
     address = f"http://{network.host_address if network else '127.0.0.1'}:{port}"
     return [Cluster(*write_group_config(cfg, g), args.shape.of_group(groups), network, replica_group=g,

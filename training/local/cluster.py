@@ -42,9 +42,13 @@ from training.local.shape import ClusterShape
 from training.pod.launch import exit_code
 from training.pod import forked, prefork
 from training.pod.forked import forking, popen
-from training.pod.prefork import die_with_parent
+from training.pod.prefork import PRELOAD, die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(sys.executable).parent  # ft_launcher's, nvrx-control's: this interpreter's console scripts
+# What the pods' and the store's commands import, for the forks of Cluster.preload: their modules and console scripts
+POD_MODULES = ("training.pod.launch", "training.pod.store", *PRELOAD)
+POD_SCRIPTS = (str(BIN_DIR / "ft_launcher"), str(BIN_DIR / "nvrx-control"))
 # SIGKILL a node's workers still alive this long after its launcher's SIGTERM (ft_launcher's default: 15 s); the
 # restart round's last call for the survivors follows it (training.contract.launcher.rendezvous_last_call_s)
 WORKERS_STOP_TIMEOUT_S = 5
@@ -137,7 +141,7 @@ class Cluster:
         with (self.run_dir / "logs" / "store.log").open("ab") as log_file:
             command = [sys.executable, "-m", "training.pod.store", "--config", str(self.config_path), "--",
                        *store_command(self.cfg.fault_tolerance, self.store_port, self.run_id, self.training_nodes,
-                                      self.spares, self.replacement_delay_s, bin_dir=str(Path(sys.executable).parent),
+                                      self.spares, self.replacement_delay_s, bin_dir=str(BIN_DIR),
                                       workers_stop_timeout_s=WORKERS_STOP_TIMEOUT_S)]
             self.store = popen(command, exec_with=psutil.Popen, cwd=REPO_ROOT, env=self.env(), stdout=log_file,
                                stderr=log_file, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -148,7 +152,7 @@ class Cluster:
         return [
             *launch_command(str(self.config_path)),
             *launcher_wrapper(ft, sys.executable),
-            str(Path(sys.executable).parent / "ft_launcher"),
+            POD_SCRIPTS[0],
             *rendezvous_args(self.cfg.fault_tolerance, f"{self.store_host}:{self.store_port}", self.run_id,
                              self.training_nodes, self.spares, self.replacement_delay_s, WORKERS_STOP_TIMEOUT_S),
             *([f"--local-addr={node.machine.address}"] if node.machine else []),  # what its peers dial
@@ -228,8 +232,8 @@ class Cluster:
         os.environ["OMP_NUM_THREADS"] = "1"
         if self.cfg.fault_tolerance.restart != "injob":
             os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-        forked.preload(["training.pod.launch", "training.pod.store"], scripts=["ft_launcher", "nvrx-control"])
-        prefork.preload()
+        forked.preload(POD_MODULES, scripts=POD_SCRIPTS)
+        prefork.preload()  # the template's own steps before it forks: no CUDA context, the imports frozen
 
     def tick(self) -> int | None:
         """One round of the controller: read the nodes' output, play the kubelet and the network, start what
