@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
@@ -22,7 +21,6 @@ from training.contract.config import ModelConfig, TrainConfigError, load_train_c
 from training.contract.events import EventLog
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.flops import flops_per_token
-from training.contract.launcher import free_port
 from training.contract.model_source import ModelSourceError, hf_shape, model_shape
 from training.data.prepare import prepare
 from training.export.export import ExportError, export
@@ -32,7 +30,7 @@ from training.models.tiny import FAMILIES, write_tiny_model
 from training.train.distributed import DistInfo, init_distributed, teardown
 from training.train.trainer import build
 from training.local.shape import ClusterShape
-from training_helpers import run_local
+from training_helpers import rank_results, run_local
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -142,28 +140,24 @@ def test_a_shard_of_mixtrals_experts_is_read_from_the_slices_within_it(tiny_mode
     assert torch.equal(shard, fused[tuple(slice(o, o + n) for o, n in zip(offsets, shape))])
 
 
-def _load_on_rank(rank: int, port: int, model_dir: str, results: dict) -> None:
-    import os
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _load_on_rank(model_dir: str) -> tuple[int, int, dict[str, torch.Tensor]]:
     info = init_distributed("cpu", 60)
     cfg = load_train_config(None, ["model.source=huggingface", f"model.path={model_dir}"])
     spec = model_spec(cfg.model)
     model, _ = build(cfg, spec, info)
     assert spec.load_pretrained(model)
     experts = model.model.layers[0].mlp.experts.gate_up_proj
-    results[rank] = (experts.__create_chunk_list__()[0].offsets[0], experts.to_local().shape[0],
-                     {name: t.full_tensor() for name, t in model.state_dict().items()})
+    loaded = (experts.__create_chunk_list__()[0].offsets[0], experts.to_local().shape[0],
+              {name: t.full_tensor() for name, t in model.state_dict().items()})
     teardown()
+    return loaded
 
 
 @pytest.mark.slow
-def test_mixtrals_experts_load_into_two_ranks_shards(tiny_models):
+def test_mixtrals_experts_load_into_two_ranks_shards(tiny_models, tmp_path):
     """Two gloo ranks, each holding two of the four experts of every layer, load the hub's per-expert files:
     the sharded model then holds what transformers' from_pretrained builds, every parameter."""
-    results = mp.Manager().dict()
-    mp.spawn(_load_on_rank, args=(free_port(), str(tiny_models["mixtral"]), results), nprocs=2)
+    results = rank_results(lambda _: _load_on_rank(str(tiny_models["mixtral"])), tmp_path / "ranks")
     assert [results[rank][:2] for rank in (0, 1)] == [(0, 2), (2, 2)]  # each rank its own experts
     loaded, expected = results[0][2], AutoModelForCausalLM.from_pretrained(tiny_models["mixtral"]).state_dict()
     assert loaded.keys() == expected.keys() and all(torch.equal(t, expected[name]) for name, t in loaded.items())

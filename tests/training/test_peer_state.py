@@ -2,7 +2,9 @@
 what its partner gets, what a new world restores; a torn copy is never used."""
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -11,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from training.contract.events import read_events
 from training.contract.launcher import free_port
 from training.train.peer_state import OWN, REPLICA, Copy, NodeMemory, checksum, flatten, layout, unflatten, views
+from training_helpers import rank_results
 
 WORLD = 2
 FINGERPRINT = "test"
@@ -73,11 +75,15 @@ class _FakeDisk:
         pass
 
 
-def _worker(rank: int, port: int, roots: list[str], phase: Phase, results: dict, replicas: int) -> None:
-    import os
-
+def _join(rank: int, world: int) -> None:
+    """This forked rank in the world of `rank_results` (MASTER_PORT), one rank per node."""
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=world)
+
+
+def _worker(rank: int, roots: list[str], phase: Phase, replicas: int) -> object:
+    _join(rank, len(roots))
     from training.contract.events import EventLog
     from training.train.peer_state import PeerState
     from training.train.recovery import PeerTier, restore_first
@@ -102,28 +108,29 @@ def _worker(rank: int, port: int, roots: list[str], phase: Phase, results: dict,
         if rank == 0 and phase.snapshot:
             shutil.copytree(roots[0], phase.snapshot)
         peer.settle()
-        results[rank] = None
+        result = None
     else:
         tiers = [PeerTier(peer)] + ([_FakeDisk(phase.disk, phase.not_older_than[rank])] if phase.disk else [])
         try:
             restored = restore_first(tiers, state, not_older_than=phase.not_older_than[rank])
-            results[rank] = (restored and (restored.step, restored.source_kind), weights.value.clone(), weights.count)
+            result = (restored and (restored.step, restored.source_kind), weights.value.clone(), weights.count)
             if rank == 0 and phase.snapshot:
                 shutil.copytree(roots[0], phase.snapshot)
             for step in phase.then:
                 peer.save(step, state, step_time_s=1.0)
             peer.settle()
         except OSError as err:
-            results[rank] = str(err)
+            result = str(err)
     peer.close()
     dist.destroy_process_group()
+    return result
 
 
 def _run(roots: list[Path], phase: Phase, replicas: int = 1) -> dict:
-    """One process per node directory in `roots` (one rank per node)."""
-    results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), [str(r) for r in roots], phase, results, replicas), nprocs=len(roots))
-    return dict(results)
+    """One process per node directory in `roots` (one rank per node, forked from this one): rank -> its result."""
+    logs = Path(tempfile.mkdtemp(prefix="ranks-", dir=roots[0].parent))
+    paths = [str(r) for r in roots]
+    return dict(enumerate(rank_results(lambda rank: _worker(rank, paths, phase, replicas), logs, world=len(roots))))
 
 
 def _restore(roots: list[Path], newest_checkpoint: int = 0, replicas: int = 1, **kwargs) -> dict:
@@ -298,13 +305,10 @@ def test_copies_held_over_a_restore_go_once_a_newer_step_is_on_every_partner(tmp
         assert {c.step for c in NodeMemory(root).copies()} == {5, 6}
 
 
-def _interval_worker(rank: int, port: int, roots: list[str], results: dict) -> None:
+def _interval_worker(rank: int, roots: list[str]) -> list[tuple[int, int]]:
     """interval=None with steps of 0.1 s: sends slowed to 0.3 s until the interval is first settled, then
     at full speed; every (step, interval) at which the interval was settled or changed."""
-    import os
-
-    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(roots))
+    _join(rank, len(roots))
     from training.train.peer_state import PeerState
 
     delay = [0.3 if rank == 1 else 0.0]  # rank 1's network is slow; the exchange makes rank 0 wait for it too
@@ -325,18 +329,17 @@ def _interval_worker(rank: int, port: int, roots: list[str], results: dict) -> N
             if len(settled) == 2:
                 break
     peer.settle()
-    results[rank] = settled
     peer.close()
     dist.destroy_process_group()
+    return settled
 
 
 def test_the_interval_follows_the_send_as_well_as_the_copy_and_every_rank_agrees(tmp_path):
     """A copy into node memory costs nothing next to a 0.1 s step, but a send takes 0.3 s: saving every step,
     each save would wait for the one before. The interval covers the send, the same on every rank; once the
     network is fast again, a new measurement brings it back down."""
-    results = mp.Manager().dict()
-    mp.spawn(_interval_worker, args=(free_port(), [str(tmp_path / "node0"), str(tmp_path / "node1")], results),
-             nprocs=2)
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    results = rank_results(lambda rank: _interval_worker(rank, roots), tmp_path / "ranks")
     assert results[0] == results[1]
     (_, slow), (_, fast) = results[0]
     assert slow >= 3 and fast < slow  # 0.3 s of send over 0.1 s steps, with headroom; then back down

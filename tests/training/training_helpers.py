@@ -313,6 +313,16 @@ def completed_ranks(ranks: list[ForkedRank]) -> list[str]:
     return [r.output for r in ranks]
 
 
+def rank_results(body: Callable[[int], object], logs: Path, world: int = 2, timeout: float = 90) -> list[object]:
+    """What `body(rank)` returned on each of the `world` ranks of `fork_ranks`, in rank order (each rank pickles
+    its value into `logs`), every rank asserted to have exited 0."""
+    def returning(rank: int) -> None:
+        (logs / f"rank{rank}.result").write_bytes(pickle.dumps(body(rank)))
+
+    completed_ranks(fork_ranks(returning, logs, world, timeout))
+    return [pickle.loads((logs / f"rank{rank}.result").read_bytes()) for rank in range(world)]
+
+
 def samples_by_step(run_dir: Path) -> dict[int, list[int]]:
     """Step -> the sample indices every rank logged for it (logging.sample_log), a replayed step's as often as
     it ran."""
