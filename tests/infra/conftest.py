@@ -131,6 +131,16 @@ def _synthesize(outdir: Path, overrides: dict[str, Any]) -> Synth:
     return Synth(config=config, outdir=outdir, templates=templates, warnings=warnings, missing_context=missing)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test of this directory in one xdist group (make test's --dist loadgroup): a session fixture is one
+    per worker, so on one worker each config is synthesized once and jsii's Node.js runtime starts once."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("infra"))
+
+
 @pytest.fixture(scope="session")
 def synth(tmp_path_factory: pytest.TempPathFactory) -> Callable[[dict[str, Any]], Synth]:
     """synth(overrides) -> Synth; the same overrides are synthesized once per session."""
