@@ -57,10 +57,12 @@ node_modules/.installed: package.json package-lock.json
 # Every test on four workers (pytest-xdist; loadgroup keeps an xdist_group's tests on one worker): two cores
 # stay busy while local-cluster runs wait (a timeout, a replacement's delay), which forked commands
 # (training.pod.forked) make cheap in CPU time. Then those marked alone, one at a time: their time bounds
-# assume the machine is theirs. Each part lists its slowest tests, so a suite that grows names what grew.
+# assume the machine is theirs; that pass collects only the files that mark one. Each part lists its slowest
+# tests, so a suite that grows names what grew.
+ALONE_FILES = $(shell grep -rl --include='test_*.py' 'pytest.mark.alone' tests)
 test: setup
 	$(PY) -m pytest -q -m "not alone" -n 4 --dist loadgroup --durations=20
-	$(PY) -m pytest -q -m alone --durations=5
+	$(PY) -m pytest -q -m alone --durations=5 $(ALONE_FILES)
 
 synth: setup
 	rm -rf cdk.out
