@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from training.contract.events import read_events
 from training.contract.launcher import free_port
-from training.local.cluster import POD_MODULES, POD_SCRIPTS
+from training.local.cluster import POD_MODULES, POD_SCRIPTS, pod_import_env
 from training.local.shape import ClusterShape
 from training.pod import forked
 from training.pod.forked import FORK_ENV
@@ -134,9 +134,8 @@ class StartedRun:
 # Imported before the fork server's first fork: the controller's, the pods' and the store's modules.
 CONTROLLER_PRELOAD = ("training.local.cli", *POD_MODULES,
                       *(script.module for name in POD_SCRIPTS if (script := forked.console_script(name)) is not None))
-# What a pod's imports read, in the environment the cluster gives its pods: OpenMP's thread count, and
-# c10's log level (in-process restarts abort gloo, whose sockets torch then warns about twice a second).
-CONTROLLER_IMPORT_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+# What a pod's imports read, as the cluster sets it for its pods under any restart mode (both: all of it).
+CONTROLLER_IMPORT_ENV = pod_import_env("both")
 
 
 @functools.cache
@@ -411,7 +410,8 @@ class SmallFileSystem:
             pytest.skip(f"a full file system needs a tmpfs mount (root): {mounted.stderr.strip()}")
         self.path = path
         self._filler = path / ".filler"
-        self._stop_filling: threading.Event | None = None
+        self._stop_filling = threading.Event()
+        self._filling: threading.Thread | None = None
 
     def fill(self, leave_pages: int = 0) -> None:
         """Take every free page but `leave_pages`: the next writes beyond those fail with ENOSPC."""
@@ -433,18 +433,21 @@ class SmallFileSystem:
         """Fill it now, and again every few milliseconds until `free`, as other writers of a shared file system
         would: what a failed save's clean-up frees is taken at once."""
         self.fill()
-        self._stop_filling = threading.Event()
-        threading.Thread(target=self._top_up, args=(self._stop_filling,), daemon=True).start()
+        self._stop_filling.clear()
+        self._filling = threading.Thread(target=self._top_up, daemon=True)
+        self._filling.start()
 
-    def _top_up(self, stop: threading.Event) -> None:
-        while not stop.wait(0.005):
+    def _top_up(self) -> None:
+        while not self._stop_filling.wait(0.005):
             self.fill()
 
     def free(self) -> None:
-        if self._stop_filling is not None:
+        """Stop the top-ups, then free every page: a top-up still under way (however long a loaded machine
+        makes it) would otherwise hold its pages, or make the filler again, after this returns."""
+        if self._filling is not None:
             self._stop_filling.set()
-            time.sleep(0.05)  # a top-up under way ends
-            self._stop_filling = None
+            self._filling.join()
+            self._filling = None
         self._filler.unlink(missing_ok=True)
 
     def unmount(self) -> None:
