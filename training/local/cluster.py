@@ -55,6 +55,13 @@ WORKERS_STOP_TIMEOUT_S = 5
 STOP_GRACE_S = 10.0
 
 
+def pod_import_env(restart: str) -> dict[str, str]:
+    """What a pod's imports read from the environment the controller gives it: OpenMP's thread count (2 cores,
+    4 ranks: no oversubscription) and, under fault_tolerance.restart `restart` other than injob, c10's log
+    level (an in-process abort shuts gloo's sockets; torch then warns about them twice a second)."""
+    return {"OMP_NUM_THREADS": "1", **({"TORCH_CPP_LOG_LEVEL": "ERROR"} if restart != "injob" else {})}
+
+
 @dataclass
 class Unreachable:
     """A node whose kubelet stopped reporting (monotonic times): its machine cut off from the network (a
@@ -163,7 +170,7 @@ class Cluster:
         ]
 
     def env(self) -> dict[str, str]:
-        env = {**os.environ, "OMP_NUM_THREADS": "1",  # 2 cores, 4 ranks: no thread oversubscription
+        env = {**os.environ, **pod_import_env(self.cfg.fault_tolerance.restart),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
         if self.replica_group is not None:  # what each group's Job sets in its pods
@@ -190,9 +197,6 @@ class Cluster:
         command = self.launcher_command(node)
         if self.network is not None and node.machine is not None:
             command = self.network.command(node.machine, command)
-        if self.cfg.fault_tolerance.restart != "injob":
-            # An in-process abort shuts gloo's sockets; torch then warns about them twice a second.
-            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         # Its own session: a terminal's Ctrl-C reaches the controller alone, which stops each node as the
         # kubelet stops a pod (stop_all), and kill_node can kill the node's process group.
         with node.log.path.open("ab") as log_file:
@@ -228,10 +232,8 @@ class Cluster:
 
     def preload(self) -> None:
         """With FORK_ENV (training.pod.forked): import what the pods' and the store's commands import, in the
-        environment they read as they load (OpenMP's thread count, c10's log level), before the first fork."""
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if self.cfg.fault_tolerance.restart != "injob":
-            os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        environment they read as they load (pod_import_env), before the first fork."""
+        os.environ.update(pod_import_env(self.cfg.fault_tolerance.restart))
         forked.preload(POD_MODULES, scripts=POD_SCRIPTS)
         prefork.preload()  # the template's own steps before it forks: no CUDA context, the imports frozen
 
