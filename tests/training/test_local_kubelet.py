@@ -16,6 +16,7 @@ from training.contract.faults import lost_marker
 from training.local import cluster as local_cluster
 from training.local.cluster import Cluster
 from training.local.kubelet import KILL_WAIT_S, kill_processes
+from training.local.node_lifecycle import Unreachable
 from training.local.shape import ClusterShape
 from training_helpers import REPO_ROOT
 
@@ -155,8 +156,7 @@ def test_a_cut_off_nodes_own_timeouts_are_no_fault_and_its_evicted_pod_logs_apar
     _sleeping(survivor)
     _sleeping(victim)
     monkeypatch.setattr(controller, "start", lambda node: None)  # the replacement pod is not started here
-    controller.unreachable.append(local_cluster.Unreachable(None, victim.index, time.monotonic(), float("inf"),
-                                                            hung=True))
+    controller.lifecycle.unreachable.append(Unreachable(None, victim.index, time.monotonic(), float("inf"), hung=True))
     victim.log.path.parent.mkdir(parents=True, exist_ok=True)
     victim.log.path.write_text(_NVRX_TIMEOUT)  # logged while cut off
     assert controller.tick() is None  # read, then evicted (--replacement-delay 0)

@@ -101,8 +101,8 @@ def cluster(tmp_path):
         node.proc, node.joined, node.active = psutil.Popen(["sleep", "60"], start_new_session=True), True, True  # both training
     yield cluster
     cluster.stop_all()
-    for unreachable in cluster.unreachable:
-        cluster.kill_node(unreachable.evicted)
+    for evicted in cluster.lifecycle.left_behind():
+        cluster.kill_node(evicted)
 
 
 def test_the_controller_replaces_a_hung_nodes_pod_after_the_replacement_delay_and_leaves_it_stopped(cluster):
@@ -110,14 +110,13 @@ def test_the_controller_replaces_a_hung_nodes_pod_after_the_replacement_delay_an
     process = hung.proc
     process.send_signal(signal.SIGSTOP)
     assert _wait_until(lambda: _stopped(process))
-    cluster.serve_hangs()
-    cluster.serve_hangs()  # noticed once
-    cluster.serve_partitions()
+    cluster.lifecycle.serve()
+    cluster.lifecycle.serve()  # noticed once
     assert hung.start_at is None  # NotReady, not yet force-deleted
     [detected] = [e for e in read_events(cluster.run_dir) if e["event"] == "fault_detected"]
     assert detected["kind"] == "node" and "node 1 stopped responding" in detected["detail"]
     time.sleep(1.0)
-    cluster.serve_partitions()
+    cluster.lifecycle.serve()
     assert hung.start_at is not None and hung.proc is None  # replaced
     assert _stopped(process)  # its old processes stay stopped where they are, as on the hung machine
     assert [e["node"] for e in read_events(cluster.run_dir) if e["event"] == "node_replaced"] == [1]

@@ -4,8 +4,9 @@ plays the Kubernetes Indexed Job.
 It is how everything runs and is tested without AWS or a GPU, so it runs what the cluster runs. Each node
 runs the pod's own command (training.pod.launch around ft_launcher) with its JOB_COMPLETION_INDEX; the
 rendezvous store is its own process. Cluster plays what Kubernetes does around them: the Job, replacing or
-failing pods by the table the chart renders (training.contract.job_rules); the kubelet, for drains, hangs and
-stops (its process handling: training.local.kubelet); with --netns, the network that a partition cuts. It
+failing pods by the table the chart renders (training.contract.job_rules); the kubelet, for drains and stops
+(its process handling: training.local.kubelet); the node lifecycle of hung nodes and, with --netns, of nodes a
+partition cuts off (training.local.node_lifecycle). It
 turns NVRx's log lines (training.local.pod_log) into fault_detected events, so that the report measures
 detection time. EKS's delays it cannot play are parameters (--replacement-delay).
 """
@@ -37,6 +38,7 @@ from training.contract.launcher import (DRAIN_MARKER_ENV, NODE_MEMORY_ENV, drain
 from training.contract.replica_groups import LIGHTHOUSE_ENV, REPLICA_GROUP_ENV
 from training.local.kubelet import GONE, kill_processes, local_pod_end, pod_top_process, process_group, stopped
 from training.local.netns import Machine, VirtualNetwork
+from training.local.node_lifecycle import NodeLifecycle
 from training.local.pod_log import PodLog, detection, rendezvous_role
 from training.local.shape import ClusterShape
 from training.pod.launch import exit_code
@@ -60,18 +62,6 @@ def pod_import_env(restart: str) -> dict[str, str]:
     4 ranks: no oversubscription) and, under fault_tolerance.restart `restart` other than injob, c10's log
     level (an in-process abort shuts gloo's sockets; torch then warns about them twice a second)."""
     return {"OMP_NUM_THREADS": "1", **({"TORCH_CPP_LOG_LEVEL": "ERROR"} if restart != "injob" else {})}
-
-
-@dataclass
-class Unreachable:
-    """A node whose kubelet stopped reporting (monotonic times): its machine cut off from the network (a
-    partition), or every process of its pod stopped (a hang)."""
-    machine: Machine | None  # None: a hung node without --netns
-    node: int
-    since: float
-    until: float  # inf: for good
-    evicted: Node | None = None  # the pod that was replaced on another machine: its processes, left there
-    hung: bool = False
 
 
 @dataclass
@@ -127,8 +117,8 @@ class Cluster:
         self.failure: str | None = None  # why the job failed
         self.network = network
         self.store_host = network.host_address if network else "127.0.0.1"  # with --netns: the host's end
-        self.unreachable: list[Unreachable] = []  # nodes that do not report: cut off (partition) or hung (node-hang)
         self.detected_at = -float("inf")  # monotonic time of the last fault_detected this controller emitted
+        self.lifecycle = NodeLifecycle(self, self.run_dir, network, self.replacement_delay_s)
         self.new_rendezvous()
         self.store: psutil.Popen | None = None
         # each node's memory (a pod's /dev/shm): what peer state keeps there outlives its workers, not the node
@@ -191,7 +181,7 @@ class Cluster:
         partitioned_marker(self.run_dir, node.index).unlink(missing_ok=True)
         lost_marker(self.run_dir, node.index).unlink(missing_ok=True)
         node.start_at = None
-        if self.network is not None and (node.machine is None or self.partition_of(node.machine) is not None):
+        if self.network is not None and (node.machine is None or self.lifecycle.unreachable_machine(node.machine) is not None):
             # a new pod lands on a new machine: the scheduler avoids one that is unreachable
             node.machine = self.network.add_machine(f"node{node.index}-m{len(self.network.machines)}")
         command = self.launcher_command(node)
@@ -245,10 +235,9 @@ class Cluster:
             return 130
         for node in self.nodes:
             node.refresh_descendants()
-            self.read_output(node, detect=not self.cut_off(node))  # what a cut-off node sees reaches nobody
+            self.read_output(node, detect=not self.lifecycle.cut_off(node))  # what a cut-off node sees reaches nobody
         self.serve_drains()
-        self.serve_hangs()
-        self.serve_partitions()
+        self.lifecycle.serve()
         for node in self.nodes:
             if node.start_at is not None and time.monotonic() >= node.start_at:
                 self.start(node)
@@ -265,9 +254,8 @@ class Cluster:
         try:
             self.stop_all()
             self.stop_store()
-            for unreachable in self.unreachable:
-                if unreachable.evicted is not None:
-                    self.kill_node(unreachable.evicted)
+            for evicted in self.lifecycle.left_behind():
+                self.kill_node(evicted)
             shutil.rmtree(self.memory_root, ignore_errors=True)
             for node in self.nodes:
                 self.read_output(node, detect=False)  # the rest of the output; stopping is no fault
@@ -310,10 +298,6 @@ class Cluster:
             return 0
         return None
 
-    def cut_off(self, node: Node) -> bool:
-        return ((node.machine is not None and self.partition_of(node.machine) is not None)
-                or any(u.hung and u.node == node.index and u.evicted is None for u in self.unreachable))
-
     def serve_drains(self) -> None:
         """Play the kubelet for the drains that `drain` faults ask for: SIGTERM to the node's launcher
         (a pod's PID 1), SIGKILL of all it started once the grace period is over."""
@@ -336,84 +320,21 @@ class Cluster:
                 self.say(f"node {node.index} outlived its grace period: SIGKILL")
                 self.kill_node(node)
 
-    def serve_partitions(self) -> None:
-        """Play the network and Kubernetes' node lifecycle for `partition` faults: take a node's link down
-        when asked; replace the pod of a node unreachable for --replacement-delay seconds on a new machine
-        (the Job replaces a pod that the taint manager evicts; the old one runs on, cut off); when the
-        link is back, the old pod's kubelet learns it was deleted and kills its processes."""
-        now = time.monotonic()
-        for request in sorted(controller_requests_dir(self.run_dir, "partition").glob("node*")):
-            node = self.nodes[int(request.name.removeprefix("node"))]
-            duration = request.read_text().strip()
-            request.unlink()
-            if self.network is None or node.machine is None or self.partition_of(node.machine) is not None:
-                continue
-            self.network.set_link(node.machine, up=False)
-            until = now + float(duration) if duration else float("inf")
-            self.unreachable.append(Unreachable(node.machine, node.index, now, until))
-            marker = partitioned_marker(self.run_dir, node.index)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-            self.say(f"node {node.index} ({node.machine.hostname}, {node.machine.address}) is cut off from the "
-                     f"network {f'for {duration} s' if duration else 'for good'}")
-        for record in self.unreachable:
-            node = self.nodes[record.node]
-            if (record.evicted is None and node.machine is record.machine and node.start_at is None
-                    and now - record.since >= self.replacement_delay_s and record.until > now):
-                self.evict(node, record, unreachable_s=now - record.since)
-            if record.until <= now:
-                self.heal(record)
-        self.unreachable = [p for p in self.unreachable if p.until > now]
-
-    def partition_of(self, machine: Machine) -> Unreachable | None:
-        """The machine's record while it does not report: cut off, or hung."""
-        return next((p for p in self.unreachable if p.machine is machine), None)
-
-    def serve_hangs(self) -> None:
-        """Play the kubelet of a node that hangs (a `node-hang` fault stops every process of its pod): it
-        stops reporting, which serve_partitions' node lifecycle then handles as it does an unreachable
-        node. On EKS the node goes NotReady after the node-monitor grace period, the taint manager evicts
-        the pod, which stays Terminating while nobody confirms it stopped; the Job (podReplacementPolicy:
-        Failed) replaces it once PodGC deletes it as Failed, when the hung-node marker (k8s.mark_hung_nodes)
-        has marked the node out of service (k8s_delays.KubernetesDelays.hung_node_out_of_service_s). Here the
-        replacement comes --replacement-delay seconds after the hang, uncounted; the stopped processes stay
-        where they are until the run ends."""
-        for node in self.nodes:
-            if node.proc is None or node.start_at is not None or self.cut_off(node) or not stopped(node.proc):
-                continue
-            self.unreachable.append(Unreachable(node.machine, node.index, time.monotonic(), float("inf"), hung=True))
-            detail = (f"node {node.index} stopped responding (every process of its pod is stopped): its kubelet "
-                      f"stops reporting; marked out of service after {self.replacement_delay_s:g} s, its pod is "
-                      "deleted (PodGC) and replaced")
-            self.detect("node", "controller", detail)
-            self.say(detail)
-
-    def evict(self, node: Node, partition: Unreachable, unreachable_s: float) -> None:
-        """The node's pod is replaced on another machine; the old pod's processes are left where they are."""
+    def hand_over(self, node: Node) -> Node:
+        """The node's pod as it is now (its process, what it started, the rest of its log), for the node
+        lifecycle to leave where it is; the node has no pod until its replacement starts."""
         node.refresh_descendants()
         self.read_output(node, detect=False)
-        partition.evicted = Node(node.index, PodLog(node.log.hand_over()), proc=node.proc,
-                                 descendants=node.descendants)
+        old = Node(node.index, PodLog(node.log.hand_over()), proc=node.proc, descendants=node.descendants)
         node.proc, node.descendants, node.active = None, [], False
-        left = "stay stopped on the hung machine" if partition.hung else "run on, cut off"
-        detail = (f"node {node.index} unreachable for {unreachable_s:.0f} s: its pod is replaced on another "
-                  f"machine; the old pod's processes {left}")
-        if self.detected_at < partition.since:  # else Kubernetes catches up with a fault training handled
-            self.detect("node", "controller", detail)
-        self.say(detail)
-        # a disruption, which the Job's rules replace uncounted
+        return old
+
+    def replace_evicted(self, node: Node) -> None:
+        """An evicted pod's replacement, at once (unreachable for the replacement delay already): a
+        disruption, which the Job's rules replace uncounted."""
         decision = decide(PodEnd(None, disrupted=True, retries_used=node.retries), self.node_retries,
                           survivor=self.survivor_besides(node))
-        self._schedule_replacement(node, 0.0, decision.start_over)  # unreachable for the replacement delay already
-
-    def heal(self, partition: Unreachable) -> None:
-        assert self.network is not None
-        self.network.set_link(partition.machine, up=True)
-        partitioned_marker(self.run_dir, partition.node).unlink(missing_ok=True)
-        self.say(f"node {partition.node}'s old machine {partition.machine.hostname} is back on the network"
-                 + ("; its kubelet kills the evicted pod's processes" if partition.evicted else ""))
-        if partition.evicted is not None:
-            self.kill_node(partition.evicted)
+        self._schedule_replacement(node, 0.0, decision.start_over)
 
     def drain_marker(self, node: Node) -> Path:
         return self.run_dir / "drain" / f"node{node.index}"
