@@ -6,9 +6,9 @@ runs the pod's own command (training.pod.launch around ft_launcher) with its JOB
 rendezvous store is its own process. Cluster plays what Kubernetes does around them: the Job, replacing or
 failing pods by the table the chart renders (training.contract.job_rules); the kubelet, for drains and stops
 (its process handling: training.local.kubelet); the node lifecycle of hung nodes and, with --netns, of nodes a
-partition cuts off (training.local.node_lifecycle). It
-turns NVRx's log lines (training.local.pod_log) into fault_detected events, so that the report measures
-detection time. EKS's delays it cannot play are parameters (--replacement-delay).
+partition cuts off (training.local.node_lifecycle). It turns NVRx's log lines (training.local.pod_log) into
+fault_detected events, so that the report measures detection time. EKS's delays it cannot play are parameters
+(--replacement-delay).
 """
 from __future__ import annotations
 
@@ -181,8 +181,9 @@ class Cluster:
         partitioned_marker(self.run_dir, node.index).unlink(missing_ok=True)
         lost_marker(self.run_dir, node.index).unlink(missing_ok=True)
         node.start_at = None
-        if self.network is not None and (node.machine is None or self.lifecycle.unreachable_machine(node.machine) is not None):
-            # a new pod lands on a new machine: the scheduler avoids one that is unreachable
+        # a new pod lands on a new machine: the scheduler avoids one that is unreachable
+        if self.network is not None and (node.machine is None
+                                         or self.lifecycle.unreachable_machine(node.machine) is not None):
             node.machine = self.network.add_machine(f"node{node.index}-m{len(self.network.machines)}")
         command = self.launcher_command(node)
         if self.network is not None and node.machine is not None:
