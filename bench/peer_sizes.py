@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from training.contract.config import PeerStateConfig
 from training.contract.launcher import free_port
 from training.contract.shapes import PEER_STATE_SLOTS, STATE_BYTES_PER_PARAMETER, parameter_count
 
 PEER_SAVES = PEER_STATE_SLOTS + 3  # every slot laid out once, then three measured saves
 CHECKSUM_RUNS = 3
+EVERY_STEP = PeerStateConfig(enabled=True, interval=1)  # every save copied and sent, to one partner
 NODES = 2
 
 
@@ -85,7 +87,7 @@ def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) 
     os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NODES)
     state = {"model": _ShardState(preset, rank)}
-    peer = PeerState(Path(roots[rank]), preset, interval=1, replicas=1, timeout_s=600)
+    peer = PeerState(EVERY_STEP, Path(roots[rank]), preset, timeout_s=600)
     copies = []
     for step in range(1, PEER_SAVES + 1):
         peer.settle()  # the copy alone: not the wait for the previous send
@@ -101,7 +103,7 @@ def _worker(rank: int, port: int, preset: str, roots: list[str], results: dict) 
         started = time.perf_counter()
         checksum(data, meta)
         checksums.append(time.perf_counter() - started)
-    spare = PeerState(Path(roots[NODES if rank == 1 else rank]), preset, interval=1, replicas=1, timeout_s=600)
+    spare = PeerState(EVERY_STEP, Path(roots[NODES if rank == 1 else rank]), preset, timeout_s=600)
     dist.barrier()
     started = time.perf_counter()
     restored = spare.restore(state, not_older_than=0)

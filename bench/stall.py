@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.cluster import ClusterSpec, run_cluster
+from training.contract.config import CheckpointConfig
 from training.contract.events import EventLog
 from training.contract.launcher import free_port
 from training.local.shape import ClusterShape
@@ -244,7 +245,7 @@ def _calibrate(spec: StallSpec, scratch: Path, state: dict, a: torch.Tensor, dev
     for _ in range(CALIBRATION_STEPS):
         _step(a, spec.matmuls_per_step)
     step_s = (time.perf_counter() - t0) / CALIBRATION_STEPS
-    ckpt = CheckpointManager(scratch, mode="sync", keep=1, device=device)
+    ckpt = CheckpointManager(CheckpointConfig(dir=str(scratch), mode="sync", keep=1), scratch.parent, device=device)
     t0 = time.perf_counter()
     ckpt.save(0, state)
     timings = torch.tensor([step_s, time.perf_counter() - t0])
@@ -264,7 +265,7 @@ def _interleaved(spec: StallSpec, interval: int, run_dirs: dict[str, Path], stat
     setup time."""
     lead = dist.get_rank() == 0
     logs = {mode: EventLog(path, "rank0") if lead else None for mode, path in run_dirs.items()}
-    managers = {mode: CheckpointManager(path / "checkpoints", mode=mode, keep=1, events=logs[mode], device=device)
+    managers = {mode: CheckpointManager(CheckpointConfig(mode=mode, keep=1), path, events=logs[mode], device=device)
                 for mode, path in run_dirs.items()}
     started = time.perf_counter()
     managers["async"].prepare(state)  # as training does after its first step; its buffers are no save's

@@ -16,8 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from training.train.checkpoint import writer_process
 from training.train.checkpoint.layout import committed_checkpoints
-from training.train.checkpoint.manager import CheckpointManager
-from training_helpers import fork_ranks
+from training_helpers import checkpoint_manager, fork_ranks
 
 def _die(*args, **kwargs) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -37,8 +36,8 @@ def _saves_then_dies(directory: Path, mode: str, point: str) -> None:
         return write()
 
     writer_process.start_zygote()  # this rank's own, forked while it has one thread
-    m = CheckpointManager(directory, mode=mode, keep=3,
-                          write_hook=die_while_the_writer_writes if point == "writing" else None)
+    m = checkpoint_manager(directory, mode=mode, keep=3,
+                           write_hook=die_while_the_writer_writes if point == "writing" else None)
     print(m.writer_pid, flush=True)
     m.save(1, {"w": torch.full((4096,), 1.0)})
     m.wait()
@@ -66,7 +65,7 @@ def test_killed_mid_save_leaves_previous_checkpoint_newest(tmp_path, mode, point
     assert list(directory.glob(".tmp-step_00000002.g1"))  # the interrupted save's debris
     assert [step for step, _ in committed_checkpoints(directory)] == [1]
 
-    manager = CheckpointManager(directory, mode="sync", keep=3)
+    manager = checkpoint_manager(directory, mode="sync", keep=3)
     assert not list(directory.glob(".tmp-*"))  # removed at start
     target = {"w": torch.zeros(4096)}
     step = manager.load(target).step

@@ -21,14 +21,14 @@ from training.train.checkpoint import layout
 from training.train.checkpoint.layout import committed_checkpoints, out_of_space
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.metrics import RunCollector
-from training_helpers import REPO_ROOT, events_named, fork_ranks
+from training_helpers import REPO_ROOT, checkpoint_manager, events_named, fork_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 def _replaces_and_dies(directory: Path) -> None:
     """Saves steps 1 and 2, then saves step 2 again (a resume from step 1 trained it again) and dies
     (SIGKILL) as the commit renames the new save in, after the old checkpoint made way for it."""
-    m = CheckpointManager(directory, mode="sync", keep=3)
+    m = checkpoint_manager(directory, mode="sync", keep=3)
     for step in (1, 2):
         m.save(step, {"w": torch.full((64,), float(step))})
     real_rename = os.rename
@@ -43,7 +43,7 @@ def _replaces_and_dies(directory: Path) -> None:
 
 
 def _manager(tmp_path, keep: int = 3) -> CheckpointManager:
-    return CheckpointManager(tmp_path / "ckpt", mode="sync", keep=keep, events=EventLog(tmp_path, "rank0"))
+    return checkpoint_manager(tmp_path / "ckpt", mode="sync", keep=keep, events=EventLog(tmp_path, "rank0"))
 
 
 def _steps(directory) -> list[int]:
@@ -165,8 +165,8 @@ def test_the_manager_saves_every_interval_inside_its_section_and_a_group_not_ele
     advances ft_launcher's progress file past the step, which a live group holds."""
     sections: list[int] = []
     state = {"w": torch.zeros(4)}
-    manager = CheckpointManager(tmp_path / "ckpt", mode="sync", keep=5, interval=3, final_dir=tmp_path / "final",
-                                around_save=lambda: _counted(sections))
+    manager = checkpoint_manager(tmp_path / "ckpt", mode="sync", keep=5, interval=3, save_final=True,
+                                 around_save=lambda: _counted(sections))
     group = _Group()
     manager.shared_by(group)
     for step in range(1, 8):

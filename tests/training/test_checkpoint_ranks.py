@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import training.train.checkpoint.manager as manager
+from training.contract.config import CheckpointConfig
 from training.train.checkpoint.layout import committed_checkpoints, start_generation
-from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint.writers import _TorchAsyncWriter
-from training_helpers import completed_ranks, fork_ranks
+from training_helpers import checkpoint_manager, completed_ranks, fork_ranks
 
 def _gloo(timeout_s: float) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
@@ -39,7 +39,7 @@ def _skipping_saves(directory: Path) -> None:
             return checks[self._future] >= 3
 
         _TorchAsyncWriter.done = late_done  # a forked rank's own class: the test process keeps the real one
-    m = CheckpointManager(directory, mode="async", keep=10, when_busy="skip")
+    m = checkpoint_manager(directory, mode="async", keep=10, when_busy="skip")
     for step in range(1, 7):
         m.poll()
         m.save(step, {f"w{rank}": torch.full((4,), float(step))})
@@ -77,7 +77,7 @@ def _fenced_second_save(directory: Path, mode: str) -> None:
             print("commit-ended", time.monotonic(), flush=True)
 
     manager.commit = slow_commit  # a forked rank's own module: the test process keeps the real one
-    m = manager.CheckpointManager(directory, mode=mode, keep=10)
+    m = manager.CheckpointManager(CheckpointConfig(dir=str(directory), mode=mode, keep=10), directory.parent)
     for step in (1, 2):
         if step == 2 and rank == 0:
             start_generation(directory)  # a newer worker group started: this save must not commit

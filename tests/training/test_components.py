@@ -17,7 +17,8 @@ import psutil
 import pytest
 import torch
 
-from training.contract.config import MODEL_PRESETS, TrainConfigError, load_train_config
+from training.contract.config import (MODEL_PRESETS, DataConfig, TrainConfigError, TrainingConfig,
+                                      load_train_config)
 from training.contract.events import EventLog, read_events
 from training.contract.job_failure import JobMustFail, requests_dir
 from training.contract.launcher import free_port, resume_step_file
@@ -27,7 +28,6 @@ from training.models.llama import build_model
 from training.models.spec import model_spec
 from training.train.checkpoint import manager, writer_process
 from training.train.checkpoint.layout import committed_checkpoints
-from training.train.checkpoint.manager import CheckpointManager
 from training.train import trainer
 from training.train.checkpoint.writers import _NvrxAsyncWriter
 from training.train.distributed import DistInfo, init_distributed
@@ -35,7 +35,7 @@ from training.train.faults import FaultInjected
 from training.train.optimizer_step import OptimizerStep
 from training.train.trainer import build, lr_at, run
 from nvrx_fakes import FakeQueue, fake_nvrx  # noqa: F401 (a fixture)
-from training_helpers import fork_rank, fork_ranks
+from training_helpers import checkpoint_manager, fork_rank, fork_ranks
 
 # DCP without a process group (these single-process checks) says so in a warning each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -56,8 +56,9 @@ def test_presets_and_forward():
     assert torch.allclose(model(tokens)[0, :8], model(changed)[0, :8], atol=1e-6)
 
 
-def _stream(rank, world=2, **kw):
-    return TokenStream(seq_len=16, batch_size=3, rank=rank, world_size=world, vocab_size=256, seed=7, **kw)
+def _stream(rank, world=2, rows=1, path=None):
+    return TokenStream(TrainingConfig(seq_len=16, batch_size=3, seed=7), DataConfig(path=path), rank=rank,
+                       world_size=world, vocab_size=256, rows=rows)
 
 
 def test_stream_slices_are_disjoint_deterministic_and_resumable():
@@ -74,7 +75,7 @@ def test_stream_slices_are_disjoint_deterministic_and_resumable():
 
 def _steps(world: int, accumulation_steps: int, steps: int, position: dict[str, int]) -> list[list[int]]:
     """The sample ids of each of `steps` optimizer steps (all ranks, all micro-batches) from `position`."""
-    streams = [_stream(r, world, accumulation_steps=accumulation_steps) for r in range(world)]
+    streams = [_stream(r, world, rows=accumulation_steps) for r in range(world)]
     for s in streams:
         s.load_state_dict(position)
     held = [[i for s in streams for batch in s.next_step() for i in batch.indices] for _ in range(steps)]
@@ -95,7 +96,7 @@ def test_a_global_batch_kept_across_4_2_6_ranks_holds_the_same_samples_each_step
 
 
 def test_a_ranks_micro_batches_are_its_contiguous_share_of_the_step():
-    s = _stream(1, world=2, accumulation_steps=2)
+    s = _stream(1, world=2, rows=2)
     assert [b.indices for b in s.next_step()] == [[6, 7, 8], [9, 10, 11]]
     assert [b.indices for b in s.next_step()] == [[18, 19, 20], [21, 22, 23]]
 
@@ -110,7 +111,7 @@ def test_stream_from_token_file(tmp_path):
 
 
 def _manager(tmp_path, mode="sync", **kw):
-    return CheckpointManager(tmp_path / "ckpt", mode=mode, keep=2, events=EventLog(tmp_path, "rank0"), **kw)
+    return checkpoint_manager(tmp_path / "ckpt", mode=mode, keep=2, events=EventLog(tmp_path, "rank0"), **kw)
 
 
 def _events(tmp_path, name):
@@ -279,12 +280,12 @@ def _rank_with_zygote(directory: Path, pids: Path) -> None:
     a save, an in-process restart's abort, another save; it writes its writers' and zygote's pids to `pids` and
     waits for the test to SIGKILL it."""
     writer_process.start_zygote()
-    first = CheckpointManager(directory, mode="async", keep=3)
+    first = checkpoint_manager(directory, mode="async", keep=3)
     first.save(1, {"w": torch.ones(4)})
     first.wait()
     first_writer = first.writer_pid
     first.abort()  # the iteration died
-    second = CheckpointManager(directory, mode="async", keep=3)
+    second = checkpoint_manager(directory, mode="async", keep=3)
     second.save(2, {"w": torch.ones(4)})
     second.wait()
     pids.write_text(f"{first_writer} {second.writer_pid} {psutil.Process(second.writer_pid).ppid()}")
@@ -320,14 +321,14 @@ def _forked_rank_saves(directory: Path) -> None:
     multiprocessing (its fd-passing listener started; the fork copies the listener's state, not its thread)
     and had a writer process of its own. The forked rank saves through a writer of its own."""
     ForkingPickler.dumps(torch.ones(4).share_memory_())  # torch's reductions: a handle to the tensor's memory
-    parent = CheckpointManager(f"{directory}-parent", mode="async", keep=1)
+    parent = checkpoint_manager(f"{directory}-parent", mode="async", keep=1)
     parents = parent.writer_pid
     pid = os.fork()
     parent.abort()  # (in both) its writer's imports would only slow the child's down
     if pid == 0:
         code = 3
         try:
-            m = CheckpointManager(directory, mode="async", keep=1)
+            m = checkpoint_manager(directory, mode="async", keep=1)
             assert m.writer_pid != parents, "the forked rank writes through its parent's writer process"
             m.save(1, {"w": torch.full((1024,), 1.0)})
             m.close()
@@ -382,12 +383,12 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog):
 def test_a_resume_loads_the_newest_checkpoint_of_any_group_and_leaves_the_others_damage_to_them(tmp_path, caplog):
     """Replica groups: one group writes each checkpoint; another resumes from whichever directory holds the
     newest, and a damaged one there is skipped, not set aside (its directory is read-only to this group)."""
-    writer = CheckpointManager(tmp_path / "group0", mode="sync", keep=5, events=EventLog(tmp_path, "rank0"))
+    writer = checkpoint_manager(tmp_path / "group0", mode="sync", keep=5, events=EventLog(tmp_path, "rank0"))
     for step in (10, 20, 30):
         writer.save(step, {"w": torch.full((4,), float(step))})
     for shard in (tmp_path / "group0" / "step_00000030").glob("*.distcp"):
         shard.write_bytes(b"garbage")
-    own = _manager(tmp_path, "sync", also_resume_from=[tmp_path / "group0"])
+    own = _manager(tmp_path, "sync", also_resume_from=(str(tmp_path / "group0"),))
     own.save(10, {"w": torch.full((4,), -1.0)})  # older than the other group's: not the one to load
     target = {"w": torch.zeros(4)}
     loaded = own.load(target)
@@ -401,7 +402,7 @@ def test_a_checkpoint_the_other_group_prunes_while_it_is_read_gives_way_to_its_n
                                                                                             caplog):
     """The writing group saves and prunes on while a restarted group reads its newest checkpoint: the read
     fails as the files vanish, and the search goes back to the newest, which the prune left."""
-    writer = CheckpointManager(tmp_path / "group0", mode="sync", keep=1, events=EventLog(tmp_path, "rank0"))
+    writer = checkpoint_manager(tmp_path / "group0", mode="sync", keep=1, events=EventLog(tmp_path, "rank0"))
     writer.save(10, {"w": torch.full((4,), 10.0)})
     real_load, reads = manager.dcp.load, []
 
@@ -412,7 +413,7 @@ def test_a_checkpoint_the_other_group_prunes_while_it_is_read_gives_way_to_its_n
         return real_load(state, checkpoint_id=checkpoint_id)
 
     monkeypatch.setattr(manager.dcp, "load", load_while_the_writer_saves)
-    own = _manager(tmp_path, "sync", also_resume_from=[tmp_path / "group0"])
+    own = _manager(tmp_path, "sync", also_resume_from=(str(tmp_path / "group0"),))
     target = {"w": torch.zeros(4)}
     loaded = own.load(target)
     assert reads == ["step_00000010", "step_00000020"]
@@ -474,8 +475,8 @@ def test_micro_batches_make_the_step_of_their_whole_batch_to_float_tolerance(one
         set_sync = model.set_requires_gradient_sync
         monkeypatch.setattr(model, "set_requires_gradient_sync",
                             lambda on, **kw: (syncs.append(on), set_sync(on, **kw)))
-        stream = TokenStream(seq_len=16, batch_size=batch_size, rank=0, world_size=1,
-                             accumulation_steps=accumulation_steps, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+        stream = TokenStream(TrainingConfig(seq_len=16, batch_size=batch_size, seed=7), DataConfig(), rank=0,
+                             world_size=1, vocab_size=PRESETS["tiny"].vocab_size, rows=accumulation_steps)
         step = OptimizerStep(model, torch.optim.SGD(model.parameters()), one_rank_group, grad_clip=1.0,
                              reduce_every_micro_batch=reduce_every_micro_batch)
         results.append((step.run(stream.next_step(), lr=1.0).loss,
@@ -494,7 +495,8 @@ def test_a_step_leaves_the_state_alone_until_before_update_returns(one_rank_grou
     what it waited is not counted as training."""
     cfg = load_train_config(None, ["training.seq_len=16"])
     model, optimizer = build(cfg, model_spec(cfg.model), one_rank_group)
-    stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7)
+    stream = TokenStream(TrainingConfig(seq_len=16, batch_size=2, seed=7), DataConfig(), rank=0, world_size=1,
+                         vocab_size=PRESETS["tiny"].vocab_size)
     unchanged: list[bool] = []
 
     def before_update() -> float:

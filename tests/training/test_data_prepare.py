@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from training.contract.config import DataConfig, TrainingConfig
 from training.contract.exit_codes import CONFIG_ERROR
 from training.contract.shapes import PRESETS
 from training.data.prepare import PrepareError, prepare, sha256_of
@@ -136,7 +137,8 @@ def test_the_sidecar_fixes_the_dtype_and_catches_a_truncated_file(tmp_path, toke
         check_token_file(str(out), "uint32", PRESETS["tiny"].vocab_size)
     out.write_bytes(out.read_bytes()[:-2])
     with pytest.raises(DataError, match="but its sidecar says"):
-        TokenStream(seq_len=8, batch_size=1, rank=0, world_size=1, vocab_size=256, seed=0, path=str(out))
+        TokenStream(TrainingConfig(seq_len=8, batch_size=1), DataConfig(path=str(out)), rank=0, world_size=1,
+                    vocab_size=256)
 
 
 def test_a_short_run_trains_on_the_prepared_file(tmp_path, tokenizer_json):

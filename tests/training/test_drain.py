@@ -16,11 +16,10 @@ import torch
 from training.contract.capacity import DRAIN_SAVE_MARGIN
 from training.contract.events import EventLog, read_events
 from training.train.checkpoint.layout import committed_checkpoints
-from training.train.checkpoint.manager import CheckpointManager
 from training.train.drain import (IMPOSSIBLE, UNKNOWN, Drain, Drained, DrainView, checkpoint_cost, peers_cost,
                                   plan_drain, replicas_survive)
 from training.contract.launcher import DRAIN_MARKER_ENV
-from training_helpers import fork_ranks
+from training_helpers import checkpoint_manager, fork_ranks
 
 
 def _views(checkpoint_s: float, peers_s: float, time_left_s: float = 100.0, signalled=(1,), world=2, committed=False):
@@ -105,7 +104,7 @@ class _Signal:
 @pytest.mark.parametrize("left, kept", [(100.0, True), (0.0, False)])
 def test_the_drain_commits_the_step_reached_where_the_time_left_allows_then_leaves(tmp_path, left, kept):
     # one rank, the checkpoint way (no peer state): the step reached is committed, or not when no time is left
-    ckpt = CheckpointManager(tmp_path / "ckpt", mode="sync", keep=2)
+    ckpt = checkpoint_manager(tmp_path / "ckpt", mode="sync", keep=2)
     ckpt.save(10, {"w": torch.zeros(2)})  # measured: a save's length, and step 10 committed
     events = EventLog(tmp_path, "rank0")
     with pytest.raises(Drained):

@@ -83,7 +83,8 @@ def test_env_faults_join_the_config_once(monkeypatch):
 
 
 def _injector(tmp_path, *specs, rank=0):
-    return FaultInjector(parse_faults(list(specs)), tmp_path, rank, EventLog(tmp_path, f"rank{rank}"))
+    return FaultInjector(parse_faults(list(specs)), tmp_path, rank, EventLog(tmp_path, f"rank{rank}"),
+                         tmp_path / "checkpoints")
 
 
 def _write():

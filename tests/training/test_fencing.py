@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from training.train.checkpoint.layout import committed_checkpoints, current_generation
-from training.train.checkpoint.manager import CheckpointManager
+from training_helpers import checkpoint_manager
 
 _PAUSE_S = 30  # longest a test waits for the other generation
 _FAILED = "checkpoint at step 2 failed, nothing made visible"
@@ -24,8 +24,8 @@ class _OldGeneration:
 
     def __init__(self, directory: Path, mode: str, pause_in_write: bool) -> None:
         self.paused, self.go, self.wrote = threading.Event(), threading.Event(), threading.Event()
-        self.manager = CheckpointManager(directory, mode=mode, keep=3,
-                                         write_hook=self._pause_in_write if pause_in_write else None)
+        self.manager = checkpoint_manager(directory, mode=mode, keep=3,
+                                          write_hook=self._pause_in_write if pause_in_write else None)
         self.manager.save(1, {"w": torch.full((1024,), 1.0)})
         self.manager.wait()
 
@@ -46,7 +46,7 @@ class _OldGeneration:
 
 def _newest_weights(directory: Path) -> tuple[int, torch.Tensor]:
     target = {"w": torch.zeros(1024)}
-    loaded = CheckpointManager(directory, mode="sync", keep=3).load(target)
+    loaded = checkpoint_manager(directory, mode="sync", keep=3).load(target)
     assert loaded is not None
     return loaded.step, target["w"]
 
@@ -56,7 +56,7 @@ def _newest_weights(directory: Path) -> tuple[int, torch.Tensor]:
 def test_a_late_save_of_an_older_generation_never_replaces_a_newer_checkpoint(tmp_path, caplog, old_mode):
     directory = tmp_path / "ckpt"
     old = _OldGeneration(directory, old_mode, pause_in_write=False)
-    new = CheckpointManager(directory, mode="sync", keep=3)
+    new = checkpoint_manager(directory, mode="sync", keep=3)
     assert (new.generation, current_generation(directory)) == (2, 2)
     new.save(2, {"w": torch.full((1024,), 2.5)})  # the newer generation's step 2 (its state differs here)
 
@@ -83,7 +83,7 @@ def test_a_late_shard_write_never_lands_in_a_newer_generations_save(tmp_path, ca
         assert old.wrote.wait(_PAUSE_S)
         return write()
 
-    new = CheckpointManager(directory, mode="sync", keep=3, write_hook=let_the_old_writer_write_first)
+    new = checkpoint_manager(directory, mode="sync", keep=3, write_hook=let_the_old_writer_write_first)
     new.save(2, {"w": torch.full((1024,), 2.5)})
     late.join(_PAUSE_S)
     assert not late.is_alive() and _FAILED in caplog.text  # its directory was an older generation's

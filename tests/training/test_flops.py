@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from training.contract.config import LoggingConfig, TrainingConfig
 from training.contract.flops import flops_per_token, mfu
 from training.contract.shapes import preset_shape
 from training.train.progress import Progress
@@ -32,8 +33,8 @@ def test_mfu_is_model_flops_over_the_gpus_peak():
 
 @pytest.mark.parametrize("gpu_peak, shown", [(989.0, True), (None, False)])
 def test_progress_line_shows_mfu_only_against_a_gpu_peak(caplog, gpu_peak, shown):
-    progress = Progress(total_steps=10, interval=1, enabled=True, flops_per_token=flops_per_token(preset_shape("tiny"), 64),
-                        gpus=2, gpu_peak_tflops=gpu_peak)
+    progress = Progress(TrainingConfig(steps=10), LoggingConfig(log_interval=1), enabled=True,
+                        flops_per_token=flops_per_token(preset_shape("tiny"), 64), gpus=2, gpu_peak_tflops=gpu_peak)
     with caplog.at_level(logging.INFO, logger="training.train.progress"):
         progress.update(1, loss=2.0, step_time_s=0.1, tokens=512)
     (line,) = caplog.messages

@@ -14,11 +14,10 @@ from training.contract.events import EventLog, next_attempt, read_events, record
 from training.contract.launcher import free_port
 from training.report.goodput import build_report, format_report
 from training.train.checkpoint.layout import committed_checkpoints, current_generation
-from training.train.checkpoint.manager import CheckpointManager
 from training.train.metrics import RunCollector
 from training.train.outage import begin_outage
-from training_helpers import (COMMON, TWO_NODES, SmallFileSystem, assert_bitwise_equal, completed, events_named,
-                              StartedRun, load_final_state, run_forked, scrape_when, start_local)
+from training_helpers import (COMMON, TWO_NODES, SmallFileSystem, StartedRun, assert_bitwise_equal, checkpoint_manager,
+                              completed, events_named, load_final_state, run_forked, scrape_when, start_local)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -75,10 +74,10 @@ def test_a_worker_group_that_cannot_write_generation_trains_without_checkpoints_
     run_dir = tmp_path / "run"  # the events elsewhere: what the test reads must not be lost to the full fs
     events = EventLog(run_dir, "rank0")
     ckpt_dir = small_fs.path / "ckpt"
-    CheckpointManager(ckpt_dir, mode="sync", keep=3, events=events).save(5, _state(5.0))  # generation 1
+    checkpoint_manager(ckpt_dir, mode="sync", keep=3, events=events).save(5, _state(5.0))  # generation 1
     small_fs.fill()
     caplog.set_level(logging.ERROR)
-    manager = CheckpointManager(ckpt_dir, mode="sync", keep=3, events=events)  # a restart on the full fs
+    manager = checkpoint_manager(ckpt_dir, mode="sync", keep=3, events=events)  # a restart on the full fs
     for step in (10, 15):
         manager.save(step, _state(float(step)))
     assert [e["step"] for e in events_named(run_dir, "ckpt_failed")] == [10, 15]
@@ -97,9 +96,9 @@ def test_a_newer_worker_group_fences_a_group_that_took_no_generation(small_fs, t
     events = EventLog(tmp_path / "run", "rank0")
     ckpt_dir = small_fs.path / "ckpt"
     small_fs.fill()
-    late = CheckpointManager(ckpt_dir, mode="sync", keep=3, events=events)  # found no GENERATION: 0
+    late = checkpoint_manager(ckpt_dir, mode="sync", keep=3, events=events)  # found no GENERATION: 0
     small_fs.free()
-    CheckpointManager(ckpt_dir, mode="sync", keep=3).save(5, _state(5.0))  # a newer group: generation 1
+    checkpoint_manager(ckpt_dir, mode="sync", keep=3).save(5, _state(5.0))  # a newer group: generation 1
     late.save(10, _state(10.0))  # a cut-off group of the past must not take generation 2 over it
     assert current_generation(ckpt_dir) == 1 and [s for s, _ in committed_checkpoints(ckpt_dir)] == [5]
     [failed] = events_named(tmp_path / "run", "ckpt_failed")
@@ -117,8 +116,8 @@ def test_a_renamed_checkpoint_is_committed_though_its_bookkeeping_after_the_rena
             small_fs.fill(leave_pages=leave_pages[0])
         return written
 
-    manager = CheckpointManager(ckpt_dir, mode="sync", keep=3, events=EventLog(run_dir, "rank0"),
-                                write_hook=write_then_fill)
+    manager = checkpoint_manager(ckpt_dir, mode="sync", keep=3, events=EventLog(run_dir, "rank0"),
+                                 write_hook=write_then_fill)
     manager.save(5, _state(5.0))
     _, first = committed_checkpoints(ckpt_dir)[0]
     # what a commit writes up to its rename, DCP's .metadata and the COMMITTED marker, fits; nothing after it
@@ -129,7 +128,7 @@ def test_a_renamed_checkpoint_is_committed_though_its_bookkeeping_after_the_rena
     assert [e["step"] for e in events_named(run_dir, "ckpt_committed")] == [5, 10]
     assert events_named(run_dir, "ckpt_failed") == []
     restored = _state(0.0)
-    assert CheckpointManager(ckpt_dir, mode="sync", keep=3).load(restored).step == 10
+    assert checkpoint_manager(ckpt_dir, mode="sync", keep=3).load(restored).step == 10
     assert torch.equal(restored["w"], _state(10.0)["w"])
 
 
@@ -140,7 +139,7 @@ def test_a_run_directory_that_fails_with_eio_for_a_while_ends_no_write_and_check
     outage = begin_outage([run_dir], 2.0)
     events.emit("step", step=2, loss=1.0, step_time_s=1.0, tokens=8)  # on the log's open descriptor
     assert not record_attempt(run_dir, 1, "injob")
-    manager = CheckpointManager(run_dir / "checkpoints", mode="sync", keep=3, events=events)  # a restart's setup
+    manager = checkpoint_manager(run_dir / "checkpoints", mode="sync", keep=3, events=events)  # a restart's setup
     manager.save(5, _state(5.0))
     outage.join()
     manager.save(10, _state(10.0))

@@ -26,7 +26,8 @@ from nvidia_resiliency_ext.inprocess.attribution import Interruption, Interrupti
 from nvidia_resiliency_ext.inprocess.store import PrefixStore as WrapperIterationStore
 from torch.distributed.checkpoint.stateful import Stateful
 
-from training.contract.config import RESTART_MODES, FaultToleranceConfig, TrainConfigError, load_train_config
+from training.contract.config import (RESTART_MODES, DataConfig, FaultToleranceConfig, TrainConfigError, TrainingConfig,
+                                      load_train_config)
 from training.contract.events import read_events
 from training.contract.launcher import (HANG_FLOOR_MARGIN_S, STORE_ENDPOINT_ENV, free_port, launcher_ft_args,
                                        section_timeout_floor)
@@ -240,12 +241,10 @@ def _wrapper_run(cfg, setup_failure: BaseException) -> None:
     """One rank under the Wrapper, `training.train.run` with its checkpoint manager failing; prints the outcome."""
     from training.train import trainer
 
-    class Failing:
-        @classmethod
-        def of(cls, *args, **kwargs):
-            raise setup_failure
+    def failing(*args, **kwargs):
+        raise setup_failure
 
-    trainer.CheckpointManager = Failing  # this rank's own module: the test process keeps the real one
+    trainer.CheckpointManager = failing  # this rank's own module: the test process keeps the real one
     try:
         inprocess_module.run_inprocess(cfg, trainer.run)
     except inprocess.exception.RestartAbort as err:
@@ -385,8 +384,9 @@ def _training_state(info, seed=0):
     cfg = load_train_config(None, ["training.seq_len=16", "training.batch_size=2"])
     torch.manual_seed(seed)
     model, optimizer = build(cfg, model_spec(cfg.model), info)
-    stream = TokenStream(seq_len=16, batch_size=2, rank=0, world_size=1, vocab_size=PRESETS["tiny"].vocab_size, seed=7,
-                         accumulation_steps=2)  # gradients accumulated over two micro-batches, as global_batch_size does
+    # gradients accumulated over two micro-batches, as global_batch_size does
+    stream = TokenStream(TrainingConfig(seq_len=16, batch_size=2, seed=7), DataConfig(), rank=0, world_size=1,
+                         vocab_size=PRESETS["tiny"].vocab_size, rows=2)
     train = TrainState(stream, RankMonitor(cfg.fault_tolerance, cfg.checkpoint.mode))
     state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "train": train,
              "rng_rank0": RngState(info.device)}

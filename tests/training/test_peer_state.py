@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from training.contract.config import PeerStateConfig
 from training.contract.events import read_events
 from training.contract.launcher import free_port
 from training.train.peer_state import OWN, REPLICA, Copy, NodeMemory, checksum, flatten, layout, unflatten, views
@@ -96,8 +97,8 @@ def _worker(rank: int, roots: list[str], phase: Phase, replicas: int) -> object:
             replicate(self, *args)
         PeerState._replicate = slow
     events = EventLog(phase.events_dir, f"rank{rank}") if phase.events_dir else None
-    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=phase.interval, replicas=replicas, timeout_s=30,
-                     events=events)
+    peer = PeerState(PeerStateConfig(enabled=True, interval=phase.interval, replicas=replicas), Path(roots[rank]),
+                     FINGERPRINT, timeout_s=30, events=events)
     weights = Weights(torch.zeros(1000))
     state = {"model": weights}
     if phase.steps:
@@ -318,7 +319,7 @@ def _interval_worker(rank: int, roots: list[str]) -> list[tuple[int, int]]:
         time.sleep(delay[0])
         replicate(self, *args)
     PeerState._replicate = slow
-    peer = PeerState(Path(roots[rank]), FINGERPRINT, interval=None, replicas=1, timeout_s=30)
+    peer = PeerState(PeerStateConfig(enabled=True), Path(roots[rank]), FINGERPRINT, timeout_s=30)
     state = {"model": Weights(torch.zeros(1000))}
     settled = []
     for step in range(1, 400):
@@ -405,7 +406,7 @@ def test_a_long_run_keeps_only_the_send_times_its_measurement_reads(tmp_path, on
     that (one float per save for the life of the process was ~40 MB per rank over two weeks at interval 1)."""
     from training.train.peer_state import RECHECK_SAVES, PeerState
 
-    peer = PeerState(tmp_path, FINGERPRINT, interval=None, replicas=1, timeout_s=30)
+    peer = PeerState(PeerStateConfig(enabled=True), tmp_path, FINGERPRINT, timeout_s=30)
     state = {"model": Weights(torch.zeros(10))}
     for step in range(1, 3 * RECHECK_SAVES + 1):
         peer.save(step, state, step_time_s=10.0)  # copy and send: far below 5% of a step, so one every step

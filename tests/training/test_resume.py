@@ -19,13 +19,14 @@ from training.train.checkpoint.layout import committed_checkpoints
 from training.local.shape import ClusterShape
 from training.train.checkpoint.manager import (CheckpointLoadError, CheckpointManager, CheckpointMismatch,
                                                FreshStartRefused)
-from training_helpers import completed, events_named, once_per_session, run_forked, run_local, samples_by_step
+from training_helpers import (checkpoint_manager, completed, events_named, once_per_session, run_forked, run_local,
+                              samples_by_step)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _manager(tmp_path: Path) -> CheckpointManager:
-    return CheckpointManager(tmp_path / "ckpt", mode="sync", keep=3, events=EventLog(tmp_path, "rank0"))
+    return checkpoint_manager(tmp_path / "ckpt", mode="sync", keep=3, events=EventLog(tmp_path, "rank0"))
 
 
 def _saved(tmp_path: Path, *steps: int) -> CheckpointManager:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from training.contract.events import EventLog, read_events
-from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint import staging as staging_module
 from training.train.checkpoint.staging import SharedStaging
+from training_helpers import checkpoint_manager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -56,7 +56,7 @@ def test_the_warm_up_lets_the_training_thread_run():
 
 
 def test_a_prepared_async_save_holds_the_step_it_was_saved_at(tmp_path):
-    m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+    m = checkpoint_manager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
     state = _state(1.0)
     m.prepare(state)
     m.prepare(_state(9.0))  # once: later calls do nothing
@@ -80,7 +80,7 @@ def test_an_async_save_returns_before_its_copy_is_made_and_the_state_waits_for_i
         return copy(self, storage, non_blocking)
 
     monkeypatch.setattr(staging_module._GilFreeStager, "_stage_untyped_storage", held_copy)
-    m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+    m = checkpoint_manager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
     state = _state(2.0)
     m.save(2, state)  # returns with its copy held: the next step's forward and backward run meanwhile
     assert [e["event"] for e in read_events(tmp_path)] == ["ckpt_start"]
@@ -105,7 +105,7 @@ def test_an_aborted_save_returns_at_once_and_still_says_how_long_it_blocked(tmp_
         return copy(self, storage, non_blocking)
 
     monkeypatch.setattr(staging_module._GilFreeStager, "_stage_untyped_storage", held_copy)
-    m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+    m = checkpoint_manager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
     m.save(2, _state(2.0))
     started = time.monotonic()
     m.abort()  # the next step died before its optimizer step (an in-process restart): the copy is not waited for

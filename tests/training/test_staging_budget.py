@@ -14,10 +14,9 @@ import torch
 
 from training.contract.events import EventLog, read_events
 from training.train.checkpoint import writer_process
-from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint.staging import BY_VALUE_BYTES
 from training.train.checkpoint.shm_budget import StagingBudgetError, raise_fd_limit
-from training_helpers import completed_ranks, fork_ranks
+from training_helpers import checkpoint_manager, completed_ranks, fork_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 _CLONE_NEWNS = 0x00020000  # unshare(2)
@@ -32,7 +31,7 @@ def _full_dev_shm() -> None:
 
 def _saves(run_dir: Path, state: dict[str, torch.Tensor], step: int = 1) -> None:
     writer_process.start_zygote()  # this child's own (one thread: forked)
-    m = CheckpointManager(run_dir / "ckpt", mode="async", keep=2, events=EventLog(run_dir, "rank0"))
+    m = checkpoint_manager(run_dir / "ckpt", mode="async", keep=2, events=EventLog(run_dir, "rank0"))
     m.prepare(state)
     m.wait_for_writer()
     m.save(step, state)
@@ -105,7 +104,7 @@ def test_small_tensors_cost_no_descriptor(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
         state = {**_many_tensors(150), **{f"step{i}": torch.tensor(float(i)) for i in range(300)}}
         _saves(tmp_path, state)
-        m = CheckpointManager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
+        m = checkpoint_manager(tmp_path / "ckpt", mode="async", keep=2, events=EventLog(tmp_path, "rank0"))
         loaded = {k: torch.zeros_like(v) for k, v in state.items()}
         assert m.load(loaded).step == 1 and all(torch.equal(loaded[k], v) for k, v in state.items())
 

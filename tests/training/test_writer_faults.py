@@ -25,12 +25,13 @@ from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager
 from training.train.checkpoint.shm_channel import ShmChannel
 from training.train.checkpoint.writers import WriterDeadlines, _NvrxAsyncWriter
+from training_helpers import checkpoint_manager
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _manager(tmp_path: Path, events: EventLog, **kw) -> CheckpointManager:
-    return CheckpointManager(tmp_path / "ckpt", mode="async", keep=3, events=events, **kw)
+    return checkpoint_manager(tmp_path / "ckpt", mode="async", keep=3, events=events, **kw)
 
 
 def _events(tmp_path: Path, name: str) -> list[dict]:

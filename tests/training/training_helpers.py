@@ -20,14 +20,15 @@ import time
 import traceback
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from training.contract.config import CheckpointConfig
 from training.contract.events import read_events
 from training.contract.launcher import free_port
 from training.local.cluster import POD_MODULES, POD_SCRIPTS, pod_import_env
@@ -35,6 +36,7 @@ from training.local.shape import ClusterShape
 from training.pod import forked
 from training.pod.forked import FORK_ENV
 from training.train import trainer
+from training.train.checkpoint.manager import CheckpointManager
 from training.train.final_state import bitwise_mismatch, load_final_state  # load_final_state: for the tests
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -320,6 +322,15 @@ def rank_results(body: Callable[[int], object], logs: Path, world: int = 2, time
 
     completed_ranks(fork_ranks(returning, logs, world, timeout))
     return [pickle.loads((logs / f"rank{rank}.result").read_bytes()) for rank in range(world)]
+
+
+def checkpoint_manager(directory: str | os.PathLike, **kw: Any) -> CheckpointManager:
+    """The CheckpointManager of the checkpoints in `directory`, its run's directory the parent. `kw`: keys of
+    the checkpoint section (mode, keep, interval, when_busy, save_final, also_resume_from) and the manager's
+    other arguments (events, write_hook, deadlines, around_save, device)."""
+    keys = {f.name for f in fields(CheckpointConfig)}
+    section = CheckpointConfig(dir=str(directory), **{k: v for k, v in kw.items() if k in keys})
+    return CheckpointManager(section, Path(directory).parent, **{k: v for k, v in kw.items() if k not in keys})
 
 
 def samples_by_step(run_dir: Path) -> dict[int, list[int]]:

@@ -9,6 +9,7 @@ key's documentation lives in its field (`doc`), from where `--help` lists it (`c
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import re
 import shutil
@@ -230,6 +231,10 @@ class CheckpointConfig(_Section):
                                                  "a newer complete checkpoint than `dir`, read only: the other "
                                                  "replica groups' (TrainConfig.for_group sets them), since one "
                                                  "group writes each checkpoint.")
+
+    def directory(self, run_dir: str | os.PathLike) -> str:
+        """Where the checkpoints of the run in `run_dir` are: `dir`, else <run_dir>/checkpoints."""
+        return self.dir or str(Path(run_dir) / "checkpoints")
 
     def validate(self) -> None:
         if self.interval < 1:
@@ -567,7 +572,7 @@ class TrainConfig:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+        return self.checkpoint.directory(self.run_dir)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -31,28 +31,30 @@ class Batch:
 
 class TokenStream:
     """One rank's view of the stream. A token file (training.data.token_file) is read through its sidecar:
-    the loader takes the width from it, and refuses a model whose vocabulary is smaller than the tokenizer's."""
+    the loader takes the width from it, and refuses a model whose vocabulary is smaller than the tokenizer's.
 
-    def __init__(self, *, seq_len: int, batch_size: int, rank: int, world_size: int, vocab_size: int,
-                 seed: int, accumulation_steps: int = 1, path: str | None = None, dtype: str | None = None) -> None:
-        self.seq_len, self.batch_size, self.accumulation_steps = seq_len, batch_size, accumulation_steps
+    Args:
+        training: the samples' shape (seq_len, batch_size) and the synthetic tokens' seed.
+        data: the token file (path, dtype); no path: synthetic tokens.
+        rank: this rank in the data-parallel world.
+        world_size: the ranks that read the stream.
+        vocab_size: the model's vocabulary (no token of the file may be outside it).
+        rows: micro-batches per rank and step (TrainConfig.rows_per_step).
+    """
+
+    def __init__(self, training: TrainingConfig, data: DataConfig, *, rank: int, world_size: int, vocab_size: int,
+                 rows: int = 1) -> None:
+        self.seq_len, self.batch_size, self.accumulation_steps = training.seq_len, training.batch_size, rows
         self.rank, self.world_size = rank, world_size
-        self.vocab_size, self.seed = vocab_size, seed
+        self.vocab_size, self.seed = vocab_size, training.seed
         self.consumed_samples = 0  # global: samples of all ranks in all completed steps
         self._tokens: np.ndarray | None = None
-        if path is not None:
-            self._tokens = np.memmap(path, dtype=np.dtype(token_dtype(path, dtype, vocab_size)), mode="r")
-            if len(self._tokens) < seq_len + 1:
-                raise ValueError(f"{path}: {len(self._tokens)} tokens, need at least seq_len+1 = {seq_len + 1}")
-
-    @classmethod
-    def of(cls, training: TrainingConfig, data: DataConfig, *, rank: int, world_size: int, rows: int,
-           vocab_size: int) -> TokenStream:
-        """The stream a training config reads: shape and seed from `training`, tokens from `data` (synthetic
-        without a path); `rows` micro-batches per rank and step (TrainConfig.rows_per_step)."""
-        return cls(seq_len=training.seq_len, batch_size=training.batch_size, rank=rank, world_size=world_size,
-                   vocab_size=vocab_size, seed=training.seed, accumulation_steps=rows, path=data.path,
-                   dtype=data.dtype)
+        if data.path is not None:
+            self._tokens = np.memmap(data.path, dtype=np.dtype(token_dtype(data.path, data.dtype, vocab_size)),
+                                     mode="r")
+            if len(self._tokens) < self.seq_len + 1:
+                raise ValueError(f"{data.path}: {len(self._tokens)} tokens, need at least seq_len+1 = "
+                                 f"{self.seq_len + 1}")
 
     def sample(self, index: int) -> np.ndarray:
         """Sample `index`: from a token file, the window of `seq_len + 1` tokens at index * seq_len, wrapping
@@ -113,7 +115,8 @@ class TokenStream:
 
 def write_token_file(path: str | Path, n_tokens: int, vocab_size: int, seed: int = 0, dtype: str = "uint16") -> Path:
     """A small pre-tokenized corpus with the synthetic structure (tests, local runs)."""
-    stream = TokenStream(seq_len=n_tokens - 1, batch_size=1, rank=0, world_size=1, vocab_size=vocab_size, seed=seed)
+    stream = TokenStream(TrainingConfig(seq_len=n_tokens - 1, batch_size=1, seed=seed), DataConfig(), rank=0,
+                         world_size=1, vocab_size=vocab_size)
     path = Path(path)
     stream.sample(0).astype(dtype).tofile(path)
     return path

@@ -225,14 +225,14 @@ class FaultInjector:
     this rank's write of every checkpoint save (CheckpointManager's write_hook)."""
 
     def __init__(self, specs: list[FaultSpec], run_dir: str | os.PathLike, rank: int, events: EventLog,
-                 checkpoint_dir: str | os.PathLike | None = None) -> None:
+                 checkpoint_dir: str | os.PathLike) -> None:
         first_on_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
         specs = [s for s in specs if s.group == replica_group()]  # rank and node are the group's own
         self._mine = [s for s in specs if s.rank == rank or (s.node == node_index() and first_on_node)]
         self._node_faults = [s for s in specs if s.kind in NODE_STRIKES]
         self._dir = fired_dir(run_dir)
         self._run_dir = Path(run_dir)
-        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
+        self._checkpoint_dir = Path(checkpoint_dir)
         self._last_call: float | None = None
         self._rank = rank
         self._events = events

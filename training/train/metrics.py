@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from training.contract.config import TrainConfig
+from training.contract.config import MetricsConfig
 from training.contract.events import EventTail
 from training.contract.flops import mfu
 from training.report import saved_tally
@@ -122,14 +122,23 @@ class RunCollector(Collector):
 
 
 class TrainingMetrics:
-    """The endpoint of one training process (rank 0): `update` after every step, `close` at the end."""
+    """The endpoint of one training process (rank 0): `update` after every step, `close` at the end.
 
-    def __init__(self, port: int, run_dir: str | os.PathLike, refresh_s: float, world_size: int,
-                 flops_per_token: int, gpu_peak_tflops: float | None) -> None:
-        self.port, self.world_size = port, world_size
+    Args:
+        metrics: the metrics section: its port (not 0: the trainer makes none where it is off) and how often
+            the event log's figures are re-read.
+        run_dir: the run whose event log the goodput, restart and checkpoint figures read.
+        world_size: the ranks of the run (tokens/s and MFU count all of them).
+        flops_per_token: the model's training FLOPs per token (MFU's numerator).
+        gpu_peak_tflops: one GPU's peak; None: no MFU gauge (a CPU run).
+    """
+
+    def __init__(self, metrics: MetricsConfig, run_dir: str | os.PathLike, *, world_size: int, flops_per_token: int,
+                 gpu_peak_tflops: float | None) -> None:
+        self.port, self.world_size = metrics.port, world_size
         self.flops_per_token, self.gpu_peak_tflops = flops_per_token, gpu_peak_tflops
         self.registry = CollectorRegistry()
-        self.registry.register(RunCollector(run_dir, refresh_s))
+        self.registry.register(RunCollector(run_dir, metrics.event_log_refresh_s))
 
         def gauge(name: str, text: str) -> Gauge:
             return Gauge(PREFIX + name, text, registry=self.registry)
@@ -145,15 +154,6 @@ class TrainingMetrics:
         self._closed = threading.Event()
         self._binder = threading.Thread(target=self._bind, name="metrics-bind", daemon=True)
         self._binder.start()
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, *, world_size: int, flops_per_token: int,
-           gpu_peak_tflops: float | None) -> TrainingMetrics | None:
-        """The endpoint the metrics section asks for; None where metrics.port is 0 (off)."""
-        m = cfg.metrics
-        if not m.port:
-            return None
-        return cls(m.port, cfg.run_dir, m.event_log_refresh_s, world_size, flops_per_token, gpu_peak_tflops)
 
     def _bind(self) -> None:
         warned = False

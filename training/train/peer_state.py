@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from training.contract.capacity import PeerSchedule
-from training.contract.config import TrainConfig
+from training.contract.config import PeerStateConfig
 from training.contract.events import EventLog
 from training.contract.launcher import NODE_MEMORY_ENV
 from training.contract.shapes import PEER_STATE_SLOTS
@@ -245,10 +245,19 @@ class PeerState:
     replication thread checksums and commits it, sends it and waits for every partner to say it committed
     its copy (`_replicate`). A save does not overwrite the older slot before the newer one is committed on
     every partner, so at any instant some step has every shard somewhere unless a node and all its partners
-    are lost."""
+    are lost.
 
-    def __init__(self, root: Path, fingerprint: str, interval: int | None, replicas: int, timeout_s: float,
+    Args:
+        config: the peer_state section: its interval (None: chosen from the measured cost) and replicas.
+        root: this run's directory in the node's memory (`memory_root` of the section's memory_dir).
+        fingerprint: what a copy must match to be loaded here (model, world size and data layout).
+        timeout_s: the longest a collective or an exchange with a partner may take.
+        events: rank 0's event log (None on the other ranks is allowed).
+    """
+
+    def __init__(self, config: PeerStateConfig, root: Path, fingerprint: str, *, timeout_s: float,
                  events: EventLog | None = None) -> None:
+        interval, replicas = config.interval, config.replicas
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
@@ -296,15 +305,6 @@ class PeerState:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._replicate_loop, name="peer-state", daemon=True)
         self._thread.start()
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, fingerprint: str, events: EventLog | None = None) -> PeerState:
-        """The peer state of the config's section, in the node memory directory (peer_state.memory_dir, else
-        $TRAINING_NODE_MEMORY), its exchanges bounded by the collective timeout. `fingerprint` names what a copy
-        must match to be loaded here."""
-        p = cfg.peer_state
-        return cls(memory_root(p.memory_dir, cfg.run_dir), fingerprint, p.interval, p.replicas,
-                   cfg.training.collective_timeout_s, events)
 
     @property
     def send_s(self) -> float:

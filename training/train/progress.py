@@ -1,30 +1,35 @@
 """One progress line every N steps (rank 0): step, loss, tokens/s, MFU (with a known GPU peak), step time, ETA."""
 from __future__ import annotations
 
-import logging
 import time
 from datetime import timedelta
+from logging import getLogger
 
-from training.contract.config import TrainConfig
+from training.contract.config import LoggingConfig, TrainingConfig
 from training.contract.flops import mfu
 
-log = logging.getLogger("training.train.progress")
+log = getLogger("training.train.progress")
 
 
 class Progress:
-    def __init__(self, total_steps: int, interval: int, enabled: bool, flops_per_token: int = 0, gpus: int = 1,
-                 gpu_peak_tflops: float | None = None) -> None:
-        self.total, self.interval, self.enabled = total_steps, interval, enabled
+    """Rank 0's progress line: `update` after every step.
+
+    Args:
+        training: training.steps, the last step (its line is always written).
+        logging: logging.log_interval, the steps between lines.
+        enabled: whether this process writes the lines (rank 0).
+        flops_per_token: the model's training FLOPs per token (MFU's numerator).
+        gpus: the GPUs of the run (MFU's denominator, with the peak).
+        gpu_peak_tflops: one GPU's peak; None: no MFU (a CPU run).
+    """
+
+    def __init__(self, training: TrainingConfig, logging: LoggingConfig, *, enabled: bool, flops_per_token: int = 0,
+                 gpus: int = 1, gpu_peak_tflops: float | None = None) -> None:
+        self.total, self.interval, self.enabled = training.steps, logging.log_interval, enabled
         self.flops_per_token, self.gpus, self.gpu_peak_tflops = flops_per_token, gpus, gpu_peak_tflops
         self._t_last = time.monotonic()
         self._tokens = 0
         self._steps = 0
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, *, enabled: bool, flops_per_token: int, gpus: int,
-           gpu_peak_tflops: float | None) -> Progress:
-        """A line every logging.log_interval steps of training.steps (and at the last one) where `enabled`."""
-        return cls(cfg.training.steps, cfg.logging.log_interval, enabled, flops_per_token, gpus, gpu_peak_tflops)
 
     def update(self, step: int, loss: float, step_time_s: float, tokens: int) -> None:
         self._tokens += tokens

@@ -40,7 +40,7 @@ from training.data.token_file import DataError, check_token_file
 from training.models.spec import ModelSpec, model_spec
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.checkpoint.manager import CheckpointManager, CheckpointMismatch, FreshStartRefused
-from training.train.checkpoint.writers import with_emulated_delay
+from training.train.checkpoint.writers import WriterDeadlines, with_emulated_delay
 from training.train.checkpoint.writer_process import start_zygote as start_writer_zygote
 from training.train.distributed import DistInfo, device_memory_bytes, init_distributed, teardown
 from training.train.drain import Drain, DrainSignal, Drained
@@ -49,7 +49,7 @@ from training.train.metrics import TrainingMetrics
 from training.train.monitor import RankMonitor
 from training.train.optimizer_step import OptimizerStep, StepDiscarded
 from training.train.parallelize import parallelize
-from training.train.peer_state import PeerState
+from training.train.peer_state import PeerState, memory_root
 from training.train.progress import Progress
 from training.train.recovery import (DiskTier, InProcessTier, LiveGroupTier, PeerTier, RecoveryTier, Restored,
                                      restore_first)
@@ -186,7 +186,8 @@ def _peer_state(cfg: TrainConfig, spec: ModelSpec, info: DistInfo, events: Event
     t = cfg.training
     # copies made for another world size, model layout or data layout cannot be loaded here
     fingerprint = f"{spec.fingerprint}:{info.world_size}:{t.batch_size}:{t.global_batch(info.world_size)}:{t.seq_len}:{t.seed}"
-    return PeerState.of(cfg, fingerprint, events)
+    return PeerState(cfg.peer_state, memory_root(cfg.peer_state.memory_dir, cfg.run_dir), fingerprint,
+                     timeout_s=t.collective_timeout_s, events=events)
 
 
 def run(cfg: TrainConfig, restart: Iteration | None = None) -> None:
@@ -264,17 +265,18 @@ class Trainer:
             self.model, self.optimizer = build(cfg, self.spec, self.info)
             self.gradient_reduce = gradient_reduce(t.gradient_reduce, self.spec.shape.parameters,
                                                    device_memory_bytes(self.info.device))
-            self.stream = TokenStream.of(t, cfg.data, rank=self.info.rank, world_size=self.info.world_size,
-                                         rows=self.rows, vocab_size=self.spec.shape.vocab_size)
+            self.stream = TokenStream(t, cfg.data, rank=self.info.rank, world_size=self.info.world_size,
+                                      vocab_size=self.spec.shape.vocab_size, rows=self.rows)
             self.train_state = TrainState(self.stream, self.monitor)
             self.rng = RngState(self.info.device)
             self.state = {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
                           "train": self.train_state, rng_key(self.info.rank): self.rng}
             self.injector = FaultInjector(parse_faults(cfg.faults), cfg.run_dir, self.info.rank, self.events,
                                           cfg.checkpoint_dir)
-            self.ckpt = CheckpointManager.of(cfg, events=self.events, device=self.info.device,
-                                             write_hook=with_emulated_delay(self.injector.around_write),
-                                             around_save=lambda: self.monitor.section("checkpoint"))
+            self.ckpt = CheckpointManager(cfg.checkpoint, cfg.run_dir, events=self.events, device=self.info.device,
+                                          write_hook=with_emulated_delay(self.injector.around_write),
+                                          deadlines=WriterDeadlines.of(cfg),
+                                          around_save=lambda: self.monitor.section("checkpoint"))
             self.peer = _peer_state(cfg, self.spec, self.info, self.events)
             self.drain = Drain(self.drain_signal, self.ckpt, self.peer, cfg.checkpoint_dir,
                                self.events if self.lead else None, self.info.world_size)
@@ -321,10 +323,11 @@ class Trainer:
         self.tokens_per_step = self.stream.global_batch_size * cfg.training.seq_len  # every rank's micro-batches
         per_token = flops_per_token(self.spec.shape, cfg.training.seq_len)
         gpu_peak = cfg.metrics.gpu_peak_tflops if info.device.type == "cuda" else None  # MFU on GPUs only
-        self.progress = Progress.of(cfg, enabled=self.lead, flops_per_token=per_token, gpus=info.world_size,
-                                    gpu_peak_tflops=gpu_peak)
-        self.metrics = (TrainingMetrics.of(cfg, world_size=info.world_size, flops_per_token=per_token,
-                                           gpu_peak_tflops=gpu_peak) if self.lead else None)
+        self.progress = Progress(cfg.training, cfg.logging, enabled=self.lead, flops_per_token=per_token,
+                                 gpus=info.world_size, gpu_peak_tflops=gpu_peak)
+        self.metrics = (TrainingMetrics(cfg.metrics, cfg.run_dir, world_size=info.world_size,
+                                        flops_per_token=per_token, gpu_peak_tflops=gpu_peak)
+                        if self.lead and cfg.metrics.port else None)  # port 0: off
         self.samples = _sample_log(cfg, info.rank)
 
     # ---- resume --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from training.contract.config import TrainConfig
+from training.contract.config import CheckpointConfig, TrainConfig
 from training.contract.events import EventLog
 from training.contract.launcher import resume_step_file
 from training.train.agreement import every, first_found, from_rank0
@@ -118,20 +118,32 @@ class _InFlight:
 class CheckpointManager:
     """Saves, commits, prunes and loads checkpoints. Every method is called on every rank at the
     same point of the program (they run collectives); only rank 0 renames, deletes and emits. The training
-    loop calls `step_done` after every step: the manager decides which steps it saves."""
+    loop calls `step_done` after every step: the manager decides which steps it saves.
 
-    def __init__(self, directory: str | os.PathLike, *, mode: str, keep: int, when_busy: str = "wait",
-                 interval: int = 1, events: EventLog | None = None, device: torch.device = torch.device("cpu"),
-                 write_hook: WriteHook | None = None, deadlines: WriterDeadlines | None = None,
-                 also_resume_from: Sequence[str | os.PathLike] = (), final_dir: str | os.PathLike | None = None,
+    Args:
+        config: the checkpoint section: directory, interval, mode, keep, when_busy, the final export and the
+            other groups' directories a resume also reads.
+        run_dir: the run's directory (the checkpoints' without checkpoint.dir; <run_dir>/final).
+        events: where the saves are told (rank 0's log; None on other ranks is allowed).
+        device: the training device (the async writer stages from it).
+        write_hook: wraps each shard write (fault injection, an emulated slow file system).
+        deadlines: how long an async save waits on its writer (WriterDeadlines.of the run's config); None: the
+            defaults'.
+        around_save: the context of the periodic saves and of `close` (the rank monitor's checkpoint section:
+            NVRx learns how long saves take, apart from the steps).
+    """
+
+    def __init__(self, config: CheckpointConfig, run_dir: str | os.PathLike, *, events: EventLog | None = None,
+                 device: torch.device = torch.device("cpu"), write_hook: WriteHook | None = None,
+                 deadlines: WriterDeadlines | None = None,
                  around_save: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> None:
-        self.dir = Path(directory)
-        self.interval = interval
-        self.final_dir = Path(final_dir) if final_dir is not None else None
+        self.dir = Path(config.directory(run_dir))
+        self.interval = config.interval
+        self.final_dir = Path(run_dir) / "final" if config.save_final else None
         self._around_save = around_save
         self._shared: SharedState | None = None
-        self.also_resume_from = tuple(Path(d) for d in also_resume_from)  # read only: another group's to manage
-        self.mode, self.keep, self.when_busy = mode, keep, when_busy
+        self.also_resume_from = tuple(Path(d) for d in config.also_resume_from)  # read only: another group's
+        self.mode, self.keep, self.when_busy = config.mode, config.keep, config.when_busy
         self.events = events
         self._write_hook = write_hook
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -151,7 +163,7 @@ class CheckpointManager:
         self._no_generation: NoGeneration | None = None
         if self.rank == 0:
             self.generation = self._start_generation()
-        if mode == "async":
+        if self.mode == "async":
             deadlines = deadlines or WriterDeadlines.of(TrainConfig())
             # A separate group: background-save collectives must not interleave with the training group's.
             group = dist.new_group(backend="gloo", timeout=deadlines.group_timeout) if self.distributed else None
@@ -205,26 +217,6 @@ class CheckpointManager:
             self._emit("ckpt_blocked", step=step, seconds=round(time.monotonic() - t0, 4))
             self._failed(step, None, self._no_generation)
         return False
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, *, events: EventLog | None, device: torch.device,
-           write_hook: WriteHook | None = None,
-           around_save: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext) -> CheckpointManager:
-        """The manager of a run's `checkpoint` section.
-
-        Args:
-            cfg: the run's config: its checkpoint section, directory, final export and writer deadlines.
-            events: where the saves are told (rank 0's log; None on other ranks is allowed).
-            device: the training device (the async writer stages from it).
-            write_hook: wraps each shard write (fault injection, an emulated slow file system).
-            around_save: the context of the periodic saves and of `close` (the rank monitor's checkpoint
-                section: NVRx learns how long saves take, apart from the steps).
-        """
-        ck = cfg.checkpoint
-        return cls(cfg.checkpoint_dir, mode=ck.mode, keep=ck.keep, when_busy=ck.when_busy, interval=ck.interval,
-                   events=events, device=device, write_hook=write_hook, deadlines=WriterDeadlines.of(cfg),
-                   also_resume_from=ck.also_resume_from,
-                   final_dir=Path(cfg.run_dir) / "final" if ck.save_final else None, around_save=around_save)
 
     def shared_by(self, groups: SharedState) -> None:
         """The state is held by every live replica group alike: a periodic save is written by the group
