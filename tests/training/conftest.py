@@ -20,8 +20,8 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """The uninterrupted run that every fault run of the COMMON shape must end equal to, bit for bit."""
-    return once_per_session(tmp_path_factory, "reference",
-                            lambda run_dir: completed(run_local(run_dir, *ONE_NODE, *COMMON, "checkpoint.mode=sync")))
+    return once_per_session(tmp_path_factory, "reference", lambda run_dir: completed(
+        run_local(run_dir, *ONE_NODE.argv(), *COMMON, "checkpoint.mode=sync")))
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import math
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -18,6 +18,7 @@ from training.contract.config import load_train_config
 from training.contract.events import EventLog, read_events
 from training.contract.exit_codes import NO_PROGRESS
 from training.contract.faults import ENV_VAR, KINDS, FaultSpecError, parse_fault, parse_faults, with_env_faults
+from training.local.shape import ClusterShape
 from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.faults import FaultInjected, FaultInjector
@@ -138,7 +139,7 @@ SAMPLE_LOG = "logging.sample_log=true"  # each rank's sample indices per step: t
 
 @dataclass(frozen=True)
 class Case:
-    shape: tuple[str, ...]
+    shape: ClusterShape
     mode: str  # checkpoint.mode
     spec: str
     resumed_from: int | None  # the step the restart resumes from; None: no restart
@@ -147,7 +148,7 @@ class Case:
 
     def args(self) -> tuple[str, ...]:
         faults = () if self.via_env else ("--faults", self.spec)
-        return (*self.shape, *COMMON, f"checkpoint.mode={self.mode}", *self.overrides, *faults)
+        return (*self.shape.argv(), *COMMON, f"checkpoint.mode={self.mode}", *self.overrides, *faults)
 
 
 # A hang and a corrupt checkpoint: in the mixed runs (MIXED_CASES below), each checked on its own there.
@@ -155,7 +156,7 @@ CASES = {
     # sync saves: step 10 is committed before the fault for sure (an async one may still be in flight). The
     # spare (node 2) takes node 1's place; node 1's replacement starts only after the run's end. (A lost node
     # without a spare, trained on by its replacement: the "bare" cases of LOSS_CASES below.)
-    "node-loss-spare": Case((*TWO_NODES, "--spares", "1", "--replacement-delay", str(REPLACEMENT_DELAY_S)), "sync",
+    "node-loss-spare": Case(replace(TWO_NODES, spares=1, replacement_delay_s=REPLACEMENT_DELAY_S), "sync",
                             "node-loss@12:node=1", 10),
     # rank 1 dies writing the save of step 10: back to step 5
     "ckpt-crash": Case(ONE_NODE, "async", "ckpt-crash@10:rank=1", 5, (SAMPLE_LOG,)),
@@ -170,10 +171,10 @@ CASES = {
 # survivors' Wrapper without them, and training stalled for good. They live in the rendezvous store now, off
 # the nodes (training/train/coordination.py), and a lost rank 0 is a lost node like any other.
 LOSSES = "node-loss@8:rank=0,node-loss@16:rank=1"
-SHAPES = {"bare": ((), ()), "spare-peer": (("--spares", "1"), PEER_STATE)}  # launcher options, config overrides
-LOSS_CASES = {f"{shape}-{mode}": Case((*TWO_NODES, *options), "sync", LOSSES, None,
+SHAPES = {"bare": (TWO_NODES, ()), "spare-peer": (replace(TWO_NODES, spares=1), PEER_STATE)}  # with overrides
+LOSS_CASES = {f"{name}-{mode}": Case(shape, "sync", LOSSES, None,
                                       (*overrides, f"fault_tolerance.restart={mode}"))
-              for shape, (options, overrides) in SHAPES.items() for mode in ("injob", "both")}
+              for name, (shape, overrides) in SHAPES.items() for mode in ("injob", "both")}
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +289,7 @@ def test_losing_rank_0s_node_then_another_resumes_exactly(name, fault_run, refer
 def test_two_partners_lost_together_fall_back_to_the_checkpoint_and_say_so(tmp_path, reference, scratch):
     """Both nodes (each the other's partner) lost in the same step: no copy of their shards is left;
     the spares train from the FSx checkpoint."""
-    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "2", *COMMON, "checkpoint.mode=sync",
+    run = completed(run_local(tmp_path / "run", *replace(TWO_NODES, spares=2).argv(), *COMMON, "checkpoint.mode=sync",
                               *PEER_STATE, "--faults", "node-loss@12:node=0,node-loss@12:node=1"))
     assert [(e["step"], e["source_kind"]) for e in events_named(run.run_dir, "resume")][-1] == (10, "disk")
     logs = "".join(p.read_text() for p in (run.run_dir / "logs").glob("node*.log"))
@@ -301,7 +302,7 @@ def test_the_replacement_of_a_lost_node_becomes_the_new_spare(tmp_path, referenc
     """Two losses of the node that runs rank 1: the spare (node 2) takes node 1's place; node 1's
     replacement, started 3 s later (as Kubernetes starts it minutes later), stands by and takes node 2's."""
     specs = "node-loss@8:rank=1,node-loss@16:rank=1"
-    run = completed(run_local(tmp_path / "run", *TWO_NODES, "--spares", "1", "--replacement-delay", "3", *COMMON,
+    run = completed(run_local(tmp_path / "run", *replace(TWO_NODES, spares=1, replacement_delay_s=3).argv(), *COMMON,
                               "checkpoint.mode=sync", "--faults", specs))
     assert [e["spec"] for e in events_named(run.run_dir, "fault_injected")] == specs.split(",")
     # Rank 1 starts on either training node (the rendezvous ranks the launchers in the order they join); the
@@ -393,7 +394,7 @@ def test_disk_full_fails_saves_clearly_and_training_goes_on(fault_run):
 def test_persistent_fault_ends_the_job_after_the_restart_budget(tmp_path):
     spec, max_restarts = "exception@3:rank=1:persistent", 1
     started = time.monotonic()
-    run = run_local(tmp_path / "run", *ONE_NODE, *COMMON, "checkpoint.mode=sync",
+    run = run_local(tmp_path / "run", *ONE_NODE.argv(), *COMMON, "checkpoint.mode=sync",
                     f"fault_tolerance.max_restarts={max_restarts}", "--faults", spec, timeout=180)
     assert run.returncode == 1, run.output[-4000:]
     assert time.monotonic() - started < 120
@@ -423,7 +424,7 @@ FIFTY = tuple(spec.format(3 + 3 * i) for i, spec in
 @pytest.mark.slow
 def test_fifty_faults_of_every_kind_with_the_default_budgets_run_to_completion(tmp_path):
     steps = 3 + 3 * len(FIFTY)
-    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", str(steps), "--faults", ",".join(FIFTY),
+    run = run_local(tmp_path / "run", *TWO_NODES.argv(), "--steps", str(steps), "--faults", ",".join(FIFTY),
                     "checkpoint.interval=1", "checkpoint.mode=sync", "logging.log_interval=50",
                     f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
                     "fault_tolerance.timeout_safety_factor=20", timeout=900)
@@ -481,7 +482,8 @@ def test_mixed_faults_in_every_restart_mode_resume_exactly(mode, fault_run, refe
 def test_a_drained_node_commits_the_step_reached_and_loses_none(reference, tmp_path, scratch):
     """The controller plays the kubelet: drain marker, SIGTERM to node 1's launcher, SIGKILL only
     after the grace period. Every rank commits the step reached and leaves; the node is replaced."""
-    run = run_local(tmp_path / "run", *TWO_NODES, *COMMON, "checkpoint.mode=async", "--faults", "drain@12:node=1")
+    run = run_local(tmp_path / "run", *TWO_NODES.argv(), *COMMON, "checkpoint.mode=async",
+                    "--faults", "drain@12:node=1")
     assert run.returncode == 0, run.output[-4000:]
     [drained] = events_named(run.run_dir, "drained")
     assert drained["saved_step"] == drained["step"] in (12, 13)  # the step reached when the signal landed
@@ -499,7 +501,7 @@ def test_a_drain_at_size_under_the_wrapper_leaves_the_step_with_the_partners(tmp
     whose steps fit this test's time here; seq_len 16 keeps its steps short, not its state small), under
     the in-process Wrapper, with peer state and no checkpoint saved yet: the drain keeps the step reached
     in the partner's memory, not on disk, and the replacement node restores it from there."""
-    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", "4", "model.preset=small", "training.seq_len=16",
+    run = run_local(tmp_path / "run", *TWO_NODES.argv(), "--steps", "4", "model.preset=small", "training.seq_len=16",
                     "training.batch_size=1", "checkpoint.mode=async", "checkpoint.interval=100",
                     "peer_state.enabled=true", "fault_tolerance.restart=both", "logging.log_interval=1",
                     f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}", "fault_tolerance.timeout_safety_factor=50",
@@ -523,7 +525,7 @@ def test_a_drain_under_the_wrapper_waits_through_slow_saves_without_tripping_its
     save, then saves the step reached, far longer than the Wrapper's soft timeout (3 s) with no progress
     to report. Neither it nor the rank that leaves first interrupts the commit: the step reached is
     committed on every rank's word, and the restart resumes there."""
-    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", "11", "--save-delay", "8", "checkpoint.mode=async",
+    run = run_local(tmp_path / "run", *TWO_NODES.argv(), "--steps", "11", "--save-delay", "8", "checkpoint.mode=async",
                     "checkpoint.interval=4", "checkpoint.when_busy=skip", "fault_tolerance.restart=both",
                     "fault_tolerance.inprocess_soft_timeout=3", "fault_tolerance.inprocess_hard_timeout=8",
                     "logging.log_interval=1", f"training.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",

@@ -183,7 +183,7 @@ def test_a_two_node_run_survives_an_fsx_outage_and_a_file_system_that_fills_and_
     fs = SmallFileSystem(tmp_path / "fs", 32 << 20)  # the run directory, checkpoints and logs included
     try:
         run_dir, port = fs.path / "run", free_port()
-        proc = start_local(run_dir, *TWO_NODES, "--faults", FAULTS, *SHAPE, f"metrics.port={port}")
+        proc = start_local(run_dir, *TWO_NODES.argv(), "--faults", FAULTS, *SHAPE, f"metrics.port={port}")
         try:
             outage = _wait_for(run_dir, proc, lambda e: e["event"] == "fault_injected" and e["kind"] == "fs-eio",
                                "outage")

@@ -5,6 +5,7 @@ uninterrupted run of the same model, as the preset's fault matrix does (test_fau
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -53,8 +54,8 @@ def llama_faults(llama, tmp_path_factory):
     store started again: it is stopped once the run completed (training.pod.launch), where it used to wait
     for a round until the test's timeout."""
     return once_per_session(tmp_path_factory, "llama-faults", lambda run_dir: completed(run_local(
-        run_dir, *TWO_NODES, "--spares", "1", *COMMON, "checkpoint.mode=sync", *PEER_STATE, *IN_PROCESS, *hf(llama),
-        "--faults", FAULTS, timeout=420)))
+        run_dir, *replace(TWO_NODES, spares=1).argv(), *COMMON, "checkpoint.mode=sync", *PEER_STATE, *IN_PROCESS,
+        *hf(llama), "--faults", FAULTS, timeout=420)))
 
 
 def _resumes(run) -> list[tuple[int, str]]:
@@ -110,7 +111,7 @@ def test_a_second_family_redoes_the_lost_steps_exactly(tmp_path):
     first time (the final-state comparison with a second run is left to the Llama runs above)."""
     qwen2 = write_tiny_model(tmp_path / "qwen2", "qwen2", weights=False)
     shorter = ("--steps", "10", *COMMON[2:])  # COMMON begins with its --steps
-    run = completed(run_local(tmp_path / "run", *ONE_NODE, *shorter, "checkpoint.mode=sync", *hf(qwen2),
+    run = completed(run_local(tmp_path / "run", *ONE_NODE.argv(), *shorter, "checkpoint.mode=sync", *hf(qwen2),
                               "--faults", "exception@9:rank=1", timeout=420))
     assert [e["step"] for e in events_named(run.run_dir, "resume")] == [0, 5]
     losses: dict[int, list[float]] = {}

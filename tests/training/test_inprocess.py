@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime, timedelta
 from types import SimpleNamespace
 
@@ -731,7 +732,7 @@ WRAPPER_RECORDS = {"exception": "rank 1: EXCEPTION", "hang": ": SOFT_TIMEOUT"}
 @pytest.fixture(scope="module")
 def faults_run(tmp_path_factory):
     spec = ",".join(f"{kind}@{step}:rank=1" for kind, step in FAULTS.items())
-    return completed(run_local(tmp_path_factory.mktemp("faults") / "run", *TWO_NODES, *COMMON,
+    return completed(run_local(tmp_path_factory.mktemp("faults") / "run", *TWO_NODES.argv(), *COMMON,
                                "fault_tolerance.restart=both", "--faults", spec))
 
 
@@ -791,8 +792,8 @@ def test_persistent_fault_ends_the_job_after_the_inprocess_budget_naming_rank_an
     spec, budget = "exception@3:rank=1:persistent", 2
     started = time.monotonic()
     # no in-job restart (max_restarts=0) and --node-retries 0: the Wrapper's budget alone is measured
-    run = run_local(tmp_path / "run", *ONE_NODE, "--node-retries", "0", *COMMON, "fault_tolerance.restart=both",
-                    "fault_tolerance.max_restarts=0",
+    run = run_local(tmp_path / "run", *replace(ONE_NODE, node_retries=0).argv(), *COMMON,
+                    "fault_tolerance.restart=both", "fault_tolerance.max_restarts=0",
                     f"fault_tolerance.inprocess_max_restarts={budget}", "--faults", spec, timeout=180)
     assert run.returncode == 1, run.output[-4000:]
     assert time.monotonic() - started < 150

@@ -6,6 +6,7 @@ from its live state, a restarted Lighthouse restarts no group, no completed step
 trained once, and both groups end with the same state, bit for bit."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from training.local import cli as local
 from training.contract.replica_groups import group_run_dir
 from training.local.netns import unavailable_reason
 from training.local.replica_groups import longest_stall
+from training.local.shape import ClusterShape
 from training.report.goodput import build_report
 from training.train.checkpoint.layout import committed_checkpoints
 from training.train.final_state import bitwise_mismatch, load_final_state
@@ -36,7 +38,7 @@ STALL_BOUND_S = 6.0
 
 TRAINING = ("--steps", str(STEPS), f"training.global_batch_size={GLOBAL_BATCH}", "checkpoint.mode=off",
             "checkpoint.save_final=true", "logging.sample_log=true", f"parallel.step_timeout_s={STEP_TIMEOUT_S}")
-SHAPE = ("--nproc-per-node", "1", *TRAINING)
+GROUPS = ClusterShape(nodes=4, nproc_per_node=1, replica_groups=2)  # two groups of two nodes of one rank
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +93,8 @@ def _assert_the_uninterrupted_run(groups: list[Path], events: list[list[dict]], 
 def test_a_group_trains_through_the_other_groups_faults_and_both_end_the_same(tmp_path, uninterrupted):
     # a hot spare in each group; a lost node's replacement comes later, as on EKS, and stands by
     run = completed(run_local(
-        tmp_path / "run", "--nodes", "4", "--replica-groups", "2", *SHAPE, "--spares", "1",
-        "--replacement-delay", str(local.DEMO_REPLACEMENT_DELAY_S),
+        tmp_path / "run", *replace(GROUPS, spares=1, replacement_delay_s=local.DEMO_REPLACEMENT_DELAY_S).argv(),
+        *TRAINING,
         "--faults", f"node-loss@{NODE_LOSS}:node=1:group=1,lighthouse-loss@{LIGHTHOUSE_LOSS}:group=0,"
                     f"hang@{HANG}:rank=0:group=0", timeout=400))
     groups = [group_run_dir(run.run_dir, g) for g in (0, 1)]
@@ -136,7 +138,7 @@ def test_a_cut_off_node_and_a_drained_one_take_only_their_group_out_and_the_othe
     # group 1's second node cut off: its rank 0 (the group's Manager) heartbeats on, so the nodes' pulse or the
     # rank's own step timeout must take the group out; then group 0's first node drained. Checkpoints on: one
     # group writes each, and a drained group that comes back after the other finished resumes from it
-    run = completed(run_local(tmp_path / "run", "--netns", "--nodes", "4", "--replica-groups", "2", *SHAPE,
+    run = completed(run_local(tmp_path / "run", *replace(GROUPS, netns=True).argv(), *TRAINING,
                               "checkpoint.mode=async", f"checkpoint.interval={SAVE_INTERVAL}", "--faults",
                               f"partition@{NODE_LOSS}:node=1:group=1:duration=10,drain@{DRAIN}:node=0:group=0",
                               timeout=400))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -127,13 +128,15 @@ HANG_DELAY_S = 5
 HANG_OVERRIDES = ("checkpoint.mode=sync", "fault_tolerance.timeout_safety_factor=15")  # as test_partition.py's
 
 
-def _hang_run(run_dir: Path, *args: str):
-    return completed(run_local(run_dir, *TWO_NODES, *COMMON, *HANG_OVERRIDES, *args, timeout=300))
+def _hang_run(run_dir: Path, faults: str, **shape):
+    """Two nodes of one rank, `shape` changed from them, hung by `faults`."""
+    return completed(run_local(run_dir, *replace(TWO_NODES, **shape).argv(), *COMMON, *HANG_OVERRIDES,
+                               "--faults", faults, timeout=300))
 
 
 @pytest.mark.slow
 def test_a_hung_node_without_a_spare_is_replaced_and_the_run_resumes_exactly(tmp_path, reference, scratch):
-    run = _hang_run(tmp_path / "run", "--replacement-delay", str(HANG_DELAY_S), "--faults", "node-hang@12:node=1")
+    run = _hang_run(tmp_path / "run", "node-hang@12:node=1", replacement_delay_s=HANG_DELAY_S)
     [replaced] = events_named(run.run_dir, "node_replaced")
     assert replaced["node"] == 1
     [injected] = events_named(run.run_dir, "fault_injected")
@@ -147,8 +150,7 @@ def test_a_hung_node_without_a_spare_is_replaced_and_the_run_resumes_exactly(tmp
 @pytest.mark.slow
 def test_with_a_spare_a_hung_node_costs_nvrx_detection_not_the_replacement_delay(tmp_path, reference, scratch):
     slow_replacement_s = 120
-    run = _hang_run(tmp_path / "run", "--spares", "1", "--replacement-delay", str(slow_replacement_s),
-                    "--faults", "node-hang@12:node=1")
+    run = _hang_run(tmp_path / "run", "node-hang@12:node=1", spares=1, replacement_delay_s=slow_replacement_s)
     [fault] = build_report(read_events(run.run_dir)).faults
     assert fault.kind == "node-hang" and fault.resumed_from == 10
     assert fault.recovery_s < slow_replacement_s  # the spare (node 2) took node 1's place

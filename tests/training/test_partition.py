@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -82,7 +83,7 @@ def test_emulated_machines_have_their_own_address_and_name_and_can_be_cut_off():
 
 
 def test_without_netns_a_partition_fault_is_refused(tmp_path):
-    run = run_local(tmp_path / "run", *TWO_NODES, "--steps", "5", "--faults", "partition@3:node=1")
+    run = run_local(tmp_path / "run", *TWO_NODES.argv(), "--steps", "5", "--faults", "partition@3:node=1")
     assert run.returncode != 0 and "partition faults need --netns" in run.output
 
 
@@ -94,15 +95,16 @@ def test_without_netns_a_partition_fault_is_refused(tmp_path):
 # A factor of 15 keeps the timeout near 13 s.
 PARTITION_OVERRIDES = ("checkpoint.mode=sync", "fault_tolerance.timeout_safety_factor=15")
 PEER_STATE = ("peer_state.enabled=true", "peer_state.interval=1")
+PARTITIONED = replace(TWO_NODES, netns=True)  # each node on its own emulated machine
 CASES = {
     # for good; the spare (node 2) takes node 1's place long before the pod would be replaced
-    "spare": (("--spares", "1", "--replacement-delay", "60"), PEER_STATE, "partition@12:node=1"),
+    "spare": (replace(PARTITIONED, spares=1, replacement_delay_s=60), PEER_STATE, "partition@12:node=1"),
     # back after 25 s, before Kubernetes would replace the pod: node 1 rejoins with new ranks, and its copies
     # in node memory with them
-    "heals": (("--replacement-delay", "60",), PEER_STATE, "partition@12:node=1:duration=25"),
+    "heals": (replace(PARTITIONED, replacement_delay_s=60), PEER_STATE, "partition@12:node=1:duration=25"),
     # unreachable for 2 s: its pod is replaced on a new machine; the old one is back at 6 s, and its
     # processes, left running all along, are killed then (the survivors' collectives fail on it)
-    "evicted": (("--replacement-delay", "2",), (), "partition@12:node=1:duration=6"),
+    "evicted": (replace(PARTITIONED, replacement_delay_s=2), (), "partition@12:node=1:duration=6"),
 }
 DETECTED_BY_NVRX = ("spare", "heals")  # evicted: the controller's eviction comes first
 
@@ -111,9 +113,9 @@ DETECTED_BY_NVRX = ("spare", "heals")  # evicted: the controller's eviction come
 def partition_run(tmp_path_factory):
     """partition_run(name): the run of CASES[name], run once per session."""
     def get(name):
-        extra, overrides, spec = CASES[name]
+        shape, overrides, spec = CASES[name]
         return once_per_session(tmp_path_factory, f"partition-{name}", lambda run_dir: completed(run_local(
-            run_dir, "--netns", *TWO_NODES, *extra, *COMMON, *PARTITION_OVERRIDES, *overrides, "--faults", spec,
+            run_dir, *shape.argv(), *COMMON, *PARTITION_OVERRIDES, *overrides, "--faults", spec,
             timeout=300)))
     return get
 

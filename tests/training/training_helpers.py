@@ -51,8 +51,9 @@ COMMON = ("--steps", str(STEPS), f"checkpoint.interval={INTERVAL}", "checkpoint.
           # calculated hang timeouts stay loose on a loaded 2-core box (max observed x 50)
           "fault_tolerance.timeout_safety_factor=50")
 # Both shapes have world size RANKS (2) with the same shards: one uninterrupted run is the reference of all.
-ONE_NODE = ClusterShape(nodes=1, nproc_per_node=2).argv()
-TWO_NODES = ClusterShape(nodes=2, nproc_per_node=1).argv()
+# A test that needs spares or another replacement delay starts from one of them (dataclasses.replace).
+ONE_NODE = ClusterShape(nodes=1, nproc_per_node=2)
+TWO_NODES = ClusterShape(nodes=2, nproc_per_node=1)
 
 
 @dataclass
@@ -394,7 +395,7 @@ def run_stopped_by_ctrl_c(run_dir: Path) -> StoppedRun:
     restarts the whole group, and the new rank 0 binds the port again); once step SCRAPED_STEP is reached, the
     endpoint is scraped, the process tree noted, and the controller gets SIGINT (Ctrl-C)."""
     port = free_port()
-    proc = start_local(run_dir, "--nodes", "2", "--nproc-per-node", "1", "--steps", "100000",
+    proc = start_local(run_dir, *TWO_NODES.argv(), "--steps", "100000",
                        "--faults", "exception@15:rank=1", f"metrics.port={port}", "metrics.event_log_refresh_s=0",
                        "checkpoint.interval=10", "fault_tolerance.timeout_safety_factor=50")
     try:
