@@ -9,8 +9,8 @@ key's documentation lives in its field (`doc`), from where `--help` lists it (`c
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import re
 import shutil
 import sys

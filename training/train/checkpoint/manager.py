@@ -123,12 +123,13 @@ class CheckpointManager:
     Args:
         config: the checkpoint section: directory, interval, mode, keep, when_busy, the final export and the
             other groups' directories a resume also reads.
-        run_dir: the run's directory (the checkpoints' without checkpoint.dir; <run_dir>/final).
+        run_dir: the run's directory: the checkpoints are in <run_dir>/checkpoints unless checkpoint.dir names
+            another, the final state in <run_dir>/final.
         events: where the saves are told (rank 0's log; None on other ranks is allowed).
         device: the training device (the async writer stages from it).
         write_hook: wraps each shard write (fault injection, an emulated slow file system).
-        deadlines: how long an async save waits on its writer (WriterDeadlines.of the run's config); None: the
-            defaults'.
+        deadlines: how long an async save waits on its writer (WriterDeadlines.of the run's config); None: those
+            of the default config.
         around_save: the context of the periodic saves and of `close` (the rank monitor's checkpoint section:
             NVRx learns how long saves take, apart from the steps).
     """
