@@ -14,7 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from nvidia_resiliency_ext.fault_tolerance import ft_rendezvous_barrier
 
+from training.pod import rendezvous_names
 from training.pod.forked import console_script
 from training.pod.prefork import SERVER_ENV
 
@@ -174,6 +176,24 @@ def test_ft_launcher_runs_in_the_launch_process_and_any_other_command_is_execd()
     ft_launcher = console_script(str(Path(sys.executable).parent / "ft_launcher"))
     assert ft_launcher is not None and ft_launcher.value == "nvidia_resiliency_ext.fault_tolerance.launcher:main"
     assert console_script("sh") is None and console_script("no-such-command") is None
+
+
+def test_ft_launchers_rendezvous_names_its_events_as_nvrx_does_without_inspect_stack(monkeypatch):
+    """`launch` installs training.pod.rendezvous_names in ft_launcher's process: each rendezvous event keeps
+    its name (the method that records it), read from the caller's frame."""
+    nvrx_names = ft_rendezvous_barrier.get_method_name
+    monkeypatch.setattr(ft_rendezvous_barrier, "get_method_name", nvrx_names)  # NVRx's, after this test
+    rendezvous_names.install()
+    assert ft_rendezvous_barrier.get_method_name is rendezvous_names.caller_name
+
+    def _record(name):  # as FtRendezvousBarrierHandler._record calls it
+        return name()
+
+    def next_rendezvous(name):
+        return _record(name)
+
+    assert next_rendezvous(rendezvous_names.caller_name) == next_rendezvous(nvrx_names) == "next_rendezvous"
+    assert rendezvous_names.caller_name(10_000) == nvrx_names(10_000) == "no_method_name"
 
 
 def test_usage_error_names_the_commands():

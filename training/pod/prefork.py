@@ -46,10 +46,13 @@ def launch(command: list[str]) -> NoReturn:
     other command is exec'd."""
     import secrets
 
+    from training.pod import rendezvous_names
     from training.pod.forked import console_script
 
     script = console_script(command[0])
     main = script.load() if script is not None else None
+    if main is not None:
+        rendezvous_names.install()  # ft_launcher's rendezvous rounds, on the path of every restart
     # unguessable and unique per launch: pods that share a network namespace (hostNetwork) all run
     # ft_launcher as PID 1
     name = f"training-prefork-{secrets.token_hex(16)}"
