@@ -109,6 +109,22 @@ def test_a_killed_process_that_nobody_reaps_counts_as_gone_at_once():
         parent.wait()
 
 
+def test_a_process_of_a_pod_that_outlived_its_pid_1_in_a_session_of_its_own_is_killed_with_the_node(controller):
+    """As ft_launcher's workers lead sessions of their own, out of the pod's process group: what the
+    controller saw last of the node's process tree (one scan of /proc for every node) is killed with it."""
+    node = controller.nodes[0]
+    node.proc = psutil.Popen(["sh", "-c", "setsid sleep 60 & echo $!; exec sleep 60"], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    worker = psutil.Process(int(node.proc.stdout.readline()))
+    node.refresh_descendants(local_cluster.children_by_parent())
+    assert worker.pid in [p.pid for p in node.descendants] and worker.ppid() == node.proc.pid
+    node.proc.kill()
+    node.proc.wait(timeout=10)
+    assert worker.is_running() and worker.ppid() != node.proc.pid  # an orphan now, left in its own session
+    controller.kill_node(node)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
 # A node's pod: PID 1 (training.pod.launch) and its launcher, which writes a line per SIGTERM it gets and leaves
 # a second after the first, as ft_launcher stops its workers; or ignores SIGTERM and stays.
 _LAUNCHER = ("import pathlib, signal, sys, time\nlog, terms = pathlib.Path(sys.argv[1]), []\n"

@@ -12,6 +12,7 @@ fault_detected events, so that the report measures detection time. EKS's delays 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,16 +81,37 @@ class Node:
     # every process this node's launcher started, as last seen: killed when the launcher dies
     descendants: list[psutil.Process] = field(default_factory=list)
 
-    def refresh_descendants(self) -> None:
+    def refresh_descendants(self, tree: Mapping[int, list[int]] | None = None) -> None:
+        """Args:
+            tree: each process's children (children_by_parent), when the caller scanned for every node
+        """
         if self.proc is None:
             return
-        try:
-            current = self.proc.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
+        tree = children_by_parent() if tree is None else tree
         known = {p.pid for p in self.descendants}
-        self.descendants += [p for p in current if p.pid not in known]
+        unseen = list(tree.get(self.proc.pid, ()))
+        while unseen:
+            pid = unseen.pop()
+            unseen += tree.get(pid, ())
+            if pid not in known:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    self.descendants.append(psutil.Process(pid))
         self.descendants = [p for p in self.descendants if p.is_running()]
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """Each process's children, from one scan of /proc: what psutil's children(recursive=True) scans per call.
+    The parent is the field after the state in /proc/<pid>/stat (proc(5)), after the name's last ")"."""
+    tree: dict[int, list[int]] = collections.defaultdict(list)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as stat:
+                    parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            tree[parent].append(int(name))
+    return tree
 
 
 class Cluster:
@@ -234,8 +257,9 @@ class Cluster:
         if self._stop_requested:
             self.say("stop requested: shutting down every node")
             return 130
+        tree = children_by_parent()  # one scan for every node, five times a second
         for node in self.nodes:
-            node.refresh_descendants()
+            node.refresh_descendants(tree)
             self.read_output(node, detect=not self.lifecycle.cut_off(node))  # what a cut-off node sees reaches nobody
         self.serve_drains()
         self.lifecycle.serve()
