@@ -159,6 +159,11 @@ def _fresh_run_dirs(root: Path) -> dict[str, Path]:
     return run_dirs
 
 
+def _checkpoints(run_dir: Path) -> Path:
+    """Where a stall run in `run_dir` saves: the checkpoint section's default directory."""
+    return Path(CheckpointConfig().directory(run_dir))
+
+
 def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int, saves: int,
                              root: Path) -> StallResult:
     run_dirs = _fresh_run_dirs(root)
@@ -172,8 +177,8 @@ def measure_stall_on_cluster(preset: str, device: str, world: int, interval: int
         if status != 0:
             raise RuntimeError(f"checkpoint stall run ({mode}) failed: see {run_dir}/logs/")
         if mode == "sync":
-            state_bytes = checkpoint_bytes(run_dir / "checkpoints")
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            state_bytes = checkpoint_bytes(_checkpoints(run_dir))
+        shutil.rmtree(_checkpoints(run_dir), ignore_errors=True)
     walls = {mode: step_wall_s(path) for mode, path in run_dirs.items()}
     return analyse(run_dirs, walls, state_bytes, world, interval, steps)
 
@@ -207,9 +212,9 @@ def _worker(rank: int, spec: StallSpec, port: int, root: Path, run_dirs: dict[st
         *per_mode, writer = mean_cpus.tolist()
         if rank == 0:
             found.put((interval, walls, dict(zip(MODES, per_mode)), writer, setup_s,
-                       checkpoint_bytes(run_dirs["sync"] / "checkpoints")))
+                       checkpoint_bytes(_checkpoints(run_dirs["sync"]))))
             for path in run_dirs.values():  # do not leave GBs behind
-                shutil.rmtree(path / "checkpoints", ignore_errors=True)
+                shutil.rmtree(_checkpoints(path), ignore_errors=True)
     finally:
         teardown()
 
