@@ -34,8 +34,8 @@ $(VENV)/.installed: requirements.txt Makefile  # a changed recipe (e.g. a new co
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# the pinned pip first: it installs the rest faster than the one venv brings
 	$(PY) -m pip install --quiet $$(grep '^pip==' requirements.txt)
-	@# pip compiles the modules it installs on one core, ~60 s here; compileall uses every core. It exits 1
-	@# when a file does not compile (a package's Python 2 fixture), which pip skips too.
+	@# pip compiles the modules it installs on one core; compileall uses every core. It exits 1 when a file
+	@# does not compile (a package's Python 2 fixture), which pip skips too.
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt
 	$(PY) -m compileall -qq -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") || true
 	$(PY) -m pip uninstall --quiet --yes nvidia-resiliency-ext pynvml  # an older NVRx, its pynvml shim

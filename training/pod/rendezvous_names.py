@@ -2,9 +2,10 @@
 
 NVRx 0.7.0's rendezvous (ft_rendezvous_barrier) names each event it records after the method that records
 it, found by calling inspect.stack() twice. That reads the source of every frame on the stack, and
-inspect.getmodule scans sys.modules for each (cpython issue 92041): with torch imported, ~0.2 s of CPU per
-event, several events per rendezvous round on every node, on the path of each restart. `install` swaps in
-a frame walk that returns the same name. Cost: none; an NVRx without the function is left as it is.
+inspect.getmodule scans sys.modules for each (cpython issue 92041): with torch imported, a good part of a
+second of CPU per event, several events per rendezvous round on every node, on the path of each restart.
+`install` swaps in a frame walk that returns the same name. Cost: none; an NVRx without the function is left
+as it is.
 """
 from __future__ import annotations
 
