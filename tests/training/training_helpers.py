@@ -393,14 +393,17 @@ SCRAPED_STEP = 25
 def run_stopped_by_ctrl_c(run_dir: Path) -> StoppedRun:
     """2 nodes x 1 rank with rank 0's metrics endpoint, no end in sight: rank 1 fails at step 15 (ft_launcher
     restarts the whole group, and the new rank 0 binds the port again); once step SCRAPED_STEP is reached, the
-    endpoint is scraped, the process tree noted, and the controller gets SIGINT (Ctrl-C)."""
+    endpoint is scraped once two checkpoints are committed, the process tree noted, and the controller gets
+    SIGINT (Ctrl-C)."""
     port = free_port()
     proc = start_local(run_dir, *TWO_NODES.argv(), "--steps", "100000",
                        "--faults", "exception@15:rank=1", f"metrics.port={port}", "metrics.event_log_refresh_s=0",
                        "checkpoint.interval=10", "fault_tolerance.timeout_safety_factor=50")
     try:
         wait_for_step(run_dir, SCRAPED_STEP, proc)
-        metrics = scrape_when(port, lambda m: m.get(("training_step", ()), 0) >= SCRAPED_STEP)
+        # and the async save of step 20 committed: on a loaded machine its commit can lag SCRAPED_STEP
+        metrics = scrape_when(port, lambda m: m.get(("training_step", ()), 0) >= SCRAPED_STEP
+                              and m.get(("training_checkpoints_committed", ()), 0) >= 2)
         tree = psutil.Process(proc.pid).children(recursive=True)
     finally:
         proc.send_signal(signal.SIGINT)
